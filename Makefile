@@ -1,0 +1,50 @@
+# Every target does its own set-up on a fresh Debian machine with Python 3.10+.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+NPROC ?= $(shell nproc)
+
+.PHONY: demo test bench lint setup services clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, pinned, so a local CPU build is taken where one is present;
+# the project's own `torch>=` range is then already satisfied.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install --upgrade pip >/dev/null
+	$(PIP) install torch==2.13.0 || $(PIP) install torch
+	$(PIP) install -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Real services the tests talk to (mosquitto for MQTT).
+services:
+	@if ! command -v mosquitto >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto mosquitto-clients >/dev/null; \
+	  else \
+	    echo "mosquitto is missing: run 'sudo apt-get install -y mosquitto mosquitto-clients' (MQTT tests will skip)"; \
+	  fi; \
+	fi
+
+demo: setup
+	$(VENV)/bin/hpc-train validate configs/digits.yaml
+	$(VENV)/bin/hpc-train train --config configs/digits.yaml --set run.output_dir=runs/demo
+
+test: setup services
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: setup
+	$(PY) benchmarks/trainer_overhead.py
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,310 @@
+"""Typed training configuration: pydantic v2 models, YAML on disk, ``--set a.b=c`` overrides.
+
+Unknown keys are errors everywhere (``extra="forbid"``), and every error is reported with its
+dotted field path and a hint (see :func:`format_errors`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(StrictModel):
+    name: str = "run"
+    """Run name, used in logs and as the MLflow run name."""
+    output_dir: Path = Path("runs/default")
+    """Where metrics.jsonl and checkpoints/ are written."""
+    seed: int = 0
+    """Seeds python, numpy and torch; the data order is derived from it too."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms(True): slower on GPU, needed for bitwise repeats there."""
+
+
+class DataConfig(StrictModel):
+    source: Literal["digits", "image_folder", "npz"] = "digits"
+    """digits: sklearn's bundled 8x8 handwritten digits (1,797 images, no download);
+    image_folder: one sub-folder of PNG/JPEG per class; npz: arrays `x` (N,C,H,W or N,H,W) and `y`."""
+    path: Path | None = None
+    """Folder (image_folder) or file (npz). Not used by digits."""
+    image_size: int | None = Field(default=None, ge=4, le=1024)
+    """Resize images to this many pixels square (digits: 8 natively, 32 is common)."""
+    grayscale: bool = True
+    """image_folder only: load as 1-channel (True) or RGB (False)."""
+    val_fraction: float = Field(default=0.2, gt=0.0, lt=1.0)
+    """Share of samples held out for evaluation, split deterministically by split_seed."""
+    split_seed: int = 0
+    """Seed of the train/validation split (kept apart from run.seed so splits stay fixed)."""
+    num_workers: int = Field(default=0, ge=0)
+    """DataLoader worker processes (0 = load in the training process)."""
+    pin_memory: bool = False
+    """Page-locked host batches for faster host-to-GPU copies."""
+    prefetch_factor: int | None = Field(default=None, ge=1)
+    """Batches each worker loads ahead; needs num_workers > 0."""
+    persistent_workers: bool = False
+    """Keep workers alive across epochs; needs num_workers > 0."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if self.source != "digits" and self.path is None:
+            raise ValueError(f"data.path is required for source={self.source!r}: set it to the "
+                             f"{'folder' if self.source == 'image_folder' else '.npz file'}")
+        if self.num_workers == 0 and (self.prefetch_factor is not None or self.persistent_workers):
+            raise ValueError("prefetch_factor and persistent_workers need data.num_workers > 0")
+        return self
+
+
+class ModelConfig(StrictModel):
+    name: str = "small_cnn"
+    """A registered model (mlp, small_cnn, resnet, mobilenet_v2) or 'package.module:factory'."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Passed to the factory, e.g. {width: 32, norm: group} or {width_mult: 0.5}."""
+    num_classes: int | None = Field(default=None, ge=2)
+    """Output classes; filled in from the data set when null."""
+    in_channels: int | None = Field(default=None, ge=1)
+    """Input channels; filled in from the data set when null."""
+    image_size: int | None = Field(default=None, ge=1)
+    """Input height = width in pixels; filled in from the data set when null."""
+
+
+class OptimizerConfig(StrictModel):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(default=1e-3, gt=0.0)
+    """Peak learning rate, reached at the end of warm-up."""
+    weight_decay: float = Field(default=0.01, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW only."""
+    eps: float = Field(default=1e-8, gt=0.0)
+    momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
+    """SGD only."""
+    nesterov: bool = False
+    """SGD only; needs momentum > 0."""
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimizerConfig:
+        if self.nesterov and (self.name != "sgd" or self.momentum == 0):
+            raise ValueError("nesterov needs optimizer.name=sgd and optimizer.momentum > 0")
+        return self
+
+
+class ScheduleConfig(StrictModel):
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear warm-up from 0 to optimizer.lr over this many optimizer steps."""
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape of the decay after warm-up, down to min_lr_ratio * lr at the last step."""
+    min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
+
+
+class EarlyStoppingConfig(StrictModel):
+    patience: int | None = Field(default=None, ge=1)
+    """Stop after this many evaluations without improvement (null = never stop early)."""
+    metric: str = "eval/acc"
+    mode: Literal["max", "min"] = "max"
+    min_delta: float = Field(default=0.0, ge=0.0)
+
+
+class TrainingConfig(StrictModel):
+    global_batch_size: int = Field(default=64, ge=1)
+    """Samples per optimizer step, summed over all ranks and micro-batches."""
+    micro_batch_size: int | None = Field(default=None, ge=1)
+    """Samples per forward/backward on one rank; the rest is gradient accumulation.
+    null = global_batch_size / world_size (no accumulation)."""
+    max_steps: int | None = Field(default=None, ge=1)
+    """Optimizer steps to run; wins over epochs when both are set."""
+    epochs: int | None = Field(default=None, ge=1)
+    """Passes over the training split (used when max_steps is null)."""
+    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    """fp16 uses a GradScaler; bf16 needs no scaling (Ampere/Orin, or CPU)."""
+    grad_clip_norm: float | None = Field(default=1.0, gt=0.0)
+    """Clip the global gradient L2 norm to this (null = no clipping)."""
+    eval_every_steps: int | None = Field(default=None, ge=1)
+    """Evaluate every N optimizer steps (null = at the end of each epoch)."""
+    early_stopping: EarlyStoppingConfig = Field(default_factory=EarlyStoppingConfig)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto = cuda when available, else cpu."""
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainingConfig:
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("set training.max_steps or training.epochs")
+        if self.micro_batch_size is not None and self.micro_batch_size > self.global_batch_size:
+            raise ValueError(f"micro_batch_size ({self.micro_batch_size}) exceeds "
+                             f"global_batch_size ({self.global_batch_size})")
+        return self
+
+
+class CheckpointConfig(StrictModel):
+    every_steps: int | None = Field(default=None, ge=1)
+    """Save every N optimizer steps (null = only at the end and on preemption)."""
+    keep_last: int = Field(default=2, ge=1)
+    """Step checkpoints kept; older ones are deleted (the best one is always kept)."""
+    best_metric: str | None = "eval/acc"
+    """Metric that picks the best checkpoint (null = no best tracking)."""
+    best_mode: Literal["max", "min"] = "max"
+    save_final: bool = True
+    """Write checkpoints/final/ when training ends."""
+
+
+class DistributedConfig(StrictModel):
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto = nccl on CUDA, gloo on CPU."""
+    timeout_s: int = Field(default=1800, ge=10)
+    """Collective timeout; a rank stuck longer than this fails the job."""
+
+
+class LoggingConfig(StrictModel):
+    log_every_steps: int = Field(default=10, ge=1)
+    """Write train/* metrics every N optimizer steps."""
+    progress: Literal["auto", "on", "off"] = "auto"
+    """Progress bar: auto = only when stderr is a terminal."""
+    tensorboard: bool = False
+    """Also write TensorBoard events to output_dir/tb (needs the tracking extra)."""
+    mlflow: bool = False
+    """Also log to MLflow (needs the tracking extra)."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI (null = MLflow's default, ./mlruns)."""
+
+
+class FaultConfig(StrictModel):
+    max_nan_rollbacks: int = Field(default=3, ge=0)
+    """Non-finite loss/grad norm: restore the last good checkpoint at most this many times."""
+    nan_lr_scale: float = Field(default=0.1, gt=0.0, le=1.0)
+    """Multiply the learning rate by this at each rollback."""
+    min_micro_batch_size: int = Field(default=1, ge=1)
+    """Out of memory: halve the micro-batch down to this, then give up."""
+    handle_signals: bool = True
+    """SIGTERM/SIGUSR1: checkpoint at the next step boundary and exit 0."""
+
+
+class TrainConfig(StrictModel):
+    run: RunConfig = Field(default_factory=RunConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    training: TrainingConfig = Field(default_factory=lambda: TrainingConfig(epochs=1))
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    faults: FaultConfig = Field(default_factory=FaultConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON form: identifies a training config."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+class ConfigError(Exception):
+    """A config that does not validate; ``str()`` lists every error with its path and a hint."""
+
+    def __init__(self, source: str, errors: list[str]) -> None:
+        self.source = source
+        self.errors = errors
+        super().__init__(f"{source}: {len(errors)} error(s)\n" + "\n".join(errors))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading, overrides, errors
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b=c`` overrides; values are parsed as YAML (``3``, ``true``, ``[1, 2]``)."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError("--set", [f"  {item!r}: expected KEY=VALUE, e.g. training.max_steps=100"])
+        node = tree
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError("--set", [f"  {key}: {part!r} is a value, not a section"])
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    return tree
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(str(path), [f"  cannot read: {e.strerror}"]) from e
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(str(path), [f"  not valid YAML: {e}"]) from e
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise ConfigError(str(path), [f"  top level must be a mapping, got {type(tree).__name__}"])
+    return tree
+
+
+def load_config(path: Path | str | None, overrides: list[str] | None = None) -> TrainConfig:
+    tree = read_yaml(Path(path)) if path is not None else {}
+    return config_from_dict(apply_overrides(tree, overrides or []), source=str(path or "<defaults>"))
+
+
+def config_from_dict(tree: dict[str, Any], source: str = "<dict>") -> TrainConfig:
+    try:
+        return TrainConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(source, format_errors(e, TrainConfig)) from None
+
+
+def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model class that owns the field at ``loc[:-1]``."""
+    model: type[BaseModel] = root
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def format_errors(err: ValidationError, root: type[BaseModel]) -> list[str]:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        path = ".".join(str(p) for p in loc) or "(top level)"
+        kind = e["type"]
+        msg = e["msg"].removeprefix("Value error, ")
+        hint = ""
+        if kind == "extra_forbidden":
+            owner = _model_at(root, loc)
+            known = list(owner.model_fields) if owner else []
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+            msg = "unknown key"
+        elif kind == "missing":
+            hint = "add this field"
+        elif kind.endswith("_parsing") or kind.endswith("_type"):
+            hint = f"got {e.get('input')!r}"
+        elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+            hint = f"got {e.get('input')!r}"
+        lines.append(f"  {path}: {msg}" + (f" ({hint})" if hint else ""))
+    return lines
+
+
+def summarize(cfg: TrainConfig) -> str:
+    """The resolved config as YAML, for `hpc-train validate`."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None)
+
+
+def save_config(cfg: TrainConfig, path: Path) -> None:
+    path.write_text(summarize(cfg))

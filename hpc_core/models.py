@@ -1,0 +1,260 @@
+"""Model registry: build a module from a name and keyword arguments.
+
+Every factory takes ``num_classes``, ``in_channels`` and ``image_size`` plus its own keyword
+arguments, so a model spec saved in a checkpoint (``ModelConfig``) is enough to rebuild the
+module anywhere: upstream, on a device, or in an exporter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+ModelFactory = Callable[..., nn.Module]
+Norm = Literal["batch", "group", "none"]
+
+_REGISTRY: dict[str, ModelFactory] = {}
+
+
+def register(name: str) -> Callable[[ModelFactory], ModelFactory]:
+    """Register a factory under ``name`` (decorator)."""
+
+    def deco(fn: ModelFactory) -> ModelFactory:
+        if name in _REGISTRY:
+            raise ValueError(f"model {name!r} is already registered")
+        _REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def available_models() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def resolve_factory(name: str) -> ModelFactory:
+    """A registry name, or ``package.module:factory`` for a user model."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ValueError(f"model {name!r}: cannot import module {module_name!r}: {e}") from e
+        factory = getattr(module, attr, None)
+        if not callable(factory):
+            raise ValueError(f"model {name!r}: {module_name} has no callable {attr!r}")
+        return factory
+    raise ValueError(
+        f"unknown model {name!r}: use one of {available_models()} or 'package.module:factory'"
+    )
+
+
+def build_model(
+    name: str, *, num_classes: int, in_channels: int, image_size: int, **kwargs: Any
+) -> nn.Module:
+    factory = resolve_factory(name)
+    try:
+        return factory(
+            num_classes=num_classes, in_channels=in_channels, image_size=image_size, **kwargs
+        )
+    except TypeError as e:
+        raise ValueError(f"model {name!r}: bad arguments {sorted(kwargs)}: {e}") from e
+
+
+def _norm2d(kind: Norm, channels: int) -> nn.Module:
+    if kind == "batch":
+        return nn.BatchNorm2d(channels)
+    if kind == "group":
+        # 8 groups where it divides, else one group per channel pair (GroupNorm needs a divisor).
+        groups = math.gcd(8, channels)
+        return nn.GroupNorm(groups, channels)
+    if kind == "none":
+        return nn.Identity()
+    raise ValueError(f"norm must be batch|group|none, got {kind!r}")
+
+
+def _conv_block(cin: int, cout: int, norm: Norm, stride: int = 1) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=norm == "none"),
+        _norm2d(norm, cout),
+        nn.ReLU(inplace=True),
+    )
+
+
+@register("mlp")
+def mlp(
+    *,
+    num_classes: int,
+    in_channels: int,
+    image_size: int,
+    hidden: tuple[int, ...] | list[int] = (256, 128),
+    dropout: float = 0.0,
+) -> nn.Module:
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = in_channels * image_size * image_size
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU(inplace=True)]
+        if dropout > 0:
+            layers.append(nn.Dropout(dropout))
+        width = h
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
+class SmallCNN(nn.Module):
+    """Three conv blocks and a linear head; fast on CPU, ~99% on digits."""
+
+    def __init__(
+        self, num_classes: int, in_channels: int, width: int = 32, norm: Norm = "batch",
+        dropout: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            _conv_block(in_channels, width, norm),
+            _conv_block(width, 2 * width, norm),
+            nn.MaxPool2d(2),
+            _conv_block(2 * width, 4 * width, norm),
+            nn.AdaptiveAvgPool2d(1),
+        )
+        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(dropout), nn.Linear(4 * width, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+@register("small_cnn")
+def small_cnn(
+    *, num_classes: int, in_channels: int, image_size: int, width: int = 32, norm: Norm = "batch",
+    dropout: float = 0.1,
+) -> nn.Module:
+    del image_size  # global pooling makes the model size-agnostic
+    return SmallCNN(num_classes, in_channels, width=width, norm=norm, dropout=dropout)
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int, norm: Norm) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = _norm2d(norm, cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = _norm2d(norm, cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride=stride, bias=False), _norm2d(norm, cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """A small CIFAR-style ResNet: 3x3 stem, three stages of basic blocks."""
+
+    def __init__(
+        self, num_classes: int, in_channels: int, width: int, blocks: tuple[int, ...], norm: Norm
+    ) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
+            _norm2d(norm, width),
+            nn.ReLU(inplace=True),
+        )
+        stages: list[nn.Module] = []
+        cin = width
+        for i, n in enumerate(blocks):
+            cout = width * 2**i
+            for j in range(n):
+                stages.append(BasicBlock(cin, cout, 2 if (i > 0 and j == 0) else 1, norm))
+                cin = cout
+        self.layers = nn.Sequential(*stages)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
+
+
+@register("resnet")
+def resnet(
+    *, num_classes: int, in_channels: int, image_size: int, width: int = 16,
+    blocks: tuple[int, ...] | list[int] = (1, 1, 1), norm: Norm = "batch",
+) -> nn.Module:
+    del image_size
+    return ResNet(num_classes, in_channels, width, tuple(blocks), norm)
+
+
+def _make_divisible(v: float, divisor: int = 8) -> int:
+    # As in torchvision's MobileNetV2: round channels to a multiple of 8, never below 90%.
+    new_v = max(divisor, int(v + divisor / 2) // divisor * divisor)
+    return new_v + divisor if new_v < 0.9 * v else new_v
+
+
+class InvertedResidual(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = cin * expand
+        self.use_res = stride == 1 and cin == cout
+        layers: list[nn.Module] = []
+        if expand != 1:
+            layers += [nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(True)]
+        layers += [
+            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
+            nn.BatchNorm2d(hidden),
+            nn.ReLU6(True),
+            nn.Conv2d(hidden, cout, 1, bias=False),
+            nn.BatchNorm2d(cout),
+        ]
+        self.conv = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(x) if self.use_res else self.conv(x)
+
+
+class MobileNetV2(nn.Module):
+    """MobileNetV2 with a width multiplier, strides sized for small images (8-64 px)."""
+
+    # (expansion, channels, repeats, stride) — torchvision's table, first strides relaxed.
+    SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 1), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
+                (6, 160, 3, 2), (6, 320, 1, 1))
+
+    def __init__(self, num_classes: int, in_channels: int, width_mult: float, dropout: float) -> None:
+        super().__init__()
+        cin = _make_divisible(32 * width_mult)
+        last = _make_divisible(1280 * max(1.0, width_mult))
+        layers: list[nn.Module] = [
+            nn.Conv2d(in_channels, cin, 3, 1, 1, bias=False), nn.BatchNorm2d(cin), nn.ReLU6(True)
+        ]
+        for t, c, n, s in self.SETTINGS:
+            cout = _make_divisible(c * width_mult)
+            for i in range(n):
+                layers.append(InvertedResidual(cin, cout, s if i == 0 else 1, t))
+                cin = cout
+        layers += [nn.Conv2d(cin, last, 1, bias=False), nn.BatchNorm2d(last), nn.ReLU6(True)]
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(nn.Dropout(dropout), nn.Linear(last, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.adaptive_avg_pool2d(self.features(x), 1)
+        return self.classifier(torch.flatten(x, 1))
+
+
+@register("mobilenet_v2")
+def mobilenet_v2(
+    *, num_classes: int, in_channels: int, image_size: int, width_mult: float = 0.5,
+    dropout: float = 0.2,
+) -> nn.Module:
+    del image_size
+    if width_mult <= 0:
+        raise ValueError(f"width_mult must be > 0, got {width_mult}")
+    return MobileNetV2(num_classes, in_channels, width_mult, dropout)
