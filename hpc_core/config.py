@@ -34,7 +34,8 @@ class RunConfig(StrictModel):
 class DataConfig(StrictModel):
     source: Literal["digits", "image_folder", "npz"] = "digits"
     """digits: sklearn's bundled 8x8 handwritten digits (1,797 images, no download);
-    image_folder: one sub-folder of PNG/JPEG per class; npz: arrays `x` (N,C,H,W or N,H,W) and `y`."""
+    image_folder: one sub-folder of PNG/JPEG per class;
+    npz: arrays `x` (N,C,H,W or N,H,W) and `y`."""
     path: Path | None = None
     """Folder (image_folder) or file (npz). Not used by digits."""
     image_size: int | None = Field(default=None, ge=4, le=1024)
@@ -57,8 +58,10 @@ class DataConfig(StrictModel):
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
         if self.source != "digits" and self.path is None:
-            raise ValueError(f"data.path is required for source={self.source!r}: set it to the "
-                             f"{'folder' if self.source == 'image_folder' else '.npz file'}")
+            raise ValueError(
+                f"data.path is required for source={self.source!r}: set it to the "
+                f"{'folder' if self.source == 'image_folder' else '.npz file'}"
+            )
         if self.num_workers == 0 and (self.prefetch_factor is not None or self.persistent_workers):
             raise ValueError("prefetch_factor and persistent_workers need data.num_workers > 0")
         return self
@@ -138,8 +141,10 @@ class TrainingConfig(StrictModel):
         if self.max_steps is None and self.epochs is None:
             raise ValueError("set training.max_steps or training.epochs")
         if self.micro_batch_size is not None and self.micro_batch_size > self.global_batch_size:
-            raise ValueError(f"micro_batch_size ({self.micro_batch_size}) exceeds "
-                             f"global_batch_size ({self.global_batch_size})")
+            raise ValueError(
+                f"micro_batch_size ({self.micro_batch_size}) exceeds "
+                f"global_batch_size ({self.global_batch_size})"
+            )
         return self
 
 
@@ -225,7 +230,9 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError("--set", [f"  {item!r}: expected KEY=VALUE, e.g. training.max_steps=100"])
+            raise ConfigError(
+                "--set", [f"  {item!r}: expected KEY=VALUE, e.g. training.max_steps=100"]
+            )
         node = tree
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -255,7 +262,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
 
 def load_config(path: Path | str | None, overrides: list[str] | None = None) -> TrainConfig:
     tree = read_yaml(Path(path)) if path is not None else {}
-    return config_from_dict(apply_overrides(tree, overrides or []), source=str(path or "<defaults>"))
+    return config_from_dict(
+        apply_overrides(tree, overrides or []), source=str(path or "<defaults>")
+    )
 
 
 def config_from_dict(tree: dict[str, Any], source: str = "<dict>") -> TrainConfig:
@@ -293,9 +302,11 @@ def format_errors(err: ValidationError, root: type[BaseModel]) -> list[str]:
             msg = "unknown key"
         elif kind == "missing":
             hint = "add this field"
-        elif kind.endswith("_parsing") or kind.endswith("_type"):
-            hint = f"got {e.get('input')!r}"
-        elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        elif (
+            kind.endswith("_parsing")
+            or kind.endswith("_type")
+            or kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+        ):
             hint = f"got {e.get('input')!r}"
         lines.append(f"  {path}: {msg}" + (f" ({hint})" if hint else ""))
     return lines

@@ -112,7 +112,11 @@ class SmallCNN(nn.Module):
     """Three conv blocks and a linear head; fast on CPU, ~99% on digits."""
 
     def __init__(
-        self, num_classes: int, in_channels: int, width: int = 32, norm: Norm = "batch",
+        self,
+        num_classes: int,
+        in_channels: int,
+        width: int = 32,
+        norm: Norm = "batch",
         dropout: float = 0.1,
     ) -> None:
         super().__init__()
@@ -123,7 +127,9 @@ class SmallCNN(nn.Module):
             _conv_block(2 * width, 4 * width, norm),
             nn.AdaptiveAvgPool2d(1),
         )
-        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(dropout), nn.Linear(4 * width, num_classes))
+        self.head = nn.Sequential(
+            nn.Flatten(), nn.Dropout(dropout), nn.Linear(4 * width, num_classes)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
@@ -131,7 +137,12 @@ class SmallCNN(nn.Module):
 
 @register("small_cnn")
 def small_cnn(
-    *, num_classes: int, in_channels: int, image_size: int, width: int = 32, norm: Norm = "batch",
+    *,
+    num_classes: int,
+    in_channels: int,
+    image_size: int,
+    width: int = 32,
+    norm: Norm = "batch",
     dropout: float = 0.1,
 ) -> nn.Module:
     del image_size  # global pooling makes the model size-agnostic
@@ -187,8 +198,13 @@ class ResNet(nn.Module):
 
 @register("resnet")
 def resnet(
-    *, num_classes: int, in_channels: int, image_size: int, width: int = 16,
-    blocks: tuple[int, ...] | list[int] = (1, 1, 1), norm: Norm = "batch",
+    *,
+    num_classes: int,
+    in_channels: int,
+    image_size: int,
+    width: int = 16,
+    blocks: tuple[int, ...] | list[int] = (1, 1, 1),
+    norm: Norm = "batch",
 ) -> nn.Module:
     del image_size
     return ResNet(num_classes, in_channels, width, tuple(blocks), norm)
@@ -207,7 +223,11 @@ class InvertedResidual(nn.Module):
         self.use_res = stride == 1 and cin == cout
         layers: list[nn.Module] = []
         if expand != 1:
-            layers += [nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(True)]
+            layers += [
+                nn.Conv2d(cin, hidden, 1, bias=False),
+                nn.BatchNorm2d(hidden),
+                nn.ReLU6(True),
+            ]
         layers += [
             nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
             nn.BatchNorm2d(hidden),
@@ -225,15 +245,26 @@ class MobileNetV2(nn.Module):
     """MobileNetV2 with a width multiplier, strides sized for small images (8-64 px)."""
 
     # (expansion, channels, repeats, stride) — torchvision's table, first strides relaxed.
-    SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 1), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
-                (6, 160, 3, 2), (6, 320, 1, 1))
+    SETTINGS = (
+        (1, 16, 1, 1),
+        (6, 24, 2, 1),
+        (6, 32, 3, 2),
+        (6, 64, 4, 2),
+        (6, 96, 3, 1),
+        (6, 160, 3, 2),
+        (6, 320, 1, 1),
+    )
 
-    def __init__(self, num_classes: int, in_channels: int, width_mult: float, dropout: float) -> None:
+    def __init__(
+        self, num_classes: int, in_channels: int, width_mult: float, dropout: float
+    ) -> None:
         super().__init__()
         cin = _make_divisible(32 * width_mult)
         last = _make_divisible(1280 * max(1.0, width_mult))
         layers: list[nn.Module] = [
-            nn.Conv2d(in_channels, cin, 3, 1, 1, bias=False), nn.BatchNorm2d(cin), nn.ReLU6(True)
+            nn.Conv2d(in_channels, cin, 3, 1, 1, bias=False),
+            nn.BatchNorm2d(cin),
+            nn.ReLU6(True),
         ]
         for t, c, n, s in self.SETTINGS:
             cout = _make_divisible(c * width_mult)
@@ -251,7 +282,11 @@ class MobileNetV2(nn.Module):
 
 @register("mobilenet_v2")
 def mobilenet_v2(
-    *, num_classes: int, in_channels: int, image_size: int, width_mult: float = 0.5,
+    *,
+    num_classes: int,
+    in_channels: int,
+    image_size: int,
+    width_mult: float = 0.5,
     dropout: float = 0.2,
 ) -> nn.Module:
     del image_size

@@ -1,0 +1,84 @@
+"""hpc-train: validate configs, train models, publish signed checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from hpc_core.config import ConfigError, load_config, summarize
+from hpc_core.train import add_train_args, run
+
+EPILOG = """\
+examples:
+  hpc-train validate configs/digits.yaml
+  hpc-train train --config configs/digits.yaml --set run.output_dir=runs/digits
+  hpc-train train --config configs/digits.yaml --resume auto
+  torchrun --nproc-per-node 2 -m hpc_core.train --config configs/hpc.yaml
+
+exit codes: 0 ok, 1 training failed, 2 invalid config or arguments
+"""
+
+
+def validate(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(Path(args.config), args.overrides)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(f"# {args.config}: valid (digest {cfg.digest()[:12]})")
+    print(summarize(cfg), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hpc-train",
+        description=__doc__,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    v = sub.add_parser(
+        "validate",
+        help="check a config; print every error with its field path",
+        description="Check a config file. Valid: print the resolved config. "
+        "Invalid: print each error with its field path and a hint, exit 2.",
+    )
+    v.add_argument("config", help="YAML config")
+    v.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field before validating (repeatable)",
+    )
+    v.set_defaults(func=validate)
+    t = sub.add_parser(
+        "train",
+        help="train a model (single process; use torchrun for DDP)",
+        description="Train a model from a config, single process. For several "
+        "processes or nodes run `torchrun ... -m hpc_core.train`.",
+    )
+    add_train_args(t)
+    t.set_defaults(func=run)
+    # Publishing lives in its own module; it is optional until that module exists.
+    try:
+        publish_cli = importlib.import_module("hpc_core.publish_cli")
+    except ModuleNotFoundError as e:
+        if e.name != "hpc_core.publish_cli":
+            raise
+    else:
+        publish_cli.register_cli(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Metric sinks: metrics.jsonl always, TensorBoard and MLflow when configured and installed."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpc_core.config import LoggingConfig
+
+
+def peak_rss_mb() -> float:
+    """This process's resident-set high-water mark (ru_maxrss is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def peak_device_mb(device: torch.device) -> float | None:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return None
+
+
+class MetricsLogger:
+    """Writes one JSON object per line: ``{"step": N, "time": unix_s, "<metric>": value, ...}``."""
+
+    def __init__(
+        self, output_dir: Path, cfg: LoggingConfig, run_name: str, config: dict[str, Any]
+    ) -> None:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.path = output_dir / "metrics.jsonl"
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - lives as long as the logger; line-buffered so a crash loses no line
+        self._tb = None
+        self._mlflow = None
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise RuntimeError(
+                    "logging.tensorboard=true needs `pip install edgetrain[tracking]`"
+                ) from e
+            self._tb = SummaryWriter(str(output_dir / "tb"))
+        if cfg.mlflow:
+            try:
+                import mlflow
+            except ImportError as e:
+                raise RuntimeError(
+                    "logging.mlflow=true needs `pip install edgetrain[tracking]`"
+                ) from e
+            if cfg.mlflow_tracking_uri:
+                mlflow.set_tracking_uri(cfg.mlflow_tracking_uri)
+            mlflow.start_run(run_name=run_name)
+            mlflow.log_params(_flatten(config))
+            self._mlflow = mlflow
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}
+        self._file.write(json.dumps({"step": step, "time": round(time.time(), 3), **clean}) + "\n")
+        finite = {k: v for k, v in metrics.items() if math.isfinite(v)}
+        if self._tb is not None:
+            for k, v in finite.items():
+                self._tb.add_scalar(k, v, step)
+        if self._mlflow is not None:
+            self._mlflow.log_metrics({k.replace("/", "_"): v for k, v in finite.items()}, step=step)
+
+    def event(self, step: int, kind: str, **fields: Any) -> None:
+        """A discrete event (rollback, OOM, preemption) in the same stream."""
+        self._file.write(
+            json.dumps({"step": step, "time": round(time.time(), 3), "event": kind, **fields})
+            + "\n"
+        )
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._mlflow is not None:
+            self._mlflow.end_run()
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def want_progress(mode: str) -> bool:
+    return mode == "on" or (mode == "auto" and sys.stderr.isatty())
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
