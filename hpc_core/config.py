@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -212,6 +213,25 @@ class TrainConfig(StrictModel):
         return hashlib.sha256(blob.encode()).hexdigest()
 
 
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 booleans: only true/false, so `progress: off` stays a string."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool",
+    re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+    list("tTfF"),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
 class ConfigError(Exception):
     """A config that does not validate; ``str()`` lists every error with its path and a hint."""
 
@@ -240,7 +260,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise ConfigError("--set", [f"  {key}: {part!r} is a value, not a section"])
             node = child
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        node[parts[-1]] = parse_yaml(raw) if raw.strip() else None
     return tree
 
 
@@ -250,7 +270,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(str(path), [f"  cannot read: {e.strerror}"]) from e
     try:
-        tree = yaml.safe_load(text)
+        tree = parse_yaml(text)
     except yaml.YAMLError as e:
         raise ConfigError(str(path), [f"  not valid YAML: {e}"]) from e
     if tree is None:
