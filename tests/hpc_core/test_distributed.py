@@ -1,0 +1,82 @@
+"""DDP through torchrun (gloo, CPU) against one process at the same global batch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[2]
+
+# No dropout (per-rank masks would differ from one process's) and no BatchNorm (per-rank
+# batch statistics differ): then DDP must match one process to float rounding.
+SETS = [
+    "model.name=small_cnn",
+    "model.kwargs={width: 8, norm: none, dropout: 0.0}",
+    "training.global_batch_size=64",
+    "training.max_steps=5",
+    "training.eval_every_steps=5",
+    "logging.progress=off",
+    "checkpoint.best_metric=null",
+]
+
+
+def _cmd(launcher: list[str], out: Path, extra: list[str]) -> list[str]:
+    cmd = [*launcher, "-m", "hpc_core.train", "--config", str(REPO / "configs/digits.yaml")]
+    for s in [*SETS, f"run.output_dir={out}", *extra]:
+        cmd += ["--set", s]
+    return cmd
+
+
+def _run(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return p
+
+
+def _torchrun() -> list[str]:
+    exe = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip("torchrun is not installed next to this Python")
+    return [exe, "--standalone", "--nproc-per-node", "2"]
+
+
+def test_ddp_two_ranks_equals_one_process(tmp_path: Path, subprocess_env) -> None:
+    _run(_cmd([sys.executable], tmp_path / "single", []), subprocess_env)
+    p = _run(_cmd(_torchrun(), tmp_path / "ddp", []), subprocess_env)
+    single = load_file(str(tmp_path / "single/checkpoints/final/model.safetensors"))
+    ddp = load_file(str(tmp_path / "ddp/checkpoints/final/model.safetensors"))
+    assert single.keys() == ddp.keys()
+    for k in single:
+        torch.testing.assert_close(ddp[k], single[k], atol=1e-6, rtol=1e-6)
+    # Rank 0 alone reports and writes: one result line, one metrics stream, world size 2 saved.
+    results = [line for line in p.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 1
+    state = json.loads((tmp_path / "ddp/checkpoints/final/trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["step"] == 5
+    # Sharded evaluation over both ranks counts every validation sample once.
+    single_eval = json.loads(
+        (tmp_path / "single/checkpoints/final/trainer_state.json").read_text()
+    )["metrics"]
+    assert state["metrics"]["eval/acc"] == pytest.approx(single_eval["eval/acc"], abs=1e-9)
+
+
+def test_ddp_with_accumulation_and_preemption(tmp_path: Path, subprocess_env) -> None:
+    """Both ranks agree to stop on SIGTERM at the same step, and resume from that checkpoint."""
+    env = {**subprocess_env, "HPC_FAULT_SIGTERM_STEP": "2"}
+    extra = ["training.micro_batch_size=8"]
+    p = _run(_cmd(_torchrun(), tmp_path / "ddp", extra), env)
+    assert json.loads(p.stdout.strip().splitlines()[-1])["stopped"] == "SIGTERM"
+    p = _run([*_cmd(_torchrun(), tmp_path / "ddp", extra), "--resume", "auto"], subprocess_env)
+    assert json.loads(p.stdout.strip().splitlines()[-1])["step"] == 5
+    _run(_cmd([sys.executable], tmp_path / "single", []), subprocess_env)
+    single = load_file(str(tmp_path / "single/checkpoints/final/model.safetensors"))
+    ddp = load_file(str(tmp_path / "ddp/checkpoints/final/model.safetensors"))
+    for k in single:
+        torch.testing.assert_close(ddp[k], single[k], atol=1e-5, rtol=1e-4)
