@@ -12,6 +12,7 @@ equal. Targets: <= 1.03, <= 1.05, equal.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -20,6 +21,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hpc_core.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 SETS = [
@@ -35,7 +40,7 @@ SETS = [
 ]
 
 
-def plain_loop(cfg, out: Path) -> list[float]:  # noqa: ANN001 - a TrainConfig
+def plain_loop(cfg: TrainConfig, out: Path) -> list[float]:
     """The loop a PyTorch user writes by hand, sharing only the data set and model builders."""
     import random
 
@@ -90,10 +95,10 @@ def plain_loop(cfg, out: Path) -> list[float]:  # noqa: ANN001 - a TrainConfig
     save_file(
         {k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "weights.safetensors")
     )
-    return [b - a for a, b in zip(times, times[1:])]
+    return [b - a for a, b in itertools.pairwise(times)]
 
 
-def trainer_loop(cfg, out: Path) -> list[float]:  # noqa: ANN001
+def trainer_loop(cfg: TrainConfig, out: Path) -> list[float]:
     from safetensors.torch import save_file
 
     from hpc_core.trainer import Trainer
@@ -110,7 +115,7 @@ def trainer_loop(cfg, out: Path) -> list[float]:  # noqa: ANN001
         {k: v.contiguous() for k, v in t.raw_model.state_dict().items()},
         str(out / "weights.safetensors"),
     )
-    return [b - a for a, b in zip(times, times[1:])]
+    return [b - a for a, b in itertools.pairwise(times)]
 
 
 def child(kind: str, out: Path, epochs: int, threads: int) -> None:
