@@ -7,7 +7,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from hpc_core.config import ConfigError, load_config, summarize
+from hpc_core.config import ConfigError, load_config, reference_markdown, summarize
 from hpc_core.train import add_train_args, run
 
 EPILOG = """\
@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a field before validating (repeatable)",
     )
     v.set_defaults(func=validate)
+    d = sub.add_parser(
+        "config-docs",
+        help="print the config reference (Markdown)",
+        description="Print every config key with its default and meaning.",
+    )
+    d.set_defaults(func=lambda args: print(reference_markdown()) or 0)
     t = sub.add_parser(
         "train",
         help="train a model (single process; use torchrun for DDP)",

@@ -18,7 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Field docstrings become descriptions: they feed `hpc-train config-docs` and the README.
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
 
 
 class RunConfig(StrictModel):
@@ -337,5 +340,17 @@ def summarize(cfg: TrainConfig) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None)
 
 
-def save_config(cfg: TrainConfig, path: Path) -> None:
-    path.write_text(summarize(cfg))
+def reference_markdown(root: type[BaseModel] = TrainConfig) -> str:
+    """The config reference as Markdown tables, one per section (printed by config-docs)."""
+    out = []
+    defaults = TrainConfig(training=TrainingConfig(epochs=1)).to_dict()
+    for section, field in root.model_fields.items():
+        model = field.annotation
+        assert isinstance(model, type) and issubclass(model, BaseModel)
+        out += [f"### `{section}`", "", "| key | default | meaning |", "|---|---|---|"]
+        for name, f in model.model_fields.items():
+            default = defaults[section][name]
+            desc = (f.description or "").replace("\n", " ").replace("|", "\\|")
+            out.append(f"| `{name}` | `{json.dumps(default)}` | {' '.join(desc.split())} |")
+        out.append("")
+    return "\n".join(out)
