@@ -1,0 +1,137 @@
+"""Accuracy and latency gates, measured on the exported artefact itself.
+
+INT8 problems show up in the built artefact, not in the PyTorch model, so every number here
+comes from running the exported file (ONNX Runtime session or TensorRT engine) on the job's
+held-out split and comparing it with the FP32 PyTorch reference:
+
+- top-1 drop, in points, against the model as it came in (before pruning): the whole
+  pipeline's cost;
+- max |delta logit| against the PyTorch model that was exported (after pruning and
+  recovery): the fidelity of export and quantization alone;
+- latency p50/p99 at batch 1 and at the job's batch; file size.
+
+A threshold left at null is not gated (its value is still measured and reported).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from exporters.runtime import Latency, batch_of, measure_latency, predict
+
+
+class GateConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_top1_drop_pts: float | None = Field(default=1.0, ge=0.0)
+    """Largest allowed top-1 accuracy drop vs the FP32 reference, in percentage points."""
+    max_abs_logit_delta: float | None = Field(default=None, ge=0.0)
+    """Largest allowed |logit - reference logit| over the held-out split."""
+    max_p50_ms_b1: float | None = Field(default=None, gt=0.0)
+    """Median latency at batch 1, milliseconds."""
+    max_p99_ms_b1: float | None = Field(default=None, gt=0.0)
+    """99th-percentile latency at batch 1, milliseconds."""
+    max_p50_ms_batch: float | None = Field(default=None, gt=0.0)
+    """Median latency at `batch_size`, milliseconds."""
+    max_p99_ms_batch: float | None = Field(default=None, gt=0.0)
+    """99th-percentile latency at `batch_size`, milliseconds."""
+    max_size_mb: float | None = Field(default=None, gt=0.0)
+    """Largest artefact file, megabytes (1e6 bytes)."""
+    batch_size: int = Field(default=32, ge=1)
+    """The job's serving batch, timed besides batch 1."""
+    latency_warmup: int = Field(default=5, ge=0)
+    """Untimed runs before timing (allocations, kernel selection)."""
+    latency_iters: int = Field(default=50, ge=2)
+    """Timed runs per batch size; p99 is only meaningful from ~100."""
+    threads: int = Field(default=1, ge=0)
+    """ONNX Runtime intra-op threads while gating (0 = all cores). One thread keeps the
+    figures stable on a machine that is also fine-tuning."""
+    eval_samples: int | None = Field(default=None, ge=1)
+    """Held-out samples scored (null = the whole validation split)."""
+
+
+@dataclass
+class GateMeasurement:
+    top1: float
+    """Top-1 accuracy of the artefact on the held-out split (0-1)."""
+    reference_top1: float
+    top1_drop_pts: float
+    max_abs_logit_delta: float
+    latency_b1: Latency
+    latency_batch: Latency
+    size_mb: float
+    samples: int
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass
+class GateResult:
+    passed: bool
+    failures: list[str]
+    """One line per failed gate: measured value, threshold and the option that sets it."""
+    measurement: GateMeasurement
+
+
+def top1(logits: np.ndarray, labels: np.ndarray) -> float:
+    return float((logits.argmax(axis=1) == labels).mean())
+
+
+def measure(
+    runner: Callable[[np.ndarray], np.ndarray],
+    *,
+    inputs: np.ndarray,
+    labels: np.ndarray,
+    reference_logits: np.ndarray,
+    fidelity_logits: np.ndarray,
+    size_bytes: int,
+    cfg: GateConfig,
+) -> GateMeasurement:
+    """Score and time ``runner`` on the held-out ``inputs``.
+
+    ``reference_logits``: the FP32 model as it came in; ``fidelity_logits``: the FP32 PyTorch
+    model that was exported.
+    """
+    logits = predict(runner, inputs)
+    acc, ref_acc = top1(logits, labels), top1(reference_logits, labels)
+    b1 = measure_latency(runner, inputs[:1], warmup=cfg.latency_warmup, iters=cfg.latency_iters)
+    bn = measure_latency(
+        runner, batch_of(inputs, cfg.batch_size), warmup=cfg.latency_warmup,
+        iters=cfg.latency_iters,
+    )
+    return GateMeasurement(
+        top1=acc,
+        reference_top1=ref_acc,
+        top1_drop_pts=(ref_acc - acc) * 100.0,
+        max_abs_logit_delta=float(np.abs(logits - fidelity_logits).max()),
+        latency_b1=b1,
+        latency_batch=bn,
+        size_mb=size_bytes / 1e6,
+        samples=len(labels),
+    )
+
+
+def judge(m: GateMeasurement, cfg: GateConfig) -> GateResult:
+    checks = [
+        ("top-1 drop", m.top1_drop_pts, cfg.max_top1_drop_pts, "pts", "max_top1_drop_pts"),
+        ("max |delta logit|", m.max_abs_logit_delta, cfg.max_abs_logit_delta, "",
+         "max_abs_logit_delta"),
+        ("p50 latency at batch 1", m.latency_b1.p50_ms, cfg.max_p50_ms_b1, "ms", "max_p50_ms_b1"),
+        ("p99 latency at batch 1", m.latency_b1.p99_ms, cfg.max_p99_ms_b1, "ms", "max_p99_ms_b1"),
+        (f"p50 latency at batch {m.latency_batch.batch}", m.latency_batch.p50_ms,
+         cfg.max_p50_ms_batch, "ms", "max_p50_ms_batch"),
+        (f"p99 latency at batch {m.latency_batch.batch}", m.latency_batch.p99_ms,
+         cfg.max_p99_ms_batch, "ms", "max_p99_ms_batch"),
+        ("size", m.size_mb, cfg.max_size_mb, "MB", "max_size_mb"),
+    ]
+    failures = [
+        f"{what} {value:.4g}{unit} > {limit:g}{unit} (gates.{field})"
+        for what, value, limit, unit, field in checks
+        if limit is not None and value > limit
+    ]
+    return GateResult(passed=not failures, failures=failures, measurement=m)

@@ -1,0 +1,126 @@
+"""INT8 post-training quantization with ONNX Runtime, in the one Q/DQ form both runtimes take.
+
+``quantize_static`` in QDQ format with int8 activations and weights, per-channel weights
+(axis 0 = output channels), and symmetric ranges for activations AND weights: every
+zero-point is 0, which TensorRT's explicit quantization requires (ONNX Runtime's
+``ActivationSymmetric`` defaults to False, which TensorRT rejects). Biases stay in float:
+ONNX Runtime would otherwise emit int32 DequantizeLinear nodes, which TensorRT's parser
+refuses. The same file then runs in ONNX Runtime (CPU/CUDA) and builds a TensorRT engine.
+
+Activation ranges are computed once and cached (``calibration_cache``), so re-quantizing with
+layers excluded — the gate fallback — costs no second calibration pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+from onnxruntime.quantization.shape_inference import quant_pre_process
+
+from exporters.artifacts import atomic_output
+from exporters.calibration import (
+    BatchReader,
+    CalibrationConfig,
+    ort_calibration_method,
+    ort_calibration_options,
+)
+from exporters.onnx_weights import WEIGHTED_OPS
+
+# The symmetric-int8 recipe; the structural checker (exporters.qdq_check) verifies its output.
+QDQ_OPTIONS: dict[str, object] = {
+    "ActivationSymmetric": True,
+    "WeightSymmetric": True,
+    "QuantizeBias": False,
+}
+
+
+@dataclass
+class QuantizeResult:
+    path: Path
+    excluded: list[str]
+    size_bytes: int
+    seconds: float
+
+
+@contextlib.contextmanager
+def _quiet_ort() -> Iterator[None]:
+    # The calibrators print progress to stdout and log advice at WARNING; a CLI run shows
+    # its own summary instead.
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        root.setLevel(level)
+
+
+def prepare_for_quantization(fp32_path: Path, out_path: Path) -> Path:
+    """Shape inference and graph clean-up (BatchNorm folding, constant folding) that ONNX
+    Runtime recommends before calibration; node names are those of this file."""
+    with _quiet_ort(), atomic_output(Path(out_path)) as tmp:
+        quant_pre_process(str(fp32_path), str(tmp))
+    return Path(out_path)
+
+
+def quantizable_nodes(model_path: Path) -> list[str]:
+    """Names of the layers whose weights INT8 quantizes (candidates for exclusion)."""
+    model = onnx.load(str(model_path))
+    init = {i.name for i in model.graph.initializer}
+    return [
+        n.name
+        for n in model.graph.node
+        if n.op_type in WEIGHTED_OPS and len(n.input) > 1 and n.input[1] in init
+    ]
+
+
+def quantize_int8(
+    fp32_path: Path,
+    out_path: Path,
+    *,
+    calib_inputs: np.ndarray | None,
+    input_name: str,
+    cfg: CalibrationConfig,
+    cache_path: Path | None = None,
+    nodes_to_exclude: Sequence[str] = (),
+    nodes_to_quantize: Sequence[str] | None = None,
+) -> QuantizeResult:
+    """Quantize ``fp32_path`` (prepared by :func:`prepare_for_quantization`) to ``out_path``.
+
+    ``calib_inputs`` may be None when ``cache_path`` already holds the activation ranges.
+    """
+    t0 = time.perf_counter()
+    reader = (
+        BatchReader(calib_inputs, input_name, cfg.batch_size) if calib_inputs is not None else None
+    )
+    with _quiet_ort(), atomic_output(Path(out_path)) as tmp:
+        quantize_static(
+            str(fp32_path),
+            str(tmp),
+            reader,
+            quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QInt8,
+            weight_type=QuantType.QInt8,
+            per_channel=True,
+            calibrate_method=ort_calibration_method(cfg.method),
+            nodes_to_exclude=list(nodes_to_exclude),
+            nodes_to_quantize=list(nodes_to_quantize) if nodes_to_quantize is not None else None,
+            calibration_cache_path=str(cache_path) if cache_path is not None else None,
+            extra_options={**QDQ_OPTIONS, **ort_calibration_options(cfg)},
+        )
+    return QuantizeResult(
+        path=Path(out_path),
+        excluded=list(nodes_to_exclude),
+        size_bytes=Path(out_path).stat().st_size,
+        seconds=time.perf_counter() - t0,
+    )
