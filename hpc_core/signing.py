@@ -1,0 +1,220 @@
+"""Ed25519 signatures over manifests; keys are PEM files.
+
+Make a key pair with ``hpc-train keygen --out keys/ --name upstream``: it writes
+``upstream.key.pem`` (PKCS#8 private key, mode 0600, stays with the publisher) and
+``upstream.pub.pem`` (SubjectPublicKeyInfo, copied into every device's trusted-keys folder).
+A device makes its own pair the same way to sign what it uploads.
+
+``manifest.sig`` is a small JSON document::
+
+    {"format": "edgetrain.sig/1", "algorithm": "ed25519", "key_id": "<16 hex>",
+     "signature": "<base64 of 64 bytes>"}
+
+The signature covers a fixed domain prefix followed by the manifest's exact bytes, so a
+signature made for something else can never pass as a manifest signature, and verification
+never depends on re-serializing JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from hpc_core.manifest import ManifestError, Signer
+
+SIG_FORMAT = "edgetrain.sig/1"
+_DOMAIN = b"edgetrain.manifest/1\n"
+MAX_SIGNATURE_BYTES = 4096
+PRIVATE_SUFFIX = ".key.pem"
+PUBLIC_SUFFIX = ".pub.pem"
+
+
+class KeyFileError(Exception):
+    """A key file that is missing, unreadable, of the wrong type or too open."""
+
+
+class SignatureError(ManifestError):
+    """The manifest's signature does not establish that a trusted key signed these bytes."""
+
+
+class UnsignedManifestError(SignatureError):
+    """There is no manifest.sig, or it is not a signature document."""
+
+
+class UnknownKeyError(SignatureError):
+    """Signed by a key that is not among the trusted keys."""
+
+
+class BadSignatureError(SignatureError):
+    """Signed by a trusted key id, but the bytes do not verify: tampered or corrupted."""
+
+
+def key_id(public: Ed25519PublicKey) -> str:
+    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def _stem(path: Path, suffix: str) -> str:
+    return path.name[: -len(suffix)] if path.name.endswith(suffix) else path.stem
+
+
+@dataclass(frozen=True)
+class SigningKey:
+    name: str
+    key_id: str
+    private: Ed25519PrivateKey
+
+    @property
+    def signer(self) -> Signer:
+        return Signer(key_id=self.key_id, name=self.name)
+
+    def sign_manifest(self, manifest_bytes: bytes) -> bytes:
+        """The manifest.sig document for these exact manifest bytes."""
+        sig = self.private.sign(_DOMAIN + manifest_bytes)
+        doc = {
+            "format": SIG_FORMAT,
+            "algorithm": "ed25519",
+            "key_id": self.key_id,
+            "signature": base64.b64encode(sig).decode(),
+        }
+        return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+
+
+@dataclass(frozen=True)
+class TrustedKey:
+    name: str
+    key_id: str
+    public: Ed25519PublicKey
+    path: Path
+
+
+def generate_keypair(out_dir: Path, name: str) -> tuple[Path, Path]:
+    """Write ``{name}.key.pem`` (0600) and ``{name}.pub.pem``; never overwrite a key."""
+    if not name or "/" in name or name.startswith("."):
+        raise KeyFileError(f"key name {name!r} is invalid: use a plain file stem like 'upstream'")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    priv_path, pub_path = out_dir / f"{name}{PRIVATE_SUFFIX}", out_dir / f"{name}{PUBLIC_SUFFIX}"
+    for p in (priv_path, pub_path):
+        if p.exists():
+            raise KeyFileError(f"{p} exists; keys are never overwritten (pick another --name)")
+    private = Ed25519PrivateKey.generate()
+    priv_pem = private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    pub_pem = private.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    # O_EXCL + 0600 at creation: the private key is never readable by others, not even briefly.
+    fd = os.open(priv_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(priv_pem)
+        f.flush()
+        os.fsync(f.fileno())
+    pub_path.write_bytes(pub_pem)
+    return priv_path, pub_path
+
+
+def load_signing_key(path: Path) -> SigningKey:
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        data = path.read_bytes()
+    except OSError as e:
+        raise KeyFileError(
+            f"cannot read signing key {path}: {e.strerror} (make one with "
+            "`hpc-train keygen --out DIR --name NAME`)"
+        ) from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise KeyFileError(f"signing key {path} is readable by others: run `chmod 600 {path}`")
+    try:
+        private = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as e:
+        raise KeyFileError(f"{path} is not an unencrypted PEM private key: {e}") from None
+    if not isinstance(private, Ed25519PrivateKey):
+        raise KeyFileError(f"{path} holds a {type(private).__name__}; only Ed25519 keys are used")
+    return SigningKey(_stem(path, PRIVATE_SUFFIX), key_id(private.public_key()), private)
+
+
+def load_public_key(path: Path) -> TrustedKey:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise KeyFileError(f"cannot read public key {path}: {e.strerror}") from None
+    if b"PRIVATE KEY" in data:
+        raise KeyFileError(
+            f"{path} holds a private key; a trusted-keys folder must hold only public keys "
+            f"(*{PUBLIC_SUFFIX})"
+        )
+    try:
+        public = serialization.load_pem_public_key(data)
+    except (ValueError, TypeError) as e:
+        raise KeyFileError(f"{path} is not a PEM public key: {e}") from None
+    if not isinstance(public, Ed25519PublicKey):
+        raise KeyFileError(f"{path} holds a {type(public).__name__}; only Ed25519 keys are used")
+    return TrustedKey(_stem(path, PUBLIC_SUFFIX), key_id(public), public, path)
+
+
+def load_trusted_keys(where: Path) -> dict[str, TrustedKey]:
+    """Every ``*.pem`` public key in a folder (or one file), by key id."""
+    where = Path(where)
+    if where.is_file():
+        files = [where]
+    elif where.is_dir():
+        files = sorted(p for p in where.iterdir() if p.name.endswith(".pem"))
+    else:
+        raise KeyFileError(
+            f"trusted keys {where} do not exist: copy the publisher's *{PUBLIC_SUFFIX} there"
+        )
+    keys = {k.key_id: k for k in map(load_public_key, files)}
+    if not keys:
+        raise KeyFileError(
+            f"no *.pem public keys in {where}: copy the publisher's *{PUBLIC_SUFFIX} there"
+        )
+    return keys
+
+
+def verify_manifest(
+    manifest_bytes: bytes, signature_bytes: bytes | None, trusted: dict[str, TrustedKey],
+    source: str = "manifest",
+) -> TrustedKey:
+    """Return the trusted key that signed these exact bytes, or raise a SignatureError."""
+    if signature_bytes is None:
+        raise UnsignedManifestError(f"{source} has no manifest.sig: unsigned versions are refused")
+    try:
+        if len(signature_bytes) > MAX_SIGNATURE_BYTES:
+            raise ValueError("too large")
+        doc = json.loads(signature_bytes)
+        if doc["format"] != SIG_FORMAT or doc["algorithm"] != "ed25519":
+            raise ValueError(f"format {doc['format']!r}, algorithm {doc['algorithm']!r}")
+        kid, sig = str(doc["key_id"]), base64.b64decode(doc["signature"], validate=True)
+    except (ValueError, KeyError, TypeError, binascii.Error) as e:
+        raise UnsignedManifestError(
+            f"{source}: manifest.sig is not an {SIG_FORMAT} document ({e})"
+        ) from None
+    key = trusted.get(kid)
+    if key is None:
+        raise UnknownKeyError(
+            f"{source} is signed by key {kid}, which is not trusted here (trusted: "
+            f"{', '.join(f'{k.name}={k.key_id}' for k in trusted.values())}); add the signer's "
+            f"{PUBLIC_SUFFIX} to the trusted-keys folder if you trust it"
+        )
+    try:
+        key.public.verify(sig, _DOMAIN + manifest_bytes)
+    except InvalidSignature:
+        raise BadSignatureError(
+            f"{source}: signature by trusted key {key.name} ({kid}) does not match the manifest "
+            "bytes: the manifest was altered after signing (or corrupted in transit)"
+        ) from None
+    return key

@@ -1,0 +1,422 @@
+"""Fixtures for the device side: a real loopback HTTP registry server, keys, published models.
+
+``RegistryServer`` is a small HTTP/1.1 server (standard library, one thread per connection)
+over a registry folder, as nginx or a CDN would serve it: GET and HEAD with single byte ranges
+(206 / 416), keep-alive, PUT for uploads (atomic rename). It counts the body bytes it sends
+and receives and can inject faults: cut connections at given byte offsets (FIN or RST), answer
+errors, stall past the client's read timeout, refuse PUTs after a budget.
+
+Run standalone (the benchmark does, so server and client do not share a GIL)::
+
+    python tests/agent/conftest.py --root REGISTRY_DIR      # prints the port, serves forever
+
+and read ``GET /__stats__`` (JSON counters) / ``POST /__reset__`` / ``POST /__cut__?at=N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import struct
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlparse
+
+_RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_BLOCK = 256 << 10
+
+
+@dataclass
+class Served:
+    method: str
+    path: str
+    range: str | None
+    status: int
+    body_bytes: int
+
+
+@dataclass
+class _Faults:
+    cuts: list[int] = field(default_factory=list)
+    """Absolute values of the bytes_served counter at which to cut the connection."""
+    cut_mode: str = "fin"
+    fail: list[tuple[int, str | None, str]] = field(default_factory=list)
+    """(status, method or None, path substring) answered once each, in order."""
+    stall: list[float] = field(default_factory=list)
+    put_budget: int | None = None
+
+
+class RegistryServer:
+    def __init__(self, root: Path, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.root = Path(root).resolve()
+        self.lock = threading.Lock()
+        self.bytes_served = 0
+        self.bytes_received = 0
+        self.requests: list[Served] = []
+        self.faults = _Faults()
+        self._stop = threading.Event()
+        handler = type("Handler", (_Handler,), {"owner": self})
+        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://{host}:{self.port}"
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle
+
+    def start(self) -> RegistryServer:
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def __enter__(self) -> RegistryServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- fault plan and counters
+
+    def cut_at(self, offsets: list[int], mode: str = "fin") -> None:
+        """Cut the connection once the server has sent each offset's worth of body bytes
+        (offsets count from now)."""
+        with self.lock:
+            self.faults.cuts = sorted(self.bytes_served + o for o in offsets)
+            self.faults.cut_mode = mode
+
+    def fail_next(
+        self, n: int, status: int = 503, method: str | None = None, path: str = ""
+    ) -> None:
+        with self.lock:
+            self.faults.fail += [(status, method, path)] * n
+
+    def stall_next(self, n: int, seconds: float) -> None:
+        with self.lock:
+            self.faults.stall += [seconds] * n
+
+    def allow_puts(self, n: int | None) -> None:
+        """Accept n more PUTs, then answer 503 until reset (None = unlimited)."""
+        with self.lock:
+            self.faults.put_budget = n
+
+    def reset(self) -> None:
+        with self.lock:
+            self.bytes_served = self.bytes_received = 0
+            self.requests = []
+            self.faults = _Faults()
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            return {"bytes_served": self.bytes_served, "bytes_received": self.bytes_received,
+                    "requests": len(self.requests)}
+
+    def chunk_requests(self) -> list[Served]:
+        with self.lock:
+            return [r for r in self.requests if "/chunks/" in r.path]
+
+    # -- used by the handler
+
+    def _take_fault(self, method: str, path: str) -> tuple[int | None, float]:
+        with self.lock:
+            status = None
+            for i, (st, m, sub) in enumerate(self.faults.fail):
+                if (m is None or m == method) and sub in path:
+                    status = st
+                    del self.faults.fail[i]
+                    break
+            stall = self.faults.stall.pop(0) if self.faults.stall and status is None else 0.0
+            if status is None and method == "PUT" and self.faults.put_budget is not None:
+                if self.faults.put_budget <= 0:
+                    status = 503
+                else:
+                    self.faults.put_budget -= 1
+            return status, stall
+
+    def _reserve(self, want: int) -> tuple[int, str | None]:
+        """How many of ``want`` body bytes may go out before a cut; counts them as served."""
+        with self.lock:
+            allowed, cut = want, None
+            if self.faults.cuts and self.faults.cuts[0] < self.bytes_served + want:
+                allowed = max(0, self.faults.cuts.pop(0) - self.bytes_served)
+                cut = self.faults.cut_mode
+            self.bytes_served += allowed
+            return allowed, cut
+
+    def _record(self, served: Served) -> None:
+        with self.lock:
+            self.requests.append(served)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    owner: RegistryServer
+    protocol_version = "HTTP/1.1"  # keep-alive, as real registries and CDNs do
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _file(self) -> Path | None:
+        rel = unquote(urlparse(self.path).path).lstrip("/")
+        path = (self.owner.root / rel).resolve()
+        return path if path.is_relative_to(self.owner.root) else None
+
+    def _reply(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if body and self.command != "HEAD":
+            self.wfile.write(body)
+        self.owner._record(Served(self.command, self.path, self.headers.get("Range"), status, 0))
+
+    def _fault(self) -> bool:
+        status, stall = self.owner._take_fault(self.command, self.path)
+        if stall:
+            self.owner._stop.wait(stall)
+        if status is not None:
+            if self.command == "PUT":
+                self._drain_body()
+            self._reply(status, b"injected fault\n", {"Retry-After": "0"})
+            return True
+        return False
+
+    def _drain_body(self) -> None:
+        left = int(self.headers.get("Content-Length", "0"))
+        while left:
+            left -= len(self.rfile.read(min(left, _BLOCK)))
+
+    def _control(self) -> bool:
+        url = urlparse(self.path)
+        if url.path == "/__stats__":
+            self._reply(200, json.dumps(self.owner.stats()).encode())
+        elif url.path == "/__reset__":
+            self.owner.reset()
+            self._reply(200)
+        elif url.path == "/__cut__":
+            q = parse_qs(url.query)
+            self.owner.cut_at([int(x) for x in q["at"][0].split(",")], q.get("mode", ["fin"])[0])
+            self._reply(200)
+        else:
+            return False
+        return True
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def do_POST(self) -> None:
+        if not self._control():
+            self._reply(405)
+
+    def do_GET(self) -> None:
+        if self._control() or self._fault():
+            return
+        path = self._file()
+        if path is None or not path.is_file():
+            self._reply(404)
+            return
+        size = path.stat().st_size
+        start, end, status = 0, size - 1, 200
+        rng = self.headers.get("Range")
+        if rng:
+            m = _RANGE_RE.match(rng.strip())
+            if m and (m.group(1) or m.group(2)):
+                if m.group(1):
+                    start = int(m.group(1))
+                    end = min(int(m.group(2)), size - 1) if m.group(2) else size - 1
+                else:  # suffix range: the last N bytes
+                    start = max(0, size - int(m.group(2)))
+                if start >= size:
+                    self._reply(416, headers={"Content-Range": f"bytes */{size}"})
+                    return
+                status = 206
+        length = end - start + 1
+        self.send_response(status)
+        self.send_header("Content-Length", str(length))
+        self.send_header("Accept-Ranges", "bytes")
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        self.end_headers()
+        if self.command == "HEAD":
+            self.owner._record(Served("HEAD", self.path, rng, status, 0))
+            return
+        sent = self._send_body(path, start, length)
+        self.owner._record(Served("GET", self.path, rng, status, sent))
+
+    def _send_body(self, path: Path, start: int, length: int) -> int:
+        sent = 0
+        with open(path, "rb") as f:
+            while sent < length:
+                allowed, cut = self.owner._reserve(min(_BLOCK, length - sent))
+                if allowed:
+                    self.connection.sendfile(f, start + sent, allowed)
+                    sent += allowed
+                if cut is not None:
+                    self._cut(cut)
+                    break
+        return sent
+
+    def _cut(self, mode: str) -> None:
+        self.close_connection = True
+        if mode == "rst":  # linger 0: close() sends RST and drops unsent/unread bytes
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        else:
+            self.connection.shutdown(socket.SHUT_WR)
+
+    def do_PUT(self) -> None:
+        if self._fault():
+            return
+        path = self._file()
+        length = self.headers.get("Content-Length")
+        if path is None or length is None:
+            if length:
+                self._drain_body()
+            self._reply(400)
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".put-{path.name}.{threading.get_ident()}")
+        left = int(length)
+        with open(tmp, "wb") as f:
+            while left:
+                block = self.rfile.read(min(left, _BLOCK))
+                if not block:
+                    tmp.unlink()
+                    self.close_connection = True
+                    return
+                f.write(block)
+                left -= len(block)
+                with self.owner.lock:
+                    self.owner.bytes_received += len(block)
+        os.replace(tmp, path)
+        self._reply(201)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Serve a registry folder over loopback HTTP.")
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--port", type=int, default=0)
+    args = ap.parse_args()
+    server = RegistryServer(Path(args.root), port=args.port)
+    print(server.port, flush=True)
+    server.httpd.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# pytest fixtures (below main() so the standalone server never imports pytest or torch)
+
+import pytest  # noqa: E402
+
+from hpc_core.signing import SigningKey, generate_keypair, load_signing_key  # noqa: E402
+
+# The model most device tests use: an MLP on 8x8 digits, 18 tensors (~300 KB). With 16 KiB
+# chunks and 4 KiB packing, each hidden weight is 4 chunks of its own and the biases share one.
+TEST_MODEL = {"name": "mlp", "kwargs": {"hidden": [128] * 8}, "num_classes": 10,
+              "in_channels": 1, "image_size": 8}
+TEST_CHUNK = 16 << 10
+TEST_PACK = 4 << 10
+
+
+@pytest.fixture
+def registry_server(tmp_path: Path) -> Iterator[RegistryServer]:
+    root = tmp_path / "registry"
+    root.mkdir()
+    with RegistryServer(root) as server:
+        yield server
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    signing: SigningKey
+    private_path: Path
+    public_path: Path
+    trusted_dir: Path
+    """A folder holding only this key's public half."""
+
+
+def make_keypair(where: Path, name: str) -> KeyPair:
+    priv, pub = generate_keypair(where / name, name)
+    trusted = where / f"{name}-trusted"
+    trusted.mkdir()
+    (trusted / pub.name).write_bytes(pub.read_bytes())
+    return KeyPair(load_signing_key(priv), priv, pub, trusted)
+
+
+@pytest.fixture(scope="session")
+def upstream_key(tmp_path_factory: pytest.TempPathFactory) -> KeyPair:
+    return make_keypair(tmp_path_factory.mktemp("keys"), "upstream")
+
+
+def save_model_checkpoint(dest: Path, model: Any, spec: dict[str, Any], metrics: dict | None = None,
+                          step: int = 1) -> Path:
+    """An hpc_core checkpoint of ``model`` built from ``spec`` (a ModelConfig dict)."""
+    from hpc_core.checkpoint import save_checkpoint
+    from hpc_core.config import config_from_dict
+
+    cfg = config_from_dict({"model": spec, "training": {"max_steps": step}})
+    return save_checkpoint(dest, model_state=model.state_dict(),
+                           trainer_state={"step": step, "epoch": 0, "config": cfg.to_dict(),
+                                          "metrics": metrics or {"eval/acc": 0.5}})
+
+
+def build_test_model(seed: int = 0, spec: dict[str, Any] | None = None) -> Any:
+    import torch
+
+    from hpc_core.models import build_model
+
+    spec = spec or TEST_MODEL
+    torch.manual_seed(seed)
+    return build_model(spec["name"], num_classes=spec["num_classes"],
+                       in_channels=spec["in_channels"], image_size=spec["image_size"],
+                       **spec["kwargs"])
+
+
+@dataclass
+class Publisher:
+    """Publishes models into the server's registry folder with the upstream key."""
+
+    root: Path
+    work: Path
+    key: KeyPair
+
+    def publish(self, model: Any, version: str, *, parent: str | None = None,
+                name: str = "digits", spec: dict[str, Any] | None = None,
+                artefacts: tuple[Path, ...] = (), key: SigningKey | None = None) -> Any:
+        from hpc_core.publish import LocalStore, publish_checkpoint
+
+        ckpt = save_model_checkpoint(self.work / f"{name}-{version}", model, spec or TEST_MODEL)
+        return publish_checkpoint(ckpt, LocalStore(self.root), name=name, version=version,
+                                  key=key or self.key.signing, parent=parent, artefacts=artefacts,
+                                  chunk_size=TEST_CHUNK, pack_below=TEST_PACK)
+
+
+@pytest.fixture
+def publisher(registry_server: RegistryServer, tmp_path: Path, upstream_key: KeyPair) -> Publisher:
+    work = tmp_path / "checkpoints"
+    work.mkdir()
+    return Publisher(registry_server.root, work, upstream_key)
+
+
+@pytest.fixture
+def fast_transfers() -> Any:
+    """Transfer settings with test-sized back-off and timeouts."""
+    from agent.sync import TransferConfig
+
+    return TransferConfig(connect_timeout_s=2, read_timeout_s=2, retries=6, backoff_base_s=0.01,
+                          backoff_max_s=0.05, free_disk_margin_bytes=0)
