@@ -1,0 +1,162 @@
+"""On-device fine-tuning through hpc_core.Trainer: memory budget, trainable scope, adaptation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from agent.finetune import (
+    FinetuneJob,
+    apply_trainable,
+    enable_activation_checkpointing,
+    run_finetune,
+)
+from agent.memory_plan import BudgetTooSmall, fit_plan
+from hpc_core.config import load_config
+from hpc_core.models import build_model
+from hpc_core.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+from make_device_data import make_device_data  # noqa: E402
+
+
+def upstream(out: Path, image_size: int, norm: str, steps: int | None = None) -> Path:
+    sets = [
+        f"run.output_dir={out}",
+        f"data.image_size={image_size}",
+        "logging.progress=off",
+        f"model.kwargs={{width: 16, norm: {norm}}}",
+    ]
+    if steps:
+        sets.append(f"training.max_steps={steps}")
+    Trainer(load_config(REPO / "configs/digits.yaml", sets)).train()
+    return out
+
+
+def test_device_distortion_is_learned(tmp_path: Path) -> None:
+    """Upstream small_cnn on clean digits, fine-tuned on inverted + noisy device images."""
+    up = upstream(tmp_path / "up", 16, "batch")
+    data = make_device_data(tmp_path / "device.npz", ["invert", "noise"], image_size=16)
+    job = FinetuneJob(
+        checkpoint=up,
+        data=data,
+        out=tmp_path / "job",
+        profile="generic-x86",
+        trainable="all",
+        epochs=3,
+        lr=2e-3,
+        micro_batch=64,
+    )
+    report = run_finetune(job).report
+    gain = report["accuracy_after"] - report["accuracy_before"]
+    assert gain >= 0.20, report
+    saved = json.loads((tmp_path / "job/report.json").read_text())
+    assert saved["accuracy_after"] == report["accuracy_after"]
+    assert saved["profile"] == "generic-x86" and saved["precision"] == "fp32"
+
+
+def _finetune_in_subprocess(up: Path, data: Path, out: Path, extra: dict) -> dict:
+    code = (
+        "import json, sys, resource; from pathlib import Path; "
+        "from agent.finetune import FinetuneJob, run_finetune; "
+        "kw = json.loads(sys.argv[1]); "
+        "r = run_finetune(FinetuneJob(**kw)); "
+        "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024; "
+        "print(json.dumps({**r.report, 'rss_mb': rss}))"
+    )
+    kw = {
+        "checkpoint": str(up),
+        "data": str(data),
+        "out": str(out),
+        "profile": "generic-x86",
+        "trainable": "all",
+        "steps": 4,
+        "effective_batch": 256,
+        "optimizer": "sgd",
+        "lr": 0.05,
+        **extra,
+    }
+    p = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(kw)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_budget_bounds_peak_rss_and_keeps_the_result(tmp_path: Path) -> None:
+    # GroupNorm normalizes each sample alone, so micro-batching cannot change the result.
+    # SGD: Adam's m/sqrt(v) would blow float rounding in near-zero gradients up to ~lr.
+    up = upstream(tmp_path / "up", 48, "group", steps=2)
+    data = make_device_data(tmp_path / "device.npz", ["invert"], image_size=48)
+    unbounded = _finetune_in_subprocess(up, data, tmp_path / "free", {"micro_batch": 256})
+    budget = 700.0
+    bounded = _finetune_in_subprocess(up, data, tmp_path / "bound", {"budget_mb": budget})
+    assert unbounded["rss_mb"] > budget, unbounded
+    assert bounded["rss_mb"] <= 1.05 * budget, bounded
+    assert bounded["micro_batch_size"] < 256 and bounded["memory_plan"]["accumulation_steps"] > 1
+    a = load_file(str(tmp_path / "free/checkpoints/final/model.safetensors"))
+    b = load_file(str(tmp_path / "bound/checkpoints/final/model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=0)
+
+
+def test_fit_plan_picks_the_largest_divisor_that_fits() -> None:
+    plan = fit_plan(1000, 256, {4: 404.0, 16: 428.0}, "test")  # 400 MB + 2 MB/sample
+    assert plan.per_sample_mb == pytest.approx(2.0) and plan.base_mb == pytest.approx(396.0)
+    # 0.92 * 1000 = 920 MB -> 262 samples fit -> capped at the effective batch.
+    assert plan.micro_batch_size == 256 and plan.accumulation_steps == 1
+    plan = fit_plan(600, 256, {4: 404.0, 16: 428.0}, "test")  # (552 - 396) / 2 = 78 -> 64
+    assert plan.micro_batch_size == 64 and plan.accumulation_steps == 4
+    assert plan.predicted_peak_mb <= 600
+    with pytest.raises(BudgetTooSmall, match="raise --budget-mb"):
+        fit_plan(300, 256, {4: 404.0, 16: 428.0}, "test")
+
+
+def test_trainable_scopes() -> None:
+    m = build_model("small_cnn", num_classes=10, in_channels=1, image_size=8, width=8)
+    head = apply_trainable(m, "head")
+    assert head == sum(p.numel() for p in m.head.parameters())
+    last2 = apply_trainable(m, "last_n:2")
+    conv3 = m.features[3]
+    assert last2 == head + sum(p.numel() for p in conv3.parameters())
+    assert apply_trainable(m, "all") == sum(p.numel() for p in m.parameters())
+    with pytest.raises(ValueError, match="only 4 conv/linear layers"):
+        apply_trainable(m, "last_n:9")
+
+
+def test_job_validation_names_the_field(tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="trainable"):
+        FinetuneJob(checkpoint=tmp_path, data=tmp_path, out=tmp_path, trainable="last_n:0")
+    with pytest.raises(ValidationError, match="budget_mb"):
+        FinetuneJob(checkpoint=tmp_path, data=tmp_path, out=tmp_path, budget_mb=-5)
+    with pytest.raises(ValidationError, match="extra"):
+        FinetuneJob(checkpoint=tmp_path, data=tmp_path, out=tmp_path, budget=5)
+
+
+def test_activation_checkpointing_gives_the_same_gradients() -> None:
+    torch.manual_seed(0)
+    a = build_model("small_cnn", num_classes=10, in_channels=1, image_size=8, width=8, norm="group")
+    b = build_model("small_cnn", num_classes=10, in_channels=1, image_size=8, width=8, norm="group")
+    b.load_state_dict(a.state_dict())
+    a.eval(), b.eval()  # no dropout: recomputation must see the same mask
+    assert enable_activation_checkpointing(b) > 0
+    assert a.state_dict().keys() == b.state_dict().keys()
+    x = torch.randn(4, 1, 8, 8)
+    a(x).sum().backward()
+    b(x).sum().backward()
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa.grad, pb.grad, msg=n)
