@@ -1,0 +1,74 @@
+"""Board profiles: one validated YAML per board, auto-detection, and nvpmodel power modes.
+
+    load_profile("jetson-orin-nano-8gb")   # -> DeviceProfile
+    list_profiles()                         # -> ["generic-x86", "jetson-agx-orin-32gb", ...]
+    detect_profile()                        # the profile of the machine we run on
+"""
+
+from __future__ import annotations
+
+import difflib
+from functools import cache
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from device_profiles.schema import DeviceProfile
+
+PROFILE_DIR = Path(__file__).resolve().parent
+
+
+class ProfileError(Exception):
+    """A profile that is missing, unreadable or invalid; the message says what to fix."""
+
+
+def list_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+
+
+@cache
+def load_profile(name: str) -> DeviceProfile:
+    """The validated profile ``name`` (a file name in this package, without .yaml)."""
+    path = PROFILE_DIR / f"{name}.yaml"
+    if not path.is_file():
+        close = difflib.get_close_matches(name, list_profiles(), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(list_profiles())}"
+        raise ProfileError(f"no device profile {name!r} ({hint})")
+    return load_profile_file(path)
+
+
+def load_profile_file(path: Path) -> DeviceProfile:
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ProfileError(f"{path}: cannot read: {e}") from e
+    if not isinstance(tree, dict):
+        raise ProfileError(f"{path}: top level must be a mapping")
+    if tree.get("name") != path.stem:
+        raise ProfileError(f"{path}: name must equal the file name {path.stem!r}")
+    try:
+        return DeviceProfile.model_validate(tree)
+    except ValidationError as e:
+        # Reuse the training config's formatter: same "path: message (hint)" lines everywhere.
+        from hpc_core.config import format_errors
+
+        lines = "\n".join(format_errors(e, DeviceProfile))
+        raise ProfileError(f"{path}: {e.error_count()} error(s)\n{lines}") from None
+
+
+def detect_profile(root: Path = Path("/"), machine: str | None = None) -> DeviceProfile:
+    """The profile of this machine, from the device tree (see ``device_profiles.detect``)."""
+    from device_profiles.detect import detect
+
+    return detect(root=root, machine=machine).profile
+
+
+__all__ = [
+    "DeviceProfile",
+    "ProfileError",
+    "detect_profile",
+    "list_profiles",
+    "load_profile",
+    "load_profile_file",
+]

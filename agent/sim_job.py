@@ -1,0 +1,178 @@
+"""A paced training job on the simulated plant, in simulated time: the reference for the
+governor's tests and benchmark. The job's "steps" are the plant's (``SimPlant.run_step``);
+pacing goes through the same ``GovernorHook`` a real ``hpc_core.Trainer`` uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from agent.governor import (
+    BangBangGovernor,
+    DutyController,
+    Governor,
+    GovernorConfig,
+    GovernorEvent,
+    GovernorHook,
+)
+from agent.sensors.sim import SimBackend
+from agent.thermal_sim import BoardShutdown, PlantParams, SimClock, SimPlant
+from device_profiles.schema import DeviceProfile
+
+Control = Literal["governor", "bangbang", "none"]
+
+
+class SimModeSwitcher:
+    """Power-mode switching on the simulated board (``nvpmodel -m`` on a real one)."""
+
+    def __init__(self, plant: SimPlant, modes: list[str] | None = None) -> None:
+        self.plant = plant
+        self.modes = modes or [m.name for m in plant.profile.power_modes]
+
+    def current(self) -> str | None:
+        return self.plant.mode
+
+    def available(self) -> list[str]:
+        return list(self.modes)
+
+    def switch(self, name: str) -> None:
+        self.plant.set_mode(name)
+
+
+class _SimTrainer:
+    """The two trainer calls the hook makes, recorded instead of acted on."""
+
+    def __init__(self) -> None:
+        self.stop_reason: str | None = None
+        self.saves = 0
+
+    def request_stop(self, reason: str) -> None:
+        self.stop_reason = reason
+
+    def save(self) -> None:
+        self.saves += 1
+
+
+@dataclass
+class SimJobResult:
+    control: str
+    duration_s: float
+    steps: int
+    max_temp_c: float
+    time_above_target_s: float
+    max_over_target_c: float
+    board_throttled_s: float
+    energy_j: float
+    shutdown: bool
+    stop_reason: str | None
+    checkpoints: int
+    params: PlantParams
+    target_c: float
+    events: list[GovernorEvent] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    """Per second: t_s, temp_c (true plant temperature), power_w, duty, state, mode."""
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.duration_s
+
+    def best_constant_duty(self) -> float:
+        return self.params.best_constant_duty(self.target_c)
+
+    def optimum_steps_per_s(self) -> float:
+        """Steps/s of the best constant duty that stays under the target (analytic, from the
+        plant's steady state), in the mode the job started in."""
+        return self.best_constant_duty() / self.params.step_time_s
+
+    def relative_throughput(self) -> float:
+        return self.steps_per_s / self.optimum_steps_per_s()
+
+
+def simulate_job(
+    profile: DeviceProfile,
+    *,
+    control: Control = "governor",
+    duration_s: float = 1800.0,
+    ambient_c: float | None = None,
+    mode: str | None = None,
+    noise_c: float = 0.2,
+    seed: int = 0,
+    governor_cfg: GovernorConfig | None = None,
+    allow_mode_switch: bool = False,
+    bangbang_hysteresis_c: float = 2.0,
+    plant: SimPlant | None = None,
+) -> SimJobResult:
+    """Run ``duration_s`` of simulated training under ``control`` and measure it against the
+    plant's true (noise-free) temperature."""
+    plant = plant or SimPlant(profile, ambient_c=ambient_c, mode=mode)
+    start_params = plant.params
+    sensors = SimBackend(plant, noise_c=noise_c, seed=seed)
+    clock = SimClock(plant)
+    switcher = SimModeSwitcher(plant)
+    target = profile.thermal.throttle_target_c
+    controller: DutyController | None = None
+    if control == "governor":
+        cfg = governor_cfg or GovernorConfig.from_profile(
+            profile, mode=plant.mode, allow_mode_switch=allow_mode_switch
+        )
+        target = cfg.target_c
+        controller = Governor(
+            cfg, profile=profile, switcher=switcher if allow_mode_switch else None
+        )
+    elif control == "bangbang":
+        controller = BangBangGovernor(target, bangbang_hysteresis_c,
+                                      profile.thermal.control_zones)
+    hook = (
+        GovernorHook(controller, sensors, clock=clock, record_every_s=1e9, power_mode=switcher)
+        if controller is not None else None
+    )
+    trainer = _SimTrainer()
+    steps = 0
+    above_s = 0.0
+    max_over = -1e9
+    samples: list[dict[str, Any]] = []
+    next_sample = 0.0
+    shutdown = False
+    try:
+        while plant.time_s < duration_s and trainer.stop_reason is None:
+            t0, temp0 = plant.time_s, plant.temp_c
+            plant.run_step()
+            steps += 1
+            if hook is not None:
+                hook.on_step_end(trainer, steps, {})
+            # Temperature is monotone within each constant-power segment, so the interval's
+            # share above target is bounded by its endpoints; count it when either is above.
+            if max(temp0, plant.temp_c) > target:
+                above_s += plant.time_s - t0
+            max_over = max(max_over, plant.max_temp_c - target)
+            if plant.time_s >= next_sample:
+                samples.append({
+                    "t_s": plant.time_s,
+                    "temp_c": plant.temp_c,
+                    "power_w": plant.power_w,
+                    "duty": hook.last.duty if hook is not None and hook.last else 1.0,
+                    "state": controller.state.value if controller else "NORMAL",
+                    "mode": plant.mode,
+                    "throttled": plant.throttled,
+                })
+                next_sample = plant.time_s + 1.0
+    except BoardShutdown:
+        shutdown = True
+    return SimJobResult(
+        control=control,
+        duration_s=plant.time_s,
+        steps=steps,
+        max_temp_c=plant.max_temp_c,
+        time_above_target_s=above_s,
+        max_over_target_c=max_over,
+        board_throttled_s=plant.throttled_s,
+        energy_j=plant.energy_j,
+        shutdown=shutdown,
+        stop_reason=trainer.stop_reason,
+        checkpoints=trainer.saves,
+        params=start_params,
+        target_c=target,
+        events=list(controller.events) if controller else [],
+        samples=samples,
+    )
