@@ -127,11 +127,16 @@ class SpecMismatchError(ManifestError):
 # Names
 
 
-def _unsafe(kind: str, value: str, why: str) -> PydanticCustomError:
-    return PydanticCustomError(
-        "unsafe_name", "{kind} {value!r} is refused: {why}",
-        {"kind": kind, "value": value, "why": why},
-    )
+def _unsafe(kind: str, value: str, why: str) -> UnsafeNameError:
+    return UnsafeNameError(f"{kind} {value!r} is refused: {why}")
+
+
+def _as_pydantic(check: Callable[[str], str], value: str) -> str:
+    """Run a name check inside a validator; from_bytes turns it back into UnsafeNameError."""
+    try:
+        return check(value)
+    except UnsafeNameError as e:
+        raise PydanticCustomError("unsafe_name", str(e)) from None
 
 
 def check_tensor_name(name: str) -> str:
@@ -242,7 +247,7 @@ class TensorEntry(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        return check_tensor_name(v)
+        return _as_pydantic(check_tensor_name, v)
 
     @field_validator("sha256")
     @classmethod
@@ -272,7 +277,7 @@ class ArtefactEntry(_Strict):
     @field_validator("path")
     @classmethod
     def _path(cls, v: str) -> str:
-        return check_artefact_path(v)
+        return _as_pydantic(check_artefact_path, v)
 
     @field_validator("sha256")
     @classmethod

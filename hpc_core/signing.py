@@ -167,12 +167,12 @@ def load_public_key(path: Path) -> TrustedKey:
 
 
 def load_trusted_keys(where: Path) -> dict[str, TrustedKey]:
-    """Every ``*.pem`` public key in a folder (or one file), by key id."""
+    """Every ``*.pub.pem`` in a folder (private keys beside them are ignored), or one file."""
     where = Path(where)
     if where.is_file():
         files = [where]
     elif where.is_dir():
-        files = sorted(p for p in where.iterdir() if p.name.endswith(".pem"))
+        files = sorted(p for p in where.iterdir() if p.name.endswith(PUBLIC_SUFFIX))
     else:
         raise KeyFileError(
             f"trusted keys {where} do not exist: copy the publisher's *{PUBLIC_SUFFIX} there"
@@ -180,7 +180,7 @@ def load_trusted_keys(where: Path) -> dict[str, TrustedKey]:
     keys = {k.key_id: k for k in map(load_public_key, files)}
     if not keys:
         raise KeyFileError(
-            f"no *.pem public keys in {where}: copy the publisher's *{PUBLIC_SUFFIX} there"
+            f"no *{PUBLIC_SUFFIX} public keys in {where}: copy the publisher's public key there"
         )
     return keys
 

@@ -1,0 +1,324 @@
+"""``agentctl pull | rollback | upload | models | gc``: model updates without the daemon.
+
+For scripts, tests and field debugging: the same code paths the daemon runs, in the foreground.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from agent.slots import (
+    GcReport,
+    ModelSlots,
+    SlotError,
+    StateBusyError,
+    SwitchResult,
+    gc,
+    installed_models,
+)
+from agent.sync import (
+    FetchFailedError,
+    InsufficientDiskError,
+    RefError,
+    SyncError,
+    TransferConfig,
+    parse_ref,
+    update,
+)
+from agent.upload import upload
+from hpc_core.manifest import ManifestError
+from hpc_core.publish import PublishError, StoreError
+from hpc_core.signing import KeyFileError, load_signing_key, load_trusted_keys
+
+STATE_ENV, REGISTRY_ENV = "EDGETRAIN_STATE_DIR", "EDGETRAIN_REGISTRY"
+DEFAULT_STATE_DIR = "/var/lib/edgetrain"
+
+EXIT_CODES = """\
+exit codes: 0 done, 1 network or registry failure (retry later), 2 bad arguments or
+reference, 3 refused (signature, hash, unsafe name, pickle, spec mismatch: the active model
+is untouched), 4 not enough disk, 5 another pull/install holds the state lock
+"""
+
+PULL_EPILOG = f"""\
+REF is NAME@VERSION (resolved against --registry / ${REGISTRY_ENV}) or a full URL to a
+version: https://host/registry/NAME/VERSION, file:///srv/registry/NAME/VERSION,
+s3://bucket/prefix/NAME/VERSION (needs boto3).
+
+The manifest and its signature are verified against --trusted-keys before any chunk moves;
+only chunks missing locally are fetched, partial ones resume with HTTP Range. The version is
+assembled into the standby slot and `current` switches atomically; the previous version stays
+for `agentctl rollback`.
+
+examples:
+  agentctl pull digits-cnn@3 --registry https://models.example.com/registry
+  agentctl pull http://10.0.0.5:8000/registry/digits-cnn/3 --max-rate 2M
+
+{EXIT_CODES}"""
+
+UPLOAD_EPILOG = f"""\
+Publishes a fine-tuned checkpoint as a new version whose parent is the installed one, signed
+with this device's key (make it with `hpc-train keygen --out KEYDIR --name DEVICE_ID` and
+give the cloud DEVICE_ID.pub.pem). Only chunks the registry lacks are sent - usually just the
+fine-tuned tensors - and re-running an interrupted upload sends only what is still missing.
+The registry must accept writes: a folder, s3://, or an http(s) URL that takes PUT.
+
+example:
+  agentctl upload runs/finetune --name digits-cnn --registry s3://fleet-uploads/registry \\
+      --sign-key /var/lib/edgetrain/keys/jetson-07.key.pem --artefact exports/
+
+{EXIT_CODES}"""
+
+
+def _rate(text: str) -> int:
+    """Bytes per second, with an optional K/M/G suffix (powers of 1024)."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("b/s").removesuffix("/s").removesuffix("b")
+    try:
+        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: use bytes per second, e.g. 500K or 2M"
+        ) from None
+    if value < 1024:
+        raise argparse.ArgumentTypeError(f"{text!r}: the cap must be at least 1K per second")
+    return int(value)
+
+
+def _state_dir(args: argparse.Namespace) -> Path:
+    return Path(args.state_dir or os.environ.get(STATE_ENV) or DEFAULT_STATE_DIR)
+
+
+def _trusted(args: argparse.Namespace) -> Any:
+    return load_trusted_keys(Path(args.trusted_keys) if args.trusted_keys
+                             else _state_dir(args) / "trusted_keys")
+
+
+def _transfer(args: argparse.Namespace) -> TransferConfig:
+    return TransferConfig(
+        connect_timeout_s=args.connect_timeout_s, read_timeout_s=args.read_timeout_s,
+        retries=args.retries, max_bytes_per_s=args.max_rate, connections=args.connections,
+        allow_custom_models=getattr(args, "allow_custom_model", False),
+    )
+
+
+@contextmanager
+def _progress_bar(enabled: bool, desc: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A tqdm bar when stderr is a terminal, nothing in logs and pipes."""
+    if not (enabled and sys.stderr.isatty()):
+        yield None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False)
+
+    def update_bar(done: int, total: int) -> None:
+        if bar.total != total:
+            bar.total = total
+        bar.update(done - bar.n)
+
+    try:
+        yield update_bar
+    finally:
+        bar.close()
+
+
+def _fail(code: int, message: str) -> int:
+    print(f"agentctl: {message}", file=sys.stderr)
+    return code
+
+
+def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Map the library's errors to one-line messages and documented exit codes."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except StateBusyError as e:
+            return _fail(5, str(e))
+        except InsufficientDiskError as e:
+            return _fail(4, str(e))
+        except ManifestError as e:
+            return _fail(3, f"refused ({type(e).__name__}): {e}")
+        except (RefError, KeyFileError, PublishError, SlotError, ValueError) as e:
+            return _fail(2, str(e))
+        except (FetchFailedError, SyncError, StoreError, OSError) as e:
+            return _fail(1, str(e))
+
+    return run
+
+
+def _describe(switch: SwitchResult) -> str:
+    now = f"{switch.name}@{switch.active.version} active (slot {switch.active.slot})"
+    if switch.previous is None:
+        return now
+    return f"{now}; previous {switch.previous.version} (slot {switch.previous.slot})"
+
+
+def run_pull(args: argparse.Namespace) -> int:
+    ref = parse_ref(args.ref, args.registry or os.environ.get(REGISTRY_ENV))
+    with _progress_bar(not args.no_progress, f"{ref.name}@{ref.version}") as progress:
+        result = update(ref, state_dir=_state_dir(args), trusted=_trusted(args),
+                        cfg=_transfer(args), progress=progress)
+    p = result.pulled
+    if not result.switch.changed:
+        print(f"{ref.name}@{ref.version} is already active (slot {result.switch.active.slot})")
+        return 0
+    print(
+        f"{_describe(result.switch)}; signed by {p.signer.name} ({p.signer.key_id}); fetched "
+        f"{p.chunks_fetched} chunks ({p.bytes_fetched / 1e6:.2f} MB), reused {p.chunks_reused}; "
+        f"{_gc_line(result.gc)}"
+    )
+    return 0
+
+
+def _gc_line(report: GcReport) -> str:
+    return f"gc removed {report.removed_chunks} chunks ({report.removed_bytes / 1e6:.2f} MB)"
+
+
+def _only_model(state_dir: Path, name: str | None) -> str:
+    if name:
+        return name
+    names = installed_models(state_dir)
+    if len(names) != 1:
+        raise SlotError(f"{state_dir} holds models {names or 'none'}: name the one to use")
+    return names[0]
+
+
+def run_rollback(args: argparse.Namespace) -> int:
+    state_dir = _state_dir(args)
+    name = _only_model(state_dir, args.name)
+    switch = ModelSlots(state_dir, name).rollback(_trusted(args))
+    print(f"rolled back: {_describe(switch)}")
+    return 0
+
+
+def run_upload(args: argparse.Namespace) -> int:
+    state_dir = _state_dir(args)
+    name = _only_model(state_dir, args.name)
+    key_path = Path(args.sign_key) if args.sign_key else state_dir / "keys" / "device.key.pem"
+    metrics: dict[str, float] = {}
+    if args.metrics:
+        metrics = json.loads(Path(args.metrics).read_text())
+        if not isinstance(metrics, dict):
+            raise ValueError(f"{args.metrics}: expected a JSON object of metric name -> number")
+    with _progress_bar(not args.no_progress, f"upload {name}") as progress:
+        report = upload(
+            Path(args.checkpoint), state_dir=state_dir, name=name, target=args.registry,
+            key=load_signing_key(key_path), version=args.version, parent=args.parent,
+            artefacts=[Path(a) for a in args.artefact], metrics=metrics, cfg=_transfer(args),
+            progress=progress,
+        )
+    print(report.summary())
+    return 0
+
+
+def run_models(args: argparse.Namespace) -> int:
+    state_dir = _state_dir(args)
+    names = installed_models(state_dir)
+    if not names:
+        print(f"no models installed in {state_dir}")
+    for name in names:
+        slots = ModelSlots(state_dir, name)
+        active, standby = slots.active(), slots.standby()
+        line = f"{name}: active {active.version if active else '-'}"
+        if active is not None:
+            line += f" (slot {active.slot}, signed by {active.manifest.signer.name})"
+        line += f"; standby {standby.version if standby else '-'}"
+        print(line)
+    return 0
+
+
+def run_gc(args: argparse.Namespace) -> int:
+    print(_gc_line(gc(_state_dir(args))))
+    return 0
+
+
+def _common(p: argparse.ArgumentParser, trusted: bool = True) -> None:
+    p.add_argument("--state-dir", metavar="DIR",
+                   help=f"device state (default: ${STATE_ENV} or {DEFAULT_STATE_DIR})")
+    if trusted:
+        p.add_argument("--trusted-keys", metavar="DIR",
+                       help="folder of trusted *.pub.pem keys (default: STATE_DIR/trusted_keys)")
+
+
+def _network(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("network")
+    g.add_argument("--max-rate", type=_rate, metavar="RATE",
+                   help="bandwidth cap in bytes/s, e.g. 500K or 2M (default: none)")
+    g.add_argument("--connections", type=int, default=4, metavar="N",
+                   help="parallel transfers (default: %(default)s)")
+    g.add_argument("--connect-timeout-s", type=float, default=10.0, metavar="S",
+                   help="connect timeout per attempt (default: %(default)s)")
+    g.add_argument("--read-timeout-s", type=float, default=30.0, metavar="S",
+                   help="longest silence while reading (default: %(default)s)")
+    g.add_argument("--retries", type=int, default=8, metavar="N",
+                   help="attempts without progress before giving up (default: %(default)s)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar even at a terminal")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = subparsers.add_parser(
+        "pull", help="verify, download (delta, resumable) and install a model version",
+        description="Pull a signed model version and make it active (A/B slots).",
+        epilog=PULL_EPILOG, formatter_class=fmt,
+    )
+    p.add_argument("ref", metavar="REF", help="NAME@VERSION or a URL to NAME/VERSION")
+    p.add_argument("--registry", metavar="URL", help=f"registry root (default: ${REGISTRY_ENV})")
+    p.add_argument("--allow-custom-model", action="store_true",
+                   help="accept model specs naming a Python factory (pkg.mod:fn) to import")
+    _common(p)
+    _network(p)
+    p.set_defaults(func=_guarded(run_pull))
+
+    r = subparsers.add_parser(
+        "rollback", help="switch back to the previous installed version (atomic)",
+        description="Re-verify the standby slot, then make it active with one atomic rename. "
+        "Rolling back twice returns to where you started.",
+        epilog=EXIT_CODES, formatter_class=fmt,
+    )
+    r.add_argument("name", nargs="?", metavar="NAME", help="model name (optional if only one)")
+    _common(r)
+    r.set_defaults(func=_guarded(run_rollback))
+
+    u = subparsers.add_parser(
+        "upload", help="publish a fine-tuned checkpoint back to the registry, device-signed",
+        description="Upload a fine-tuned checkpoint as a new version (parent: the installed one).",
+        epilog=UPLOAD_EPILOG, formatter_class=fmt,
+    )
+    u.add_argument("checkpoint", metavar="CHECKPOINT", help="fine-tune run dir or checkpoint dir")
+    u.add_argument("--registry", required=True, metavar="URI",
+                   help="writable registry: folder, s3://BUCKET/PREFIX or http(s) URL taking PUT")
+    u.add_argument("--name", metavar="N", help="model name (optional if only one is installed)")
+    u.add_argument("--version", metavar="V",
+                   help="new version (default: PARENT+KEYNAME.UTCTIME, "
+                   "e.g. 3+jetson-07.20250101T120000Z)")
+    u.add_argument("--parent", metavar="V",
+                   help="installed version it derives from (default: the active one)")
+    u.add_argument("--sign-key", metavar="KEY",
+                   help="this device's private key (default: STATE_DIR/keys/device.key.pem)")
+    u.add_argument("--artefact", action="append", default=[], metavar="PATH",
+                   help="export artefact file or folder to include (repeatable; no pickles)")
+    u.add_argument("--metrics", metavar="FILE", help="JSON object of extra metrics to record")
+    _common(u, trusted=False)
+    _network(u)
+    u.set_defaults(func=_guarded(run_upload))
+
+    m = subparsers.add_parser("models", help="list installed models, active and standby versions",
+                              description="List installed models with their A/B slots.")
+    _common(m, trusted=False)
+    m.set_defaults(func=_guarded(run_models))
+
+    g = subparsers.add_parser(
+        "gc", help="delete chunks no installed version needs, and partial downloads",
+        description="Garbage-collect the chunk store (pull does this after each install).",
+    )
+    _common(g, trusted=False)
+    g.set_defaults(func=_guarded(run_gc))
