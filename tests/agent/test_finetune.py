@@ -160,3 +160,39 @@ def test_activation_checkpointing_gives_the_same_gradients() -> None:
     b(x).sum().backward()
     for (n, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(pa.grad, pb.grad, msg=n)
+
+
+def test_agentctl_finetune_end_to_end(tmp_path: Path) -> None:
+    from agent.cli import main
+
+    up = upstream(tmp_path / "up", 16, "batch", steps=30)
+    data = make_device_data(tmp_path / "device.npz", ["invert"], image_size=16)
+    out = tmp_path / "job"
+    argv = [
+        "finetune",
+        "--checkpoint",
+        str(up),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--profile",
+        "sim",
+        "--sensors",
+        "sim",
+        "--trainable",
+        "last_n:2",
+        "--steps",
+        "12",
+        "--micro-batch",
+        "32",
+    ]
+    assert main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["format"] == "edgetrain.job_report/1"
+    assert report["job"]["micro_batch_size"] == 32 and report["job"]["steps"] == 12
+    assert report["summary"]["max_temp_c"] is not None
+    assert (out / "report.png").stat().st_size > 10_000
+    # Bad input: named flag, exit 2, nothing run.
+    assert main([*argv[:-2], "--trainable", "some"]) == 2
+    assert main([*argv[:7], "--profile", "jetson-orin-nano-9gb"]) == 2
