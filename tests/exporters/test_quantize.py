@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from exporters.calibration import CalibrationConfig, representative_inputs
+from exporters.gates import top1
+from exporters.onnx_export import export_onnx
+from exporters.onnx_weights import weight_refs
+from exporters.quantize import prepare_for_quantization, quantizable_nodes, quantize_int8
+from exporters.runtime import OrtRunner, predict
+
+
+def _int8(trained: Any, tmp_path: Path, cfg: CalibrationConfig, **kw: Any) -> tuple[Path, Path]:
+    fp32 = export_onnx(trained.model(), tmp_path / "fp32.onnx", trained.input_shape)
+    prepared = prepare_for_quantization(fp32.path, tmp_path / "prep.onnx")
+    train, _ = trained.splits()
+    calib = representative_inputs(train, cfg.samples, cfg.seed)
+    out = quantize_int8(prepared, tmp_path / "int8.onnx", calib_inputs=calib,
+                        input_name=fp32.input_name, cfg=cfg, **kw)
+    return fp32.path, out.path
+
+
+@pytest.mark.parametrize("which", ["cnn", "resnet"])
+def test_int8_loses_at_most_one_point_in_under_a_third_of_the_bytes(
+    which: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    trained = request.getfixturevalue(which)
+    fp32, int8 = _int8(trained, tmp_path, CalibrationConfig())
+    x, y = trained.held_out()
+    with torch.no_grad():
+        ref = trained.model()(torch.from_numpy(x)).numpy()
+    acc_fp32, acc_int8 = top1(ref, y), top1(predict(OrtRunner(int8), x), y)
+    assert acc_fp32 > 0.95
+    assert (acc_fp32 - acc_int8) * 100 <= 1.0, f"FP32 {acc_fp32:.4f} -> INT8 {acc_int8:.4f}"
+    ratio = int8.stat().st_size / fp32.stat().st_size
+    assert ratio <= 0.3, f"INT8 file is {ratio:.3f}x the FP32 file"
+    # Really int8: every Conv/Gemm weight is stored as an int8 initializer.
+    refs = weight_refs(int8)
+    assert refs and all(r.array.dtype == np.int8 for r in refs)
+
+
+@pytest.mark.parametrize("method", ["percentile", "entropy"])
+def test_every_calibration_method_gives_a_working_model(
+    method: str, cnn: Any, tmp_path: Path
+) -> None:
+    _, int8 = _int8(cnn, tmp_path, CalibrationConfig(method=method, samples=256))  # type: ignore[arg-type]
+    x, y = cnn.held_out()
+    assert top1(predict(OrtRunner(int8), x), y) > 0.95
+
+
+def test_excluded_layers_stay_in_float(cnn: Any, tmp_path: Path) -> None:
+    fp32 = export_onnx(cnn.model(), tmp_path / "fp32.onnx", cnn.input_shape)
+    prepared = prepare_for_quantization(fp32.path, tmp_path / "prep.onnx")
+    nodes = quantizable_nodes(prepared)
+    assert len(nodes) == 4  # three convolutions and the classifier
+    train, _ = cnn.splits()
+    cache = tmp_path / "ranges.json"
+    cfg = CalibrationConfig(samples=128)
+    quantize_int8(prepared, tmp_path / "all.onnx", calib_inputs=representative_inputs(train, 128),
+                  input_name="input", cfg=cfg, cache_path=cache)
+    assert cache.is_file()
+    # The second quantization reuses the cached ranges: no calibration data needed.
+    quantize_int8(prepared, tmp_path / "ex.onnx", calib_inputs=None, input_name="input", cfg=cfg,
+                  cache_path=cache, nodes_to_exclude=[nodes[0]])
+    dtypes = {r.node: r.array.dtype for r in weight_refs(tmp_path / "ex.onnx")}
+    assert dtypes[nodes[0]] == np.float32
+    assert all(dtypes[n] == np.int8 for n in nodes[1:])
+    model = onnx.load(str(tmp_path / "ex.onnx"))
+    assert any(n.op_type == "DequantizeLinear" for n in model.graph.node)
