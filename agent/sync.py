@@ -728,8 +728,6 @@ def pull(
             downloads.run(missing)
         except StoreError as e:
             raise FetchFailedError(f"{ref}: {e}") from e
-        finally:
-            store.sync()
     unique = len({c.sha256 for c in manifest.chunks})
     return PullResult(ref, manifest, manifest_bytes, signature_bytes, signer, len(missing),
                       unique - len(missing), downloads.downloaded)

@@ -23,7 +23,7 @@ import socket
 import struct
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -62,6 +62,8 @@ class RegistryServer:
         self.bytes_received = 0
         self.requests: list[Served] = []
         self.faults = _Faults()
+        self.honour_range = True
+        """False: answer 200 with the whole file to ranged GETs, as some proxies do."""
         self._stop = threading.Event()
         handler = type("Handler", (_Handler,), {"owner": self})
         self.httpd = ThreadingHTTPServer((host, port), handler)
@@ -73,7 +75,7 @@ class RegistryServer:
     # -- lifecycle
 
     def start(self) -> RegistryServer:
-        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
         self._thread.start()
         return self
 
@@ -164,6 +166,12 @@ class _Handler(BaseHTTPRequestHandler):
     owner: RegistryServer
     protocol_version = "HTTP/1.1"  # keep-alive, as real registries and CDNs do
 
+    def setup(self) -> None:
+        super().setup()
+        # As nginx's tcp_nodelay: headers and body go out in separate writes, and Nagle plus
+        # the client's delayed ACK would add 40 ms to every small response.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
@@ -230,7 +238,7 @@ class _Handler(BaseHTTPRequestHandler):
         size = path.stat().st_size
         start, end, status = 0, size - 1, 200
         rng = self.headers.get("Range")
-        if rng:
+        if rng and self.owner.honour_range:
             m = _RANGE_RE.match(rng.strip())
             if m and (m.group(1) or m.group(2)):
                 if m.group(1):
@@ -350,7 +358,7 @@ class KeyPair:
     """A folder holding only this key's public half."""
 
 
-def make_keypair(where: Path, name: str) -> KeyPair:
+def _make_keypair(where: Path, name: str) -> KeyPair:
     priv, pub = generate_keypair(where / name, name)
     trusted = where / f"{name}-trusted"
     trusted.mkdir()
@@ -360,31 +368,41 @@ def make_keypair(where: Path, name: str) -> KeyPair:
 
 @pytest.fixture(scope="session")
 def upstream_key(tmp_path_factory: pytest.TempPathFactory) -> KeyPair:
-    return make_keypair(tmp_path_factory.mktemp("keys"), "upstream")
+    return _make_keypair(tmp_path_factory.mktemp("keys"), "upstream")
 
 
-def save_model_checkpoint(dest: Path, model: Any, spec: dict[str, Any], metrics: dict | None = None,
-                          step: int = 1) -> Path:
-    """An hpc_core checkpoint of ``model`` built from ``spec`` (a ModelConfig dict)."""
+@pytest.fixture
+def make_keypair(tmp_path: Path) -> Callable[[str], KeyPair]:
+    """make_keypair(name): a fresh key pair and a trusted-keys folder holding its public half."""
+    return lambda name: _make_keypair(tmp_path, name)
+
+
+def _save_model_checkpoint(dest: Path, model: Any, spec: dict[str, Any] | None = None,
+                           step: int = 1) -> Path:
     from hpc_core.checkpoint import save_checkpoint
     from hpc_core.config import config_from_dict
 
-    cfg = config_from_dict({"model": spec, "training": {"max_steps": step}})
+    cfg = config_from_dict({"model": spec or TEST_MODEL, "training": {"max_steps": step}})
     return save_checkpoint(dest, model_state=model.state_dict(),
                            trainer_state={"step": step, "epoch": 0, "config": cfg.to_dict(),
-                                          "metrics": metrics or {"eval/acc": 0.5}})
+                                          "metrics": {"eval/acc": 0.5}})
 
 
-def build_test_model(seed: int = 0, spec: dict[str, Any] | None = None) -> Any:
+def _build_test_model(seed: int = 0) -> Any:
     import torch
 
     from hpc_core.models import build_model
 
-    spec = spec or TEST_MODEL
     torch.manual_seed(seed)
-    return build_model(spec["name"], num_classes=spec["num_classes"],
-                       in_channels=spec["in_channels"], image_size=spec["image_size"],
-                       **spec["kwargs"])
+    return build_model(TEST_MODEL["name"], num_classes=TEST_MODEL["num_classes"],
+                       in_channels=TEST_MODEL["in_channels"], image_size=TEST_MODEL["image_size"],
+                       **TEST_MODEL["kwargs"])
+
+
+@pytest.fixture
+def new_model() -> Callable[..., Any]:
+    """new_model(seed=0): the test MLP with seeded weights."""
+    return _build_test_model
 
 
 @dataclass
@@ -394,16 +412,22 @@ class Publisher:
     root: Path
     work: Path
     key: KeyPair
+    spec: dict[str, Any] = field(default_factory=lambda: dict(TEST_MODEL))
+    chunk_size: int = TEST_CHUNK
+    pack_below: int = TEST_PACK
+
+    def checkpoint(self, model: Any, label: str) -> Path:
+        return _save_model_checkpoint(self.work / label, model, self.spec)
 
     def publish(self, model: Any, version: str, *, parent: str | None = None,
-                name: str = "digits", spec: dict[str, Any] | None = None,
-                artefacts: tuple[Path, ...] = (), key: SigningKey | None = None) -> Any:
+                artefacts: tuple[Path, ...] = (), key: SigningKey | None = None,
+                store: Any = None) -> Any:
         from hpc_core.publish import LocalStore, publish_checkpoint
 
-        ckpt = save_model_checkpoint(self.work / f"{name}-{version}", model, spec or TEST_MODEL)
-        return publish_checkpoint(ckpt, LocalStore(self.root), name=name, version=version,
+        return publish_checkpoint(self.checkpoint(model, f"v{version}"),
+                                  store or LocalStore(self.root), name="digits", version=version,
                                   key=key or self.key.signing, parent=parent, artefacts=artefacts,
-                                  chunk_size=TEST_CHUNK, pack_below=TEST_PACK)
+                                  chunk_size=self.chunk_size, pack_below=self.pack_below)
 
 
 @pytest.fixture
