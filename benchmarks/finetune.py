@@ -1,0 +1,134 @@
+"""Fine-tuning inside a memory budget, and pacing under a thermal limit.
+
+1. Memory: the same fine-tune job (small_cnn, GroupNorm, digits at 48x48, effective batch 256)
+   run unbounded and at a budget, each in its own process. Prints the micro-batch the planner
+   chose, peak RSS against the budget and the throughput ratio (target >= 0.85x).
+2. Thermal: governor vs bang-bang vs no control on the simulated Orin Nano 8GB in a 35 C
+   enclosure (see benchmarks/governor.py), and the plot for the README.
+
+    python benchmarks/finetune.py [--budget-mb 700] [--steps 12] [--plot PNG]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+
+def run_job(up: Path, data: Path, out: Path, steps: int, extra: dict) -> dict:
+    code = (
+        "import json, sys, resource; from agent.finetune import FinetuneJob, run_finetune; "
+        "r = run_finetune(FinetuneJob(**json.loads(sys.argv[1]))); "
+        "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024; "
+        "print(json.dumps({**r.report, 'rss_mb': rss}))"
+    )
+    kw = {
+        "checkpoint": str(up),
+        "data": str(data),
+        "out": str(out),
+        "profile": "generic-x86",
+        "trainable": "all",
+        "steps": steps,
+        "effective_batch": 256,
+        "optimizer": "sgd",
+        "lr": 0.05,
+        **extra,
+    }
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    p = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(kw)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    report = json.loads(p.stdout.strip().splitlines()[-1])
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    # Skip the first window: it carries loader and allocator warm-up.
+    rates = [m["samples_per_s"] for m in lines if "samples_per_s" in m][1:]
+    report["samples_per_s"] = statistics.median(rates)
+    return report
+
+
+def memory_section(budget_mb: float, steps: int) -> None:
+    from make_device_data import make_device_data
+
+    from hpc_core.config import load_config
+    from hpc_core.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t = Path(tmp)
+        cfg = load_config(
+            REPO / "configs/digits.yaml",
+            [
+                f"run.output_dir={t / 'up'}",
+                "data.image_size=48",
+                "model.kwargs={width: 16, norm: group}",
+                "training.max_steps=2",
+                "logging.progress=off",
+            ],
+        )
+        Trainer(cfg).train()
+        data = make_device_data(t / "device.npz", ["invert"], image_size=48)
+        free = run_job(t / "up", data, t / "free", steps, {"micro_batch": 256})
+        bound = run_job(t / "up", data, t / "bound", steps, {"budget_mb": budget_mb})
+    plan = bound["memory_plan"]
+    print(
+        f"memory: small_cnn(GroupNorm) on 48x48 digits, effective batch 256, {steps} steps, "
+        "1 thread"
+    )
+    print(f"{'':22}{'micro x accum':>15}{'peak RSS MB':>13}{'samples/s':>11}")
+    for name, r, acc in (
+        ("unbounded", free, 1),
+        (f"budget {budget_mb:.0f} MB", bound, plan["accumulation_steps"]),
+    ):
+        shape = f"{r['micro_batch_size']} x {acc}"
+        print(f"{name:22}{shape:>15}{r['rss_mb']:13.0f}{r['samples_per_s']:11.1f}")
+    print(
+        f"plan: {plan['base_mb']:.0f} MB fixed + {plan['per_sample_mb']:.2f} MB/sample "
+        f"(probes {plan['probes']}), predicted peak {plan['predicted_peak_mb']:.0f} MB"
+    )
+    ratio = bound["samples_per_s"] / free["samples_per_s"]
+    print(
+        f"peak RSS / budget: {bound['rss_mb'] / budget_mb:.3f} (target <= 1.05); unbounded "
+        f"peak / budget: {free['rss_mb'] / budget_mb:.2f}"
+    )
+    print(f"throughput at budget / unbounded: {ratio:.3f} (target >= 0.85)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--budget-mb", type=float, default=700.0)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--plot", type=Path, default=REPO / "benchmarks/out/governor.png")
+    p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--skip-thermal", action="store_true")
+    args = p.parse_args()
+    if not args.skip_memory:
+        memory_section(args.budget_mb, args.steps)
+    if not args.skip_thermal:
+        print()
+        subprocess.run(
+            [sys.executable, str(REPO / "benchmarks/governor.py"), "--plot", str(args.plot)],
+            check=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
