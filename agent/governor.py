@@ -366,6 +366,7 @@ class Governor:
         if self._sensor_lost and self.state != GovernorState.PAUSED:
             self.duty = min(self.duty, self.cfg.fallback_duty)
             self.limit = "sensor"
+            self._full_since = None
             if self.state == GovernorState.NORMAL:
                 self._set_state(now, GovernorState.THROTTLED, "temperature sensors lost")
         return self._decision(self.duty, None, None, reading)
@@ -497,7 +498,7 @@ class GovernorHook:
         on_pause: Literal["wait", "stop"] = "wait",
         poll_s: float = 1.0,
         max_wait_s: float = 3600.0,
-        idle_read_min_s: float = 0.2,
+        idle_read_min_s: float = 0.02,
         record_every_s: float = 1.0,
         power_mode: PowerModeSwitcher | None = None,
     ) -> None:
@@ -517,27 +518,37 @@ class GovernorHook:
         self._resumed_at: float | None = None
         self._last_sample_s = -math.inf
         self._last_metrics_s = -math.inf
+        self._idle_mw: float | None = None
+        self._window_mj = 0.0
+        self._window_s = 0.0
 
     def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
         now = self.clock.now()
         step_s = 0.0 if self._resumed_at is None else max(0.0, now - self._resumed_at)
         self.record.steps += 1
         self.record.compute_s += step_s
-        decision = self.last = self.controller.update(self.sensors.read(), now, "active")
+        reading = self.sensors.read()
+        decision = self.last = self.controller.update(reading, now, "active")
+        self._account(reading.total_power_mw, step_s)
         self._record_metrics(now, step, metrics)
-        self._sample(now, step, decision, force=False)
         if decision.state == GovernorState.PAUSED and self.on_pause == "stop":
             trainer.request_stop(f"governor paused: {self._last_reason()}")
         elif decision.duty <= 0.0:
             if decision.state == GovernorState.PAUSED and hasattr(trainer, "save"):
                 trainer.save()  # the next thing past the soft limit is the board's own throttle
+            self._sample(self.clock.now(), step, decision)
             self._wait(trainer, step)
         elif decision.duty < 1.0 and step_s > 0:
             pause = step_s * (1.0 - decision.duty) / decision.duty
             self.clock.sleep(pause)
             self.record.paced_s += pause
+            idle_mw = None
             if pause >= self.idle_read_min_s:
-                self.controller.update(self.sensors.read(), self.clock.now(), "idle")
+                idle = self.sensors.read()
+                self.controller.update(idle, self.clock.now(), "idle")
+                idle_mw = idle.total_power_mw
+            self._account(idle_mw if idle_mw is not None else self._idle_mw, pause, idle=True)
+        self._sample(self.clock.now(), step, decision)
         self._resumed_at = self.clock.now()
 
     def _wait(self, trainer: Any, step: int) -> None:
@@ -546,8 +557,10 @@ class GovernorHook:
             self.clock.sleep(self.poll_s)
             waited += self.poll_s
             now = self.clock.now()
-            decision = self.last = self.controller.update(self.sensors.read(), now, "idle")
-            self._sample(now, step, decision, force=False)
+            reading = self.sensors.read()
+            decision = self.last = self.controller.update(reading, now, "idle")
+            self._account(reading.total_power_mw, self.poll_s, idle=True)
+            self._sample(now, step, decision)
             if decision.duty > 0.0 and decision.state != GovernorState.PAUSED:
                 break
             if waited >= self.max_wait_s:
@@ -555,20 +568,32 @@ class GovernorHook:
                 break
         self.record.waited_s += waited
 
+    def _account(self, power_mw: float | None, seconds: float, idle: bool = False) -> None:
+        """Energy of the sample window: a reading after a step stands for that step, one
+        after a pause for the pause (the last idle reading when the pause was too short)."""
+        if idle and power_mw is not None:
+            self._idle_mw = power_mw
+        if power_mw is not None and seconds > 0:
+            self._window_mj += power_mw * seconds
+            self._window_s += seconds
+
     def _last_reason(self) -> str:
         events = self.controller.events
         return events[-1].reason if events else "soft limit"
 
-    def _sample(self, now: float, step: int, d: Decision, force: bool) -> None:
-        if not force and now - self._last_sample_s < self.record_every_s:
+    def _sample(self, now: float, step: int, d: Decision) -> None:
+        if now - self._last_sample_s < self.record_every_s:
             return
         self._last_sample_s = now
+        avg_mw = self._window_mj / self._window_s if self._window_s > 0 else d.power_mw
+        self._window_mj = self._window_s = 0.0
         self.record.samples.append({
             "t_s": now - self.start_s,
             "step": step,
             "temp_c": d.temp_c,
             "zone": d.zone,
-            "power_mw": d.power_mw,
+            "power_mw": avg_mw,
+            "power_now_mw": d.power_mw,
             "duty": d.duty,
             "state": d.state.value,
             "limit": d.limit,

@@ -36,7 +36,8 @@ class JobReport:
     job: dict[str, Any]
     limits: Limits
     samples: list[dict[str, Any]]
-    """Governor samples: t_s, step, temp_c, zone, power_mw, duty, state, limit, power_mode."""
+    """Governor samples: t_s, step, temp_c, zone, power_mw (average since the last sample),
+    power_now_mw (last reading), duty, state, limit, power_mode."""
     metrics: list[dict[str, Any]]
     """Training metrics: t_s, step, train/loss, eval/acc..."""
     events: list[dict[str, Any]]
@@ -69,7 +70,7 @@ def summarize(samples: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any
     summary: dict[str, Any] = {
         "max_temp_c": max(temps) if temps else None,
         "time_above_target_s": _time_above(samples, limits.target_c),
-        "max_power_w": max(powers) / 1000 if powers else None,
+        "max_avg_power_w": max(powers) / 1000 if powers else None,
     }
     losses = [m["train/loss"] for m in metrics if "train/loss" in m]
     accs = [m["eval/acc"] for m in metrics if "eval/acc" in m]
@@ -152,8 +153,10 @@ def plot_report(report: JobReport, path: Path) -> Path:
     ax.legend(loc="lower right", fontsize=8)
 
     ax = axes[2]
-    ax.plot(t, [(x["power_mw"] or 0) / 1000 for x in s], color="tab:orange", lw=1,
-            label="board power")
+    ax.plot(t, [(x["power_now_mw"] or 0) / 1000 for x in s], color="tab:orange", lw=0.6,
+            alpha=0.35, label="after a step")
+    ax.plot(t, [(x["power_mw"] or 0) / 1000 for x in s], color="tab:orange", lw=1.2,
+            label="average")
     if lim.power_cap_w is not None:
         ax.axhline(lim.power_cap_w, ls="--", color="gray", lw=1, label=f"cap {lim.power_cap_w:g} W")
     ax.set_ylabel("W")
@@ -169,9 +172,11 @@ def plot_report(report: JobReport, path: Path) -> Path:
     ax.set_yticks(list(STATE_LEVEL.values()), list(STATE_LEVEL))
     ax.set_xlabel("time (min)")
     for ev in report.events:
-        if ev["kind"] == "power_mode":
+        if ev["kind"] == "power_mode" and ev["old"] != ev["new"]:
             for a in axes:
                 a.axvline(ev["t_s"] / 60, color="tab:cyan", lw=0.8)
+            axes[2].annotate(f" {ev['old']} -> {ev['new']}", (ev["t_s"] / 60, 0.9),
+                             xycoords=("data", "axes fraction"), fontsize=8, color="tab:cyan")
     return _save_png(fig, path)
 
 

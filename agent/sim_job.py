@@ -5,7 +5,9 @@ pacing goes through the same ``GovernorHook`` a real ``hpc_core.Trainer`` uses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from agent.governor import (
@@ -69,16 +71,26 @@ class SimJobResult:
     checkpoints: int
     params: PlantParams
     target_c: float
+    initial_c: float
+    ambients_c: list[float]
+    """Every ambient the job saw (more than one with an ambient schedule)."""
+    power_cap_w: float | None
     events: list[GovernorEvent] = field(default_factory=list)
     samples: list[dict[str, Any]] = field(default_factory=list)
-    """Per second: t_s, temp_c (true plant temperature), power_w, duty, state, mode."""
+    """Per second: t_s, steps, temp_c (true plant temperature), energy_j (cumulative), duty,
+    state, mode, throttled (the board's own throttle)."""
 
     @property
     def steps_per_s(self) -> float:
         return self.steps / self.duration_s
 
     def best_constant_duty(self) -> float:
-        return self.params.best_constant_duty(self.target_c)
+        """The largest constant duty that stays under the target (and the cap) all job long:
+        the hottest ambient of the job decides."""
+        return min(
+            replace(self.params, ambient_c=a).best_constant_duty(self.target_c, self.power_cap_w)
+            for a in self.ambients_c
+        )
 
     def optimum_steps_per_s(self) -> float:
         """Steps/s of the best constant duty that stays under the target (analytic, from the
@@ -87,6 +99,23 @@ class SimJobResult:
 
     def relative_throughput(self) -> float:
         return self.steps_per_s / self.optimum_steps_per_s()
+
+    def ideal_steps_per_s(self) -> float | None:
+        """The time-optimal schedule for this plant, an upper bound for any controller: full
+        speed until the target is reached, then the duty that holds it there. Only for a
+        constant ambient and no power cap (None otherwise)."""
+        if len(self.ambients_c) > 1 or self.power_cap_w is not None:
+            return None
+        p, step = self.params, self.params.step_time_s
+        hot = p.steady_state_c(1.0)
+        if hot <= self.target_c:
+            return 1.0 / step
+        t_reach = 0.0
+        if self.initial_c < self.target_c:
+            t_reach = p.tau_s * math.log((hot - self.initial_c) / (hot - self.target_c))
+        t_reach = min(t_reach, self.duration_s)
+        steps = t_reach / step + (self.duration_s - t_reach) * self.best_constant_duty() / step
+        return steps / self.duration_s
 
 
 def simulate_job(
@@ -101,12 +130,16 @@ def simulate_job(
     governor_cfg: GovernorConfig | None = None,
     allow_mode_switch: bool = False,
     bangbang_hysteresis_c: float = 2.0,
+    ambient_schedule: Sequence[tuple[float, float]] = (),
+    power_cap_mw: float | None = None,
     plant: SimPlant | None = None,
 ) -> SimJobResult:
     """Run ``duration_s`` of simulated training under ``control`` and measure it against the
-    plant's true (noise-free) temperature."""
+    plant's true (noise-free) temperature. ``ambient_schedule``: (time s, ambient C) changes,
+    e.g. the sun reaching the enclosure. ``power_cap_mw`` binds the governor only (the
+    baselines ignore it) and enters the optimum all controls are compared with."""
     plant = plant or SimPlant(profile, ambient_c=ambient_c, mode=mode)
-    start_params = plant.params
+    start_params, initial_c = plant.params, plant.temp_c
     sensors = SimBackend(plant, noise_c=noise_c, seed=seed)
     clock = SimClock(plant)
     switcher = SimModeSwitcher(plant)
@@ -114,7 +147,8 @@ def simulate_job(
     controller: DutyController | None = None
     if control == "governor":
         cfg = governor_cfg or GovernorConfig.from_profile(
-            profile, mode=plant.mode, allow_mode_switch=allow_mode_switch
+            profile, mode=plant.mode, allow_mode_switch=allow_mode_switch,
+            power_cap_mw=power_cap_mw,
         )
         target = cfg.target_c
         controller = Governor(
@@ -134,8 +168,11 @@ def simulate_job(
     samples: list[dict[str, Any]] = []
     next_sample = 0.0
     shutdown = False
+    schedule = sorted(ambient_schedule)
     try:
         while plant.time_s < duration_s and trainer.stop_reason is None:
+            while schedule and plant.time_s >= schedule[0][0]:
+                plant.set_ambient(schedule.pop(0)[1])
             t0, temp0 = plant.time_s, plant.temp_c
             plant.run_step()
             steps += 1
@@ -149,8 +186,9 @@ def simulate_job(
             if plant.time_s >= next_sample:
                 samples.append({
                     "t_s": plant.time_s,
+                    "steps": steps,
                     "temp_c": plant.temp_c,
-                    "power_w": plant.power_w,
+                    "energy_j": plant.energy_j,
                     "duty": hook.last.duty if hook is not None and hook.last else 1.0,
                     "state": controller.state.value if controller else "NORMAL",
                     "mode": plant.mode,
@@ -173,6 +211,9 @@ def simulate_job(
         checkpoints=trainer.saves,
         params=start_params,
         target_c=target,
+        initial_c=initial_c,
+        ambients_c=[start_params.ambient_c, *(a for _, a in sorted(ambient_schedule))],
+        power_cap_w=None if power_cap_mw is None else power_cap_mw / 1000.0,
         events=list(controller.events) if controller else [],
         samples=samples,
     )

@@ -60,7 +60,7 @@ class SimBackend:
             if dt > 0:
                 self.plant.advance(dt, load)
         temps = {
-            zone: round(t + (self._rng.gauss(0.0, self.noise_c) if self.noise_c else 0.0), 3)
+            zone: t + (self._rng.gauss(0.0, self.noise_c) if self.noise_c else 0.0)
             for zone, t in self.plant.zone_temps().items()
         }
         rails = {"VDD_IN": self.plant.power_w * 1000.0}

@@ -52,7 +52,8 @@ def orin_nano_tree(root: Path) -> None:
     write(root, "proc/meminfo", MEMINFO)
     write(root, "sys/devices/platform/gpu.0/load", "634")
     write(root, "var/lib/nvpmodel/status", "pmode:0002 fmode:quiet")
-    write(root, "etc/nvpmodel.conf", "< POWER_MODEL ID=0 NAME=15W >\n< POWER_MODEL ID=1 NAME=25W >\n"
+    write(root, "etc/nvpmodel.conf",
+          "< POWER_MODEL ID=0 NAME=15W >\n< POWER_MODEL ID=1 NAME=25W >\n"
           "< POWER_MODEL ID=2 NAME=MAXN_SUPER >\n< POWER_MODEL ID=3 NAME=7W >")
 
 
