@@ -261,6 +261,8 @@ class Governor:
         self._sensor_lost = False
         self._last_switch_s: float | None = None
         self._full_since: float | None = None
+        self._seen_temperature = False
+        self._no_sensor_since: float | None = None
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -296,6 +298,7 @@ class Governor:
             return self._no_temperature(now_s, reading)
         zone, temp = hot
         self._last_temp_s = now_s
+        self._seen_temperature = True
         if self._sensor_lost:
             self._sensor_lost = False
             self._event(now_s, "sensor", "lost", "ok", f"temperatures back ({zone} {temp:.1f} C)")
@@ -355,9 +358,21 @@ class Governor:
             self._set_state(now, GovernorState.NORMAL, f"{zone} {temp:.1f} C: headroom, full speed")
 
     def _no_temperature(self, now: float, reading: Reading) -> Decision:
+        if not self._seen_temperature:
+            # A machine without thermal sensors (a container, some x86 boxes): nothing to
+            # regulate against, so thermal pacing is off; said once, the power cap still holds.
+            if self._no_sensor_since is None:
+                self._no_sensor_since = now
+            elif not self._sensor_lost and now - self._no_sensor_since >= self.cfg.sensor_timeout_s:
+                self._sensor_lost = True  # only to say it once
+                self._event(now, "sensor", "none", "none",
+                            "no temperature sensor on this machine: thermal pacing off")
+            if self.cfg.power_cap_mw is not None:
+                self.duty = self._power_duty()
+                self.limit = "power" if self.duty < 1.0 else None
+            return self._decision(self.duty, None, None, reading)
         last = self._last_temp_s
-        if last is None:
-            self._last_temp_s = last = now
+        assert last is not None
         if not self._sensor_lost and now - last >= self.cfg.sensor_timeout_s:
             self._sensor_lost = True
             self._event(now, "sensor", "ok", "lost",

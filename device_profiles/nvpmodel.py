@@ -100,3 +100,29 @@ def usable_modes(profile: DeviceProfile, info: NvpModelInfo) -> dict[str, int]:
         if mode_id is not None:
             found[mode.name] = mode_id
     return found
+
+
+class NvpmodelSwitcher:
+    """Power-mode switching on a real board for the governor (``PowerModeSwitcher``): the
+    modes it offers are the profile's modes this board's nvpmodel knows, by id read here."""
+
+    def __init__(self, profile: DeviceProfile, run: Runner = run_command) -> None:
+        self.run = run
+        self.profile = profile
+        self.ids = usable_modes(profile, read_modes(run))
+        if not self.ids:
+            raise NvpmodelError(f"nvpmodel lists none of {profile.name}'s power modes")
+        active = read_active(run)
+        self._current = active.name if active else None
+
+    def current(self) -> str | None:
+        return self._current
+
+    def available(self) -> list[str]:
+        return [n for n in self.ids if not self.profile.mode(n).needs_reboot]
+
+    def switch(self, name: str) -> None:
+        if name not in self.ids:
+            raise NvpmodelError(f"power mode {name!r} is not available here: {sorted(self.ids)}")
+        set_mode(self.ids[name], self.run)
+        self._current = name

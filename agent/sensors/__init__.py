@@ -14,13 +14,11 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
 
 from agent.sensors.backend import SensorBackend, SensorUnavailable, empty_reading
 from agent.sensors.reading import Reading
 from device_profiles.schema import DeviceProfile
 
-BackendName = Literal["auto", "jtop", "tegrastats", "sysfs", "sim"]
 BACKENDS: tuple[str, ...] = ("auto", "jtop", "tegrastats", "sysfs", "sim")
 log = logging.getLogger("agent.sensors")
 
@@ -73,7 +71,8 @@ def open_sensors(
             continue
         log.info("sensor backend: %s", candidate)
         return backend
-    # Degrade, never crash: the governor falls back to a conservative duty without readings.
+    # Degrade, never crash: without temperatures the governor turns thermal pacing off and
+    # says so once (a machine with no sensors has nothing to regulate against).
     log.warning("no sensor backend works here (%s); readings will be empty", "; ".join(problems))
     return NullBackend()
 

@@ -193,6 +193,19 @@ def test_lost_sensors_fall_back_to_a_safe_duty() -> None:
     assert gov.state == GovernorState.NORMAL
 
 
+def test_a_machine_without_thermal_sensors_is_not_slowed_down() -> None:
+    gov = Governor(GovernorConfig.from_profile(NANO, sensor_timeout_s=30.0))
+    for t in range(0, 120, 5):
+        d = gov.update(_DeadSensors().read(), float(t))
+        assert d.duty == 1.0 and d.state == GovernorState.NORMAL
+    assert [(e.kind, e.reason) for e in gov.events] == [
+        ("sensor", "no temperature sensor on this machine: thermal pacing off")]
+    # A power cap still binds on power readings alone.
+    capped = Governor(GovernorConfig.from_profile(NANO, power_cap_mw=9000.0))
+    capped.update(Reading(0.0, total_power_mw=4000.0), 0.0, "idle")
+    assert capped.update(Reading(1.0, total_power_mw=14000.0), 1.0).duty == pytest.approx(0.5)
+
+
 def test_pi_anti_windup() -> None:
     """Hours at full speed on a cool board leave nothing to unwind: the first error of the
     other sign pulls the output below the limit at once."""

@@ -11,6 +11,7 @@ from device_profiles import load_profile
 from device_profiles.nvpmodel import (
     NvpMode,
     NvpmodelError,
+    NvpmodelSwitcher,
     parse_modes,
     parse_query,
     read_active,
@@ -76,6 +77,26 @@ def test_commands_go_through_the_runner() -> None:
     assert read_active(runner) == NvpMode(0, "15W")
     set_mode(2, runner)
     assert calls[-1] == ["nvpmodel", "-m", "2"]
+
+
+def test_switcher_uses_the_board_ids() -> None:
+    calls: list[list[str]] = []
+
+    def runner(argv: Sequence[str]) -> str:
+        calls.append(list(argv))
+        if argv[1] == "-q":
+            return "NV Power Mode: 15W\n0\n"
+        if argv[1] == "-p":
+            return (DATA / "nvpmodel_orin_nano_super_p.txt").read_text()
+        return ""
+
+    sw = NvpmodelSwitcher(load_profile("jetson-orin-nano-8gb"), runner)
+    assert sw.current() == "15W"
+    assert sorted(sw.available()) == ["15W", "25W", "7W", "MAXN_SUPER"]
+    sw.switch("7W")
+    assert calls[-1] == ["nvpmodel", "-m", "3"] and sw.current() == "7W"
+    with pytest.raises(NvpmodelError, match="not available"):
+        sw.switch("MAXN")
 
 
 def test_run_command_reports_failures() -> None:
