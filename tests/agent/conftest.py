@@ -147,14 +147,16 @@ class RegistryServer:
                     self.faults.put_budget -= 1
             return status, stall
 
-    def _reserve(self, want: int) -> tuple[int, str | None]:
-        """How many of ``want`` body bytes may go out before a cut; counts them as served."""
+    def _reserve(self, want: int, served: Served) -> tuple[int, str | None]:
+        """How many of ``want`` body bytes may go out before a cut; counts them as served
+        (before they are sent, so a client that saw them never races the counters)."""
         with self.lock:
             allowed, cut = want, None
             if self.faults.cuts and self.faults.cuts[0] < self.bytes_served + want:
                 allowed = max(0, self.faults.cuts.pop(0) - self.bytes_served)
                 cut = self.faults.cut_mode
             self.bytes_served += allowed
+            served.body_bytes += allowed
             return allowed, cut
 
     def _record(self, served: Served) -> None:
@@ -181,6 +183,8 @@ class _Handler(BaseHTTPRequestHandler):
         return path if path.is_relative_to(self.owner.root) else None
 
     def _reply(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
+        # Recorded before the client can see the answer, so tests never race the log.
+        self.owner._record(Served(self.command, self.path, self.headers.get("Range"), status, 0))
         self.send_response(status)
         for k, v in (headers or {}).items():
             self.send_header(k, v)
@@ -188,7 +192,6 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if body and self.command != "HEAD":
             self.wfile.write(body)
-        self.owner._record(Served(self.command, self.path, self.headers.get("Range"), status, 0))
 
     def _fault(self) -> bool:
         status, stall = self.owner._take_fault(self.command, self.path)
@@ -251,30 +254,28 @@ class _Handler(BaseHTTPRequestHandler):
                     return
                 status = 206
         length = end - start + 1
+        served = Served(self.command, self.path, rng, status, 0)
+        self.owner._record(served)
         self.send_response(status)
         self.send_header("Content-Length", str(length))
         self.send_header("Accept-Ranges", "bytes")
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
         self.end_headers()
-        if self.command == "HEAD":
-            self.owner._record(Served("HEAD", self.path, rng, status, 0))
-            return
-        sent = self._send_body(path, start, length)
-        self.owner._record(Served("GET", self.path, rng, status, sent))
+        if self.command != "HEAD":
+            self._send_body(path, start, length, served)
 
-    def _send_body(self, path: Path, start: int, length: int) -> int:
+    def _send_body(self, path: Path, start: int, length: int, served: Served) -> None:
         sent = 0
         with open(path, "rb") as f:
             while sent < length:
-                allowed, cut = self.owner._reserve(min(_BLOCK, length - sent))
+                allowed, cut = self.owner._reserve(min(_BLOCK, length - sent), served)
                 if allowed:
                     self.connection.sendfile(f, start + sent, allowed)
                     sent += allowed
                 if cut is not None:
                     self._cut(cut)
                     break
-        return sent
 
     def _cut(self, mode: str) -> None:
         self.close_connection = True
@@ -399,7 +400,7 @@ def _build_test_model(seed: int = 0) -> Any:
                        **TEST_MODEL["kwargs"])
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def new_model() -> Callable[..., Any]:
     """new_model(seed=0): the test MLP with seeded weights."""
     return _build_test_model
