@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from exporters.cli import DESCRIPTION, EPILOG, add_export_arguments, run_from_args
+from exporters.cli import build_parser, run_from_args
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m exporters",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_export_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    return run_from_args(build_parser("python -m exporters").parse_args(argv))
 
 
 if __name__ == "__main__":

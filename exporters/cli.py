@@ -59,6 +59,18 @@ def _optional_float(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"expected a number or 'off', got {text!r}") from None
 
 
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    """A stand-alone parser for the export job (``python -m exporters``)."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_export_arguments(parser)
+    return parser
+
+
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
     """The export job's flags; every one maps onto a field of ``ExportJob``."""
     io = p.add_argument_group("input and output")

@@ -1,0 +1,105 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import onnx
+import pytest
+from pydantic import ValidationError
+
+from exporters.onnx_weights import check_semi_structured, weight_refs
+from exporters.pipeline import ExportJob, load_source, run_export
+from exporters.qdq_check import check_qdq
+
+FAST_GATES = {"latency_iters": 3, "latency_warmup": 1, "batch_size": 8}
+
+
+def _job(trained: Any, out: Path, **fields: Any) -> ExportJob:
+    gates = {**FAST_GATES, **fields.pop("gates", {})}
+    return ExportJob(checkpoint=trained.checkpoint, out_dir=out, gates=gates, **fields)
+
+
+def test_2_4_with_recovery_and_int8_stays_within_two_points(cnn: Any, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    report = run_export(_job(cnn, out, prune="2:4", precision="int8",
+                             recovery={"steps": 80}, gates={"max_top1_drop_pts": 2.0}))
+    assert report.status == "passed" and report.winner == "int8", report.fallback_reason
+    m = report.attempts[0].measurement
+    assert m is not None and m.top1_drop_pts <= 2.0
+    # The reference is the model as trained, on its own validation split.
+    assert m.reference_top1 == pytest.approx(cnn.val_acc)
+    assert report.recovery is not None and report.recovery["steps"] == 80
+    assert report.semi_structured == {"layers_2_4": 3, "eligible_layers": 3, "not_2_4": []}
+    # The installed artefact itself: int8 Q/DQ, TensorRT-clean, weights still 2:4.
+    installed = out / "model.onnx"
+    assert check_qdq(installed) == []
+    eligible = [c for c in check_semi_structured(installed) if c.eligible]
+    assert len(eligible) == 3 and all(c.violations == 0 for c in eligible)
+    assert all(c.sparsity >= 0.5 for c in eligible)
+    on_disk = json.loads((out / "report.json").read_text())
+    assert on_disk["winner"] == "int8" and on_disk["artefact_sha256"] == report.artefact_sha256
+    assert not (out / "work").exists()
+
+
+def test_an_impossible_gate_walks_the_fallback_chain(cnn: Any, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    report = run_export(_job(cnn, out, precision="int8", gates={"max_abs_logit_delta": 1e-4}))
+    steps = [a.step for a in report.attempts]
+    assert steps == ["int8", "int8-exclude-1", "int8-exclude-2", "int8-exclude-3", "fp16", "fp32"]
+    assert report.status == "passed" and report.winner == "fp32"
+    assert [a.passed for a in report.attempts] == [False] * 5 + [True]
+    assert all("gates.max_abs_logit_delta" in a.failures[0] for a in report.attempts[:5])
+    assert report.fallback_reason is not None
+    assert all(s in report.fallback_reason for s in steps[:5])
+    # Exclusions follow the measured per-layer sensitivity, worst first.
+    assert report.sensitivity is not None and len(report.sensitivity) == 4
+    ranked = [s["node"] for s in report.sensitivity]
+    for k, attempt in enumerate(report.attempts[1:4], start=1):
+        assert attempt.excluded == ranked[:k]
+    deltas = [a.measurement.max_abs_logit_delta for a in report.attempts if a.measurement]
+    assert deltas[0] > deltas[4] > deltas[5]  # int8 > fp16 > fp32
+    installed = onnx.load(str(out / "model.onnx"))
+    assert not any(n.op_type == "QuantizeLinear" for n in installed.graph.node)
+    assert json.loads((out / "report.json").read_text())["winner"] == "fp32"
+
+
+def test_when_nothing_passes_nothing_is_installed(cnn: Any, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.onnx").write_bytes(b"stale artefact of an earlier job")
+    report = run_export(_job(cnn, out, precision="int8", fallback={"enabled": False},
+                             gates={"max_p50_ms_b1": 1e-6}))
+    assert report.status == "failed" and report.winner is None
+    assert [a.step for a in report.attempts] == ["int8"]
+    assert "gates.max_p50_ms_b1" in report.attempts[0].failures[0]
+    assert not (out / "model.onnx").exists()
+    assert json.loads((out / "report.json").read_text())["status"] == "failed"
+
+
+def test_channel_pruned_job_is_smaller_and_passes(cnn: Any, tmp_path: Path) -> None:
+    report = run_export(_job(cnn, tmp_path, prune="channels:0.5"))
+    assert report.status == "passed" and report.winner == "fp32"
+    assert report.model["flops_after"] <= 0.6 * report.model["flops_before"]
+    assert report.prune is not None and report.prune["channels"]["features.1.0"] == [64, 32]
+    gemm = next(r for r in weight_refs(tmp_path / "model.onnx") if r.op_type == "Gemm")
+    assert gemm.array.shape == (10, 64)
+
+
+def test_job_validation_names_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="calibraton"):
+        ExportJob.model_validate({"checkpoint": tmp_path, "out_dir": tmp_path,
+                                  "calibraton": {"samples": 10}})
+    with pytest.raises(ValidationError, match="prune"):
+        ExportJob(checkpoint=tmp_path, out_dir=tmp_path, prune="3:8")  # type: ignore[arg-type]
+    job = ExportJob(checkpoint=tmp_path, out_dir=tmp_path, prune="channels:0.5")  # type: ignore[arg-type]
+    assert job.prune is not None and job.prune.method == "channels"
+
+
+def test_job_data_overrides_only_what_it_sets(cnn: Any, tmp_path: Path) -> None:
+    job = ExportJob(checkpoint=cnn.checkpoint, out_dir=tmp_path,
+                    data={"source": "digits", "split_seed": 1})
+    src = load_source(job)
+    assert src.config.data.image_size == 16  # the model's input size, not digits' native 8
+    assert src.config.data.split_seed == 1
+    assert src.input_shape == (1, 16, 16)
