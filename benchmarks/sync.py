@@ -1,0 +1,220 @@
+"""Registry sync benchmark: pull throughput vs curl, delta bytes, bytes re-moved after a cut.
+
+One run, side by side, over loopback HTTP (the test suite's Range-capable server, in its own
+process so it does not share a GIL with the client):
+
+1. throughput: ``curl`` fetching exactly the manifest, signature and chunk URLs of a version
+   (one connection, and --parallel like our pool), vs ``agent.sync.pull`` (fetch + sha256 of
+   every chunk into the chunk store), and pull + install into an A/B slot;
+2. delta: after v1 is installed, pull v2 that changes 10% of the layers; bytes on the wire
+   (the server's counter) over the bytes of a full pull;
+3. resume: cut the connection at 40% of a fresh pull (clean close, then a hard reset) and count
+   the bytes the server had to send again.
+
+    python benchmarks/sync.py                 # 256 MB checkpoint
+    python benchmarks/sync.py --size-mb 32    # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from agent.slots import ChunkStore, ModelSlots  # noqa: E402
+from agent.sync import TransferConfig, parse_ref, pull, update  # noqa: E402
+from hpc_core.checkpoint import save_checkpoint  # noqa: E402
+from hpc_core.config import config_from_dict  # noqa: E402
+from hpc_core.manifest import DEFAULT_CHUNK_SIZE, Manifest, chunk_key  # noqa: E402
+from hpc_core.models import build_model  # noqa: E402
+from hpc_core.publish import LocalStore, publish_checkpoint  # noqa: E402
+from hpc_core.signing import generate_keypair, load_signing_key, load_trusted_keys  # noqa: E402
+
+MB = 1e6
+
+
+def model_spec(size_mb: float) -> dict:
+    """An MLP of equal hidden layers whose weights add up to ~size_mb (at least 20 layers, so
+    10% of them is a whole number of layers)."""
+    layers = max(20, round(size_mb / 4.194304) + 1)
+    width = max(64, round(math.sqrt(size_mb * MB / 4 / layers) / 64) * 64)
+    return {"name": "mlp", "kwargs": {"hidden": [width] * layers}, "num_classes": 10,
+            "in_channels": 1, "image_size": 8}
+
+
+def make_versions(work: Path, spec: dict) -> tuple[Path, Path]:
+    torch.manual_seed(0)
+    m = build_model(spec["name"], num_classes=10, in_channels=1, image_size=8, **spec["kwargs"])
+    cfg = config_from_dict({"model": spec, "training": {"max_steps": 1}}).to_dict()
+    v1 = save_checkpoint(work / "v1", model_state=m.state_dict(),
+                         trainer_state={"step": 1, "epoch": 0, "config": cfg, "metrics": {}})
+    # v2: 10% of the hidden layers (weight and bias) changed, as a fine-tune of a few layers.
+    m2 = copy.deepcopy(m)
+    layers = len(spec["kwargs"]["hidden"])
+    linear = [mod for mod in m2 if isinstance(mod, torch.nn.Linear)]
+    with torch.no_grad():
+        for mod in linear[1 : 1 + layers // 10]:
+            mod.weight.mul_(1.01)
+            mod.bias.add_(0.01)
+    v2 = save_checkpoint(work / "v2", model_state=m2.state_dict(),
+                         trainer_state={"step": 2, "epoch": 0, "config": cfg, "metrics": {}})
+    return v1, v2
+
+
+class Server:
+    """tests/agent/conftest.py's registry server, run as its own process."""
+
+    def __init__(self, root: Path) -> None:
+        script = REPO / "tests" / "agent" / "conftest.py"
+        self.proc = subprocess.Popen([sys.executable, str(script), "--root", str(root)],
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        self.url = f"http://127.0.0.1:{int(self.proc.stdout.readline())}"
+
+    def _call(self, path: str, method: str = "GET") -> dict:
+        req = urllib.request.Request(self.url + path, method=method)
+        with urllib.request.urlopen(req) as resp:
+            body = resp.read()
+        return json.loads(body) if body else {}
+
+    def reset(self) -> None:
+        self._call("/__reset__", "POST")
+
+    def served(self) -> int:
+        return int(self._call("/__stats__")["bytes_served"])
+
+    def cut_at(self, offset: int, mode: str) -> None:
+        self._call(f"/__cut__?at={offset}&mode={mode}", "POST")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
+
+
+def curl_fetch(server: Server, manifest: Manifest, dest: Path, parallel: int) -> float:
+    """Time curl fetching the same objects a pull fetches, over reused connections."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir()
+    keys = [f"{manifest.name}/{manifest.version}/manifest.json",
+            f"{manifest.name}/{manifest.version}/manifest.sig"]
+    keys += [chunk_key(c.sha256) for c in manifest.chunks]
+    config = dest / "curl.cfg"
+    config.write_text("".join(f'url = "{server.url}/{k}"\noutput = "{dest / str(i)}"\n'
+                              for i, k in enumerate(keys)))
+    cmd = ["curl", "--silent", "--no-progress-meter", "--fail", "--config", str(config)]
+    if parallel > 1:
+        cmd += ["--parallel", "--parallel-max", str(parallel)]
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--size-mb", type=float, default=256, help="checkpoint size (default: 256)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per variant (median)")
+    ap.add_argument("--connections", type=int, default=4, help="pull connections (default: 4)")
+    args = ap.parse_args()
+    if shutil.which("curl") is None:
+        sys.exit("curl is missing: apt-get install -y curl")
+
+    with tempfile.TemporaryDirectory(prefix="edgetrain-sync-") as tmp:
+        work = Path(tmp)
+        spec = model_spec(args.size_mb)
+        v1_ckpt, v2_ckpt = make_versions(work, spec)
+        priv, _ = generate_keypair(work / "keys", "bench")
+        key, trusted = load_signing_key(priv), load_trusted_keys(work / "keys")
+        reg = LocalStore(work / "registry")
+        m1 = publish_checkpoint(v1_ckpt, reg, name="bench", version="1", key=key).manifest
+        r2 = publish_checkpoint(v2_ckpt, reg, name="bench", version="2", key=key, parent="1")
+        cfg = TransferConfig(connections=args.connections, free_disk_margin_bytes=0)
+        server = Server(work / "registry")
+        try:
+            ref1 = parse_ref("bench@1", server.url)
+            state = work / "state"
+
+            def fresh() -> None:
+                if state.exists():
+                    shutil.rmtree(state)
+
+            # 1. Throughput, interleaved so background load hits every variant alike.
+            times: dict[str, list[float]] = {"curl": [], "curl_par": [], "pull": [], "update": []}
+            for _ in range(args.repeats):
+                times["curl"].append(curl_fetch(server, m1, work / "curl", 1))
+                times["curl_par"].append(curl_fetch(server, m1, work / "curl", args.connections))
+                fresh()
+                server.reset()
+                t0 = time.perf_counter()
+                pull(ref1, state_dir=state, trusted=trusted, cfg=cfg)
+                times["pull"].append(time.perf_counter() - t0)
+                full = server.served()
+                fresh()
+                t0 = time.perf_counter()
+                update(ref1, state_dir=state, trusted=trusted, cfg=cfg)
+                times["update"].append(time.perf_counter() - t0)
+            med = {k: statistics.median(v) for k, v in times.items()}
+
+            # 2. Delta: v1 is installed (last loop); pull v2.
+            server.reset()
+            update(parse_ref("bench@2", server.url), state_dir=state, trusted=trusted, cfg=cfg)
+            delta = server.served()
+            assert ModelSlots(state, "bench").active().version == "2"  # type: ignore[union-attr]
+
+            # 3. Resume after a cut at 40% of a fresh pull.
+            removed = {}
+            for mode in ("fin", "rst"):
+                fresh()
+                server.reset()
+                server.cut_at(int(0.4 * full), mode)
+                update(ref1, state_dir=state, trusted=trusted, cfg=cfg)
+                removed[mode] = server.served() - full
+            assert not any(ChunkStore(state).partial_dir.iterdir())
+        finally:
+            server.stop()
+
+    size = m1.total_bytes
+    rate = {k: size / v / MB for k, v in med.items()}
+    n = args.connections
+    print(f"edgetrain registry sync: {size / MB:.0f} MB checkpoint ({len(m1.tensors)} tensors, "
+          f"{len(m1.chunks)} chunks of <= {DEFAULT_CHUNK_SIZE >> 20} MiB), loopback HTTP, "
+          f"median of {args.repeats}")
+    print(f"  {'':34s} {'seconds':>8s} {'MB/s':>8s}")
+    print(f"  {'curl, 1 connection':34s} {med['curl']:8.3f} {rate['curl']:8.0f}")
+    print(f"  {f'curl --parallel-max {n}':34s} {med['curl_par']:8.3f} {rate['curl_par']:8.0f}")
+    print(f"  {f'pull: fetch + verify ({n} conns)':34s} {med['pull']:8.3f} {rate['pull']:8.0f}")
+    print(f"  {'pull + install into A/B slot':34s} {med['update']:8.3f} {rate['update']:8.0f}")
+    best_curl = min(med["curl"], med["curl_par"])
+    ratio = med["curl"] / med["pull"]
+    print(f"  throughput pull / curl (1 conn):   {ratio:.2f}x  (target >= 0.8x)")
+    print(f"  throughput pull / best curl:       {best_curl / med['pull']:.2f}x")
+    print(f"  delta v1 -> v2 (10% of layers):    {delta / MB:.1f} MB of {full / MB:.1f} MB = "
+          f"{100 * delta / full:.1f}% of a full pull  (target <= 12%)")
+    print(f"  publishing v2 wrote {r2.bytes_written / MB:.1f} MB of new chunks, reused "
+          f"{r2.bytes_reused / MB:.1f} MB")
+    for mode, label in (("fin", "clean close"), ("rst", "hard reset")):
+        print(f"  re-moved after a cut at 40% ({label}): {removed[mode]:,} bytes "
+              f"= {removed[mode] / DEFAULT_CHUNK_SIZE:.2f} chunk  (target <= 1 chunk)")
+
+
+if __name__ == "__main__":
+    main()
