@@ -63,6 +63,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["auto", "jtop", "tegrastats", "sysfs", "sim", "none"],
         help="sensor backend for the governor (none: no pacing)",
     )
+    p.add_argument(
+        "--sim-time-scale",
+        type=float,
+        default=1.0,
+        help="with --sensors sim: simulated seconds per real second (60 shows a "
+        "board heating up within a short demo job)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the job's last checkpoint")
     p.set_defaults(func=run)
 
@@ -110,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     sensors_cm = (
         contextlib.nullcontext()
         if args.sensors == "none"
-        else open_backend(args.sensors, profile=profile)
+        else open_backend(args.sensors, profile=profile, sim_time_scale=args.sim_time_scale)
     )
     with sensors_cm as sensors:
         if sensors is not None:
