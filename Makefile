@@ -40,8 +40,11 @@ test: setup services
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider
 
+# One script per target in the issues; each prints its figures beside its baseline.
 bench: setup
 	$(PY) benchmarks/trainer_overhead.py
+	$(PY) benchmarks/finetune.py
+	@for b in sync export; do [ -f benchmarks/$$b.py ] && $(PY) benchmarks/$$b.py || true; done
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -19,7 +19,8 @@ from types import FrameType
 import torch
 
 # Jetson's unified memory often reports exhaustion as an NVML assert, not a CUDA OOM.
-_OOM_MARKERS = ("out of memory", "NVML_SUCCESS == r INTERNAL ASSERT FAILED")
+# The CPU allocator says "not enough memory" (rare: Linux usually overcommits, then kills).
+_OOM_MARKERS = ("out of memory", "NVML_SUCCESS == r INTERNAL ASSERT FAILED", "not enough memory")
 
 
 def is_oom(exc: BaseException) -> bool:
