@@ -342,14 +342,15 @@ class HttpStore:
             if resp.status in (301, 302, 303, 307, 308) and resp.getheader("Location"):
                 location = urljoin(url, resp.getheader("Location", ""))
                 resp.read()
-                if not pooled:
-                    conn.close()
                 if urlparse(location).scheme not in ("http", "https") or (
                     target.scheme == "https" and urlparse(location).scheme == "http"
                 ):
                     raise StoreError(f"{url}: refusing redirect to {location}")
+                new = urlparse(location)
+                if (new.scheme, new.hostname, new.port) != (target.scheme, target.hostname,
+                                                            target.port):
+                    hdrs.pop("Authorization", None)  # never hand the token to another origin
                 url = location
-                hdrs.pop("Authorization", None)  # never hand the token to another origin
                 continue
             return resp, (conn if pooled else None), url
         raise StoreError(f"{self.url(key)}: more than {_MAX_REDIRECTS} redirects")
@@ -364,7 +365,12 @@ class HttpStore:
                 conn, reused = self._connect(target.scheme, target.hostname, target.port), False
             try:
                 conn.request(method, path, body=body, headers=headers)
-                return conn.getresponse(), conn
+                resp = conn.getresponse()
+                if not pooled:
+                    # A one-off connection (a redirect target): the socket stays open until
+                    # the response is read or closed, then goes with it.
+                    conn.close()
+                return resp, conn
             except (OSError, http.client.HTTPException) as e:
                 conn.close()
                 if pooled:

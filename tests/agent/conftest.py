@@ -64,6 +64,8 @@ class RegistryServer:
         self.faults = _Faults()
         self.honour_range = True
         """False: answer 200 with the whole file to ranged GETs, as some proxies do."""
+        self.moved_prefix: str | None = None
+        """Paths under this prefix get a 301 to the same path without it (a moved registry)."""
         self._stop = threading.Event()
         handler = type("Handler", (_Handler,), {"owner": self})
         self.httpd = ThreadingHTTPServer((host, port), handler)
@@ -233,6 +235,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self._control() or self._fault():
+            return
+        prefix = self.owner.moved_prefix
+        if prefix and self.path.startswith(prefix + "/"):
+            self._reply(301, headers={"Location": self.path[len(prefix):]})
             return
         path = self._file()
         if path is None or not path.is_file():

@@ -147,6 +147,19 @@ def test_file_registry_and_url_refs(new_model: Any, publisher: Any, upstream_key
     assert_active(tmp_path / "state", "1", model, upstream_key)
 
 
+def test_redirected_registry_is_followed(
+    new_model: Any, registry_server: Any, publisher: Any, upstream_key: Any,
+    fast_transfers: TransferConfig, tmp_path: Path,
+) -> None:
+    model = new_model()
+    publisher.publish(model, "1")
+    registry_server.moved_prefix = "/old-location"
+    update(parse_ref("digits@1", registry_server.url + "/old-location"),
+           state_dir=tmp_path / "state", trusted=trusted(upstream_key), cfg=fast_transfers)
+    assert_active(tmp_path / "state", "1", model, upstream_key)
+    assert {r.status for r in registry_server.requests} == {301, 206, 200}
+
+
 def test_parse_ref_forms_and_errors() -> None:
     r = parse_ref("https://cdn.example.com/reg/digits-cnn/2025.1/")
     assert (r.registry, r.name, r.version) == (
