@@ -419,3 +419,22 @@ def test_state_lock_excludes_a_second_writer(tmp_path: Path) -> None:
         with pytest.raises(BlockingIOError):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.close(fd)
+
+
+def test_agentctl_models_and_gc(
+    three_versions: list, publisher: Any, upstream_key: Any, fast_transfers: TransferConfig,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from agent.cli import main as agentctl
+
+    state = tmp_path / "state"
+    assert agentctl(["models", "--state-dir", str(state)]) == 0
+    assert "no models installed" in capsys.readouterr().out
+    install(publisher, state, "1", upstream_key, fast_transfers)
+    install(publisher, state, "2", upstream_key, fast_transfers)
+    assert agentctl(["models", "--state-dir", str(state)]) == 0
+    assert capsys.readouterr().out.strip() == (
+        "digits: active 2 (slot b, signed by upstream); standby 1"
+    )
+    assert agentctl(["gc", "--state-dir", str(state)]) == 0
+    assert "gc removed 0 chunks" in capsys.readouterr().out
