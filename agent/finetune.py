@@ -26,8 +26,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hpc_core import checkpoint as ckpt
-from hpc_core.config import TrainConfig, config_from_dict
+from hpc_core.config import ModelConfig, TrainConfig, config_from_dict
 from hpc_core.metrics import peak_device_mb, peak_rss_mb
+from hpc_core.models import build_model
 from hpc_core.trainer import Trainer, TrainerHook
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class FinetuneJob(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     checkpoint: Path
-    """Local checkpoint or run directory of the upstream model."""
+    """The upstream model: an hpc_core checkpoint or run directory, or an installed slot."""
     data: Path
     """The device's data: a folder of class sub-folders (PNG/JPEG) or an .npz with x and y."""
     out: Path
@@ -142,10 +143,32 @@ def enable_activation_checkpointing(model: nn.Module) -> int:
     return count
 
 
-def prepare_model(path: Path, trainable: str) -> tuple[nn.Module, TrainConfig]:
+def load_upstream(path: Path) -> tuple[nn.Module, ModelConfig]:
+    """An installed A/B slot (signed manifest + safetensors) or an hpc_core checkpoint/run."""
+    if (path / "manifest.json").is_file():
+        from safetensors.torch import load_file
+
+        from hpc_core.manifest import Manifest
+
+        manifest = Manifest.from_bytes((path / "manifest.json").read_bytes(), source=str(path))
+        spec = ModelConfig(**manifest.model.model_dump())
+        model = build_model(
+            spec.name,
+            num_classes=spec.num_classes,
+            in_channels=spec.in_channels,  # type: ignore[arg-type]
+            image_size=spec.image_size,
+            **spec.kwargs,
+        )  # type: ignore[arg-type]
+        model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
+        return model, spec
     model, cfg = ckpt.load_model(ckpt.resolve_checkpoint(path))
+    return model, cfg.model
+
+
+def prepare_model(path: Path, trainable: str) -> tuple[nn.Module, ModelConfig]:
+    model, spec = load_upstream(path)
     apply_trainable(model, trainable)
-    return model, cfg
+    return model, spec
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,7 +190,7 @@ def pick_precision(job: FinetuneJob, profile: Any, device: str) -> str:
 
 
 def build_config(
-    job: FinetuneJob, upstream: TrainConfig, precision: str, micro: int | None
+    job: FinetuneJob, upstream: ModelConfig, precision: str, micro: int | None
 ) -> TrainConfig:
     source = "image_folder" if job.data.is_dir() else "npz"
     return config_from_dict(
@@ -180,12 +203,12 @@ def build_config(
             "data": {
                 "source": source,
                 "path": str(job.data),
-                "image_size": upstream.model.image_size,
-                "grayscale": upstream.model.in_channels == 1,
+                "image_size": upstream.image_size,
+                "grayscale": upstream.in_channels == 1,
                 "val_fraction": job.val_fraction,
                 "split_seed": job.seed,
             },
-            "model": upstream.model.model_dump(mode="json"),
+            "model": upstream.model_dump(mode="json"),
             "optimizer": {"name": job.optimizer, "lr": job.lr, "weight_decay": 0.0},
             "schedule": {"warmup_steps": 0, "decay": "cosine"},
             "training": {
@@ -214,7 +237,8 @@ def run_finetune(
 ) -> FinetuneResult:
     profile = resolve_profile(job.profile)
     device = "cuda" if job.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
-    init = ckpt.resolve_checkpoint(job.checkpoint)
+    installed_slot = (job.checkpoint / "manifest.json").is_file()
+    init = job.checkpoint if installed_slot else ckpt.resolve_checkpoint(job.checkpoint)
     model, upstream = prepare_model(init, job.trainable)
     precision = pick_precision(job, profile, device)
     budget = (

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
 from pydantic import ValidationError
+
+from agent.commands.pull import REGISTRY_ENV, add_state_args, state_dir_of, trusted_keys_of
 
 EPILOG = """\
 The job plans its micro-batch from the memory budget before the first step (two short probe
@@ -21,7 +24,7 @@ examples:
   agentctl finetune --checkpoint runs/digits --data /data/cam0 --out jobs/j2 --budget-mb 1500
   agentctl finetune ... --resume          # continue jobs/j2 from its last checkpoint
 
-exit codes: 0 done, 1 the job failed, 2 invalid arguments
+exit codes: 0 done, 1 the job failed, 2 invalid arguments, 3 the model could not be pulled
 """
 
 
@@ -34,7 +37,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--checkpoint", required=True, help="checkpoint or run directory")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="REF|DIR",
+        help="checkpoint or run directory, an installed slot, or a registry ref "
+        "(NAME@VERSION with --registry, or a URL) to pull and verify first",
+    )
+    p.add_argument(
+        "--registry", help="registry for NAME@VERSION refs (default: $EDGETRAIN_REGISTRY)"
+    )
     p.add_argument(
         "--data", required=True, type=Path, help="image folder (class sub-folders) or .npz"
     )
@@ -71,7 +83,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         "board heating up within a short demo job)",
     )
     p.add_argument("--resume", action="store_true", help="continue from the job's last checkpoint")
+    add_state_args(p)
     p.set_defaults(func=run)
+
+
+def resolve_checkpoint_arg(args: argparse.Namespace) -> Path:
+    """A local path as is; a registry ref is pulled, verified and installed, then its slot used."""
+    local = Path(args.checkpoint)
+    if local.exists() or ("@" not in args.checkpoint and "://" not in args.checkpoint):
+        return local
+    from agent.slots import ModelSlots
+    from agent.sync import parse_ref, update
+
+    ref = parse_ref(args.checkpoint, args.registry or os.environ.get(REGISTRY_ENV))
+    state_dir = state_dir_of(args)
+    update(ref, state_dir=state_dir, trusted=trusted_keys_of(args))
+    active = ModelSlots(state_dir, ref.name).active()
+    assert active is not None  # update() just switched to it
+    return active.path
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,9 +113,19 @@ def run(args: argparse.Namespace) -> int:
     from hpc_core.logs import setup_logging
 
     setup_logging("auto")
+    from agent.slots import SlotError
+    from agent.sync import SyncError
+    from hpc_core.manifest import ManifestError
+    from hpc_core.signing import KeyFileError
+
+    try:
+        checkpoint = resolve_checkpoint_arg(args)
+    except (SyncError, ManifestError, SlotError, KeyFileError, OSError) as e:
+        print(f"agentctl finetune: --checkpoint {args.checkpoint}: {e}", file=sys.stderr)
+        return 3
     try:
         job = FinetuneJob(
-            checkpoint=Path(args.checkpoint),
+            checkpoint=checkpoint,
             data=args.data,
             out=args.out,
             profile=args.profile,

@@ -91,19 +91,23 @@ def _rate(text: str) -> int:
     return int(value)
 
 
-def _state_dir(args: argparse.Namespace) -> Path:
+def state_dir_of(args: argparse.Namespace) -> Path:
     return Path(args.state_dir or os.environ.get(STATE_ENV) or DEFAULT_STATE_DIR)
 
 
-def _trusted(args: argparse.Namespace) -> Any:
-    return load_trusted_keys(Path(args.trusted_keys) if args.trusted_keys
-                             else _state_dir(args) / "trusted_keys")
+def trusted_keys_of(args: argparse.Namespace) -> Any:
+    return load_trusted_keys(
+        Path(args.trusted_keys) if args.trusted_keys else state_dir_of(args) / "trusted_keys"
+    )
 
 
 def _transfer(args: argparse.Namespace) -> TransferConfig:
     return TransferConfig(
-        connect_timeout_s=args.connect_timeout_s, read_timeout_s=args.read_timeout_s,
-        retries=args.retries, max_bytes_per_s=args.max_rate, connections=args.connections,
+        connect_timeout_s=args.connect_timeout_s,
+        read_timeout_s=args.read_timeout_s,
+        retries=args.retries,
+        max_bytes_per_s=args.max_rate,
+        connections=args.connections,
         allow_custom_models=getattr(args, "allow_custom_model", False),
     )
 
@@ -164,8 +168,13 @@ def _describe(switch: SwitchResult) -> str:
 def run_pull(args: argparse.Namespace) -> int:
     ref = parse_ref(args.ref, args.registry or os.environ.get(REGISTRY_ENV))
     with _progress_bar(not args.no_progress, f"{ref.name}@{ref.version}") as progress:
-        result = update(ref, state_dir=_state_dir(args), trusted=_trusted(args),
-                        cfg=_transfer(args), progress=progress)
+        result = update(
+            ref,
+            state_dir=state_dir_of(args),
+            trusted=trusted_keys_of(args),
+            cfg=_transfer(args),
+            progress=progress,
+        )
     p = result.pulled
     if not result.switch.changed:
         print(f"{ref.name}@{ref.version} is already active (slot {result.switch.active.slot})")
@@ -192,15 +201,15 @@ def _only_model(state_dir: Path, name: str | None) -> str:
 
 
 def run_rollback(args: argparse.Namespace) -> int:
-    state_dir = _state_dir(args)
+    state_dir = state_dir_of(args)
     name = _only_model(state_dir, args.name)
-    switch = ModelSlots(state_dir, name).rollback(_trusted(args))
+    switch = ModelSlots(state_dir, name).rollback(trusted_keys_of(args))
     print(f"rolled back: {_describe(switch)}")
     return 0
 
 
 def run_upload(args: argparse.Namespace) -> int:
-    state_dir = _state_dir(args)
+    state_dir = state_dir_of(args)
     name = _only_model(state_dir, args.name)
     key_path = Path(args.sign_key) if args.sign_key else state_dir / "keys" / "device.key.pem"
     metrics: dict[str, float] = {}
@@ -210,9 +219,16 @@ def run_upload(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.metrics}: expected a JSON object of metric name -> number")
     with _progress_bar(not args.no_progress, f"upload {name}") as progress:
         report = upload(
-            Path(args.checkpoint), state_dir=state_dir, name=name, target=args.registry,
-            key=load_signing_key(key_path), version=args.version, parent=args.parent,
-            artefacts=[Path(a) for a in args.artefact], metrics=metrics, cfg=_transfer(args),
+            Path(args.checkpoint),
+            state_dir=state_dir,
+            name=name,
+            target=args.registry,
+            key=load_signing_key(key_path),
+            version=args.version,
+            parent=args.parent,
+            artefacts=[Path(a) for a in args.artefact],
+            metrics=metrics,
+            cfg=_transfer(args),
             progress=progress,
         )
     print(report.summary())
@@ -220,7 +236,7 @@ def run_upload(args: argparse.Namespace) -> int:
 
 
 def run_models(args: argparse.Namespace) -> int:
-    state_dir = _state_dir(args)
+    state_dir = state_dir_of(args)
     names = installed_models(state_dir)
     if not names:
         print(f"no models installed in {state_dir}")
@@ -236,89 +252,147 @@ def run_models(args: argparse.Namespace) -> int:
 
 
 def run_gc(args: argparse.Namespace) -> int:
-    print(_gc_line(gc(_state_dir(args))))
+    print(_gc_line(gc(state_dir_of(args))))
     return 0
 
 
-def _common(p: argparse.ArgumentParser, trusted: bool = True) -> None:
-    p.add_argument("--state-dir", metavar="DIR",
-                   help=f"device state (default: ${STATE_ENV} or {DEFAULT_STATE_DIR})")
+def add_state_args(p: argparse.ArgumentParser, trusted: bool = True) -> None:
+    p.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help=f"device state (default: ${STATE_ENV} or {DEFAULT_STATE_DIR})",
+    )
     if trusted:
-        p.add_argument("--trusted-keys", metavar="DIR",
-                       help="folder of trusted *.pub.pem keys (default: STATE_DIR/trusted_keys)")
+        p.add_argument(
+            "--trusted-keys",
+            metavar="DIR",
+            help="folder of trusted *.pub.pem keys (default: STATE_DIR/trusted_keys)",
+        )
 
 
 def _network(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("network")
-    g.add_argument("--max-rate", type=_rate, metavar="RATE",
-                   help="bandwidth cap in bytes/s, e.g. 500K or 2M (default: none)")
-    g.add_argument("--connections", type=int, default=4, metavar="N",
-                   help="parallel transfers (default: %(default)s)")
-    g.add_argument("--connect-timeout-s", type=float, default=10.0, metavar="S",
-                   help="connect timeout per attempt (default: %(default)s)")
-    g.add_argument("--read-timeout-s", type=float, default=30.0, metavar="S",
-                   help="longest silence while reading (default: %(default)s)")
-    g.add_argument("--retries", type=int, default=8, metavar="N",
-                   help="attempts without progress before giving up (default: %(default)s)")
+    g.add_argument(
+        "--max-rate",
+        type=_rate,
+        metavar="RATE",
+        help="bandwidth cap in bytes/s, e.g. 500K or 2M (default: none)",
+    )
+    g.add_argument(
+        "--connections",
+        type=int,
+        default=4,
+        metavar="N",
+        help="parallel transfers (default: %(default)s)",
+    )
+    g.add_argument(
+        "--connect-timeout-s",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="connect timeout per attempt (default: %(default)s)",
+    )
+    g.add_argument(
+        "--read-timeout-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="longest silence while reading (default: %(default)s)",
+    )
+    g.add_argument(
+        "--retries",
+        type=int,
+        default=8,
+        metavar="N",
+        help="attempts without progress before giving up (default: %(default)s)",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar even at a terminal")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
     p = subparsers.add_parser(
-        "pull", help="verify, download (delta, resumable) and install a model version",
+        "pull",
+        help="verify, download (delta, resumable) and install a model version",
         description="Pull a signed model version and make it active (A/B slots).",
-        epilog=PULL_EPILOG, formatter_class=fmt,
+        epilog=PULL_EPILOG,
+        formatter_class=fmt,
     )
     p.add_argument("ref", metavar="REF", help="NAME@VERSION or a URL to NAME/VERSION")
     p.add_argument("--registry", metavar="URL", help=f"registry root (default: ${REGISTRY_ENV})")
-    p.add_argument("--allow-custom-model", action="store_true",
-                   help="accept model specs naming a Python factory (pkg.mod:fn) to import")
-    _common(p)
+    p.add_argument(
+        "--allow-custom-model",
+        action="store_true",
+        help="accept model specs naming a Python factory (pkg.mod:fn) to import",
+    )
+    add_state_args(p)
     _network(p)
     p.set_defaults(func=_guarded(run_pull))
 
     r = subparsers.add_parser(
-        "rollback", help="switch back to the previous installed version (atomic)",
+        "rollback",
+        help="switch back to the previous installed version (atomic)",
         description="Re-verify the standby slot, then make it active with one atomic rename. "
         "Rolling back twice returns to where you started.",
-        epilog=EXIT_CODES, formatter_class=fmt,
+        epilog=EXIT_CODES,
+        formatter_class=fmt,
     )
     r.add_argument("name", nargs="?", metavar="NAME", help="model name (optional if only one)")
-    _common(r)
+    add_state_args(r)
     r.set_defaults(func=_guarded(run_rollback))
 
     u = subparsers.add_parser(
-        "upload", help="publish a fine-tuned checkpoint back to the registry, device-signed",
+        "upload",
+        help="publish a fine-tuned checkpoint back to the registry, device-signed",
         description="Upload a fine-tuned checkpoint as a new version (parent: the installed one).",
-        epilog=UPLOAD_EPILOG, formatter_class=fmt,
+        epilog=UPLOAD_EPILOG,
+        formatter_class=fmt,
     )
     u.add_argument("checkpoint", metavar="CHECKPOINT", help="fine-tune run dir or checkpoint dir")
-    u.add_argument("--registry", required=True, metavar="URI",
-                   help="writable registry: folder, s3://BUCKET/PREFIX or http(s) URL taking PUT")
+    u.add_argument(
+        "--registry",
+        required=True,
+        metavar="URI",
+        help="writable registry: folder, s3://BUCKET/PREFIX or http(s) URL taking PUT",
+    )
     u.add_argument("--name", metavar="N", help="model name (optional if only one is installed)")
-    u.add_argument("--version", metavar="V",
-                   help="new version (default: PARENT+KEYNAME.UTCTIME, "
-                   "e.g. 3+jetson-07.20250101T120000Z)")
-    u.add_argument("--parent", metavar="V",
-                   help="installed version it derives from (default: the active one)")
-    u.add_argument("--sign-key", metavar="KEY",
-                   help="this device's private key (default: STATE_DIR/keys/device.key.pem)")
-    u.add_argument("--artefact", action="append", default=[], metavar="PATH",
-                   help="export artefact file or folder to include (repeatable; no pickles)")
+    u.add_argument(
+        "--version",
+        metavar="V",
+        help="new version (default: PARENT+KEYNAME.UTCTIME, e.g. 3+jetson-07.20250101T120000Z)",
+    )
+    u.add_argument(
+        "--parent", metavar="V", help="installed version it derives from (default: the active one)"
+    )
+    u.add_argument(
+        "--sign-key",
+        metavar="KEY",
+        help="this device's private key (default: STATE_DIR/keys/device.key.pem)",
+    )
+    u.add_argument(
+        "--artefact",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="export artefact file or folder to include (repeatable; no pickles)",
+    )
     u.add_argument("--metrics", metavar="FILE", help="JSON object of extra metrics to record")
-    _common(u, trusted=False)
+    add_state_args(u, trusted=False)
     _network(u)
     u.set_defaults(func=_guarded(run_upload))
 
-    m = subparsers.add_parser("models", help="list installed models, active and standby versions",
-                              description="List installed models with their A/B slots.")
-    _common(m, trusted=False)
+    m = subparsers.add_parser(
+        "models",
+        help="list installed models, active and standby versions",
+        description="List installed models with their A/B slots.",
+    )
+    add_state_args(m, trusted=False)
     m.set_defaults(func=_guarded(run_models))
 
     g = subparsers.add_parser(
-        "gc", help="delete chunks no installed version needs, and partial downloads",
+        "gc",
+        help="delete chunks no installed version needs, and partial downloads",
         description="Garbage-collect the chunk store (pull does this after each install).",
     )
-    _common(g, trusted=False)
+    add_state_args(g, trusted=False)
     g.set_defaults(func=_guarded(run_gc))

@@ -196,3 +196,58 @@ def test_agentctl_finetune_end_to_end(tmp_path: Path) -> None:
     # Bad input: named flag, exit 2, nothing run.
     assert main([*argv[:-2], "--trainable", "some"]) == 2
     assert main([*argv[:7], "--profile", "jetson-orin-nano-9gb"]) == 2
+
+
+def test_finetune_pulls_a_signed_ref_first(
+    tmp_path: Path, publisher, registry_server, upstream_key, make_keypair, new_model
+) -> None:
+    """`--checkpoint NAME@VERSION`: verified pull + A/B install, then fine-tune that slot."""
+    from agent.cli import main
+
+    publisher.publish(new_model(0), "1")
+    data = make_device_data(tmp_path / "device.npz", ["invert"], image_size=8)
+    state = tmp_path / "state"
+    common = [
+        "finetune",
+        "--data",
+        str(data),
+        "--profile",
+        "generic-x86",
+        "--sensors",
+        "none",
+        "--steps",
+        "4",
+        "--micro-batch",
+        "32",
+        "--registry",
+        registry_server.url,
+        "--state-dir",
+        str(state),
+    ]
+    stranger = make_keypair("stranger")
+    # A key the device does not trust: refused before any chunk, nothing installed or trained.
+    argv = [
+        *common,
+        "--checkpoint",
+        "digits@1",
+        "--out",
+        str(tmp_path / "j0"),
+        "--trusted-keys",
+        str(stranger.trusted_dir),
+    ]
+    assert main(argv) == 3
+    assert not (tmp_path / "j0").exists()
+    argv = [
+        *common,
+        "--checkpoint",
+        "digits@1",
+        "--out",
+        str(tmp_path / "j1"),
+        "--trusted-keys",
+        str(upstream_key.trusted_dir),
+    ]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "j1/report.json").read_text())
+    assert report["steps"] == 4
+    slot = state / "models/digits/current"
+    assert report["job"]["checkpoint"] == str(slot.resolve())
