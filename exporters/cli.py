@@ -90,7 +90,8 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                     help="2:4 | unstructured:AMOUNT[:global] | channels:AMOUNT (e.g. channels:0.5)")
     pr.add_argument("--recovery-steps", type=int, metavar="N",
                     help="fine-tune steps after pruning, masks kept (default 120; 0 = none)")
-    pr.add_argument("--recovery-lr", type=float, metavar="LR", help="fine-tune peak LR (1e-3)")
+    pr.add_argument("--recovery-lr", type=float, metavar="LR",
+                    help="fine-tune peak LR (default: the checkpoint's training LR)")
 
     q = p.add_argument_group("precision and target")
     prec = q.add_mutually_exclusive_group()

@@ -29,8 +29,10 @@ class RecoveryConfig(BaseModel):
 
     steps: int = Field(default=120, ge=0)
     """Optimizer steps of the fine-tune after pruning (0 = no fine-tune)."""
-    lr: float = Field(default=1e-3, gt=0.0)
-    """Peak AdamW learning rate (cosine decay, short warm-up)."""
+    lr: float | None = Field(default=None, gt=0.0)
+    """Peak AdamW learning rate, cosine decay after a short warm-up (null = the checkpoint's
+    own optimizer.lr: channel pruning has to re-learn features, and a tenth of the training
+    LR recovers markedly less in the same steps)."""
     batch_size: int = Field(default=64, ge=1)
     """Samples per optimizer step."""
     weight_decay: float = Field(default=0.0, ge=0.0)
@@ -80,7 +82,11 @@ def recovery_train_config(
         "run": {"name": "export-recovery", "output_dir": str(output_dir), "seed": base.run.seed},
         "data": base.data.model_dump(mode="json"),
         "model": base.model.model_dump(mode="json"),
-        "optimizer": {"name": "adamw", "lr": cfg.lr, "weight_decay": cfg.weight_decay},
+        "optimizer": {
+            "name": "adamw",
+            "lr": cfg.lr or base.optimizer.lr,
+            "weight_decay": cfg.weight_decay,
+        },
         "schedule": {"warmup_steps": min(10, cfg.steps // 10), "decay": "cosine"},
         "training": {
             "global_batch_size": min(cfg.batch_size, num_train),

@@ -62,3 +62,5 @@ def test_recovery_config_is_a_short_quiet_fine_tune(cnn: Any, tmp_path: Path) ->
     assert tc.checkpoint.save_final is False and tc.checkpoint.best_metric is None
     assert tc.faults.handle_signals is False
     assert tc.model == cfg.model and tc.data == cfg.data
+    assert tc.optimizer.lr == cfg.optimizer.lr  # by default the checkpoint's own LR
+    assert recovery_train_config(cfg, RecoveryConfig(lr=1e-4), tmp_path, 300).optimizer.lr == 1e-4
