@@ -97,7 +97,8 @@ def measure(
     ``reference_logits``: the FP32 model as it came in; ``fidelity_logits``: the FP32 PyTorch
     model that was exported.
     """
-    logits = predict(runner, inputs)
+    # Scored in batches of the job's batch: a TensorRT engine's profile may stop there.
+    logits = predict(runner, inputs, batch=cfg.batch_size)
     acc, ref_acc = top1(logits, labels), top1(reference_logits, labels)
     b1 = measure_latency(runner, inputs[:1], warmup=cfg.latency_warmup, iters=cfg.latency_iters)
     bn = measure_latency(

@@ -19,7 +19,7 @@ import copy
 import hashlib
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -183,7 +183,8 @@ class _Run:
     calib: np.ndarray | None = None
     prepared: Path | None = None
     sensitivity: list[tuple[str, float]] | None = None
-    engines: dict[str, Path] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    """Why planned steps were skipped; ends up in the report's fallback_reason."""
 
     @property
     def cache(self) -> Path:
@@ -200,16 +201,19 @@ class _Run:
             self.prepared = prepare_for_quantization(self.fp32.path, self.work / "fp32.prep.onnx")
         return self.prepared
 
-    def quantize(self, out: Path, exclude: list[str]) -> Path:
-        have_ranges = self.cache.is_file()
+    def quantize(
+        self, out: Path, exclude: Sequence[str] = (), only: Sequence[str] | None = None
+    ) -> Path:
+        """Quantize the FP32 model; calibrates on the first call, reuses the ranges after."""
         quantize_int8(
             self.prepared_fp32(),
             out,
-            calib_inputs=None if have_ranges else self.calibration_inputs(),
+            calib_inputs=None if self.cache.is_file() else self.calibration_inputs(),
             input_name=self.fp32.input_name,
             cfg=self.job.calibration,
             cache_path=self.cache,
             nodes_to_exclude=exclude,
+            nodes_to_quantize=only,
         )
         return out
 
@@ -221,12 +225,7 @@ class _Run:
             ref = predict(OrtRunner(prepared), x)
             scores = []
             for node in quantizable_nodes(prepared):
-                path = self.work / "sensitivity.onnx"
-                quantize_int8(
-                    prepared, path, calib_inputs=None if self.cache.is_file() else
-                    self.calibration_inputs(), input_name=self.fp32.input_name,
-                    cfg=self.job.calibration, cache_path=self.cache, nodes_to_quantize=[node],
-                )
+                path = self.quantize(self.work / "sensitivity.onnx", only=[node])
                 out = predict(OrtRunner(path), x)
                 scores.append((node, float(np.mean((out - ref) ** 2))))
             self.sensitivity = sorted(scores, key=lambda s: -s[1])
@@ -247,7 +246,9 @@ def plan_steps(job: ExportJob, run: _Run) -> Iterator[tuple[str, Precision, int]
             if fb.enabled and fb.max_excluded_layers:
                 try:
                     n = len(run.layer_sensitivity())
-                except Exception:  # no ranking, no exclusion steps: fall through to fp16
+                except Exception as e:  # no ranking, no exclusion steps: go on to fp16
+                    run.notes.append(f"layer sensitivity failed ({type(e).__name__}: {e}): "
+                                     "exclusion steps skipped")
                     n = 0
                 for k in range(1, min(fb.max_excluded_layers, n - 1) + 1):
                     yield f"int8-exclude-{k}", "int8", k
@@ -336,10 +337,10 @@ def _prune(job: ExportJob, src: Source, model: nn.Module, report: ExportReport) 
     return job.prune.method == "semi_structured"
 
 
-def _model_summary(model: nn.Module, shape: tuple[int, ...]) -> dict[str, float]:
+def _model_summary(model: nn.Module, shape: tuple[int, ...]) -> dict[str, int]:
     return {
-        "params": float(sum(p.numel() for p in model.parameters())),
-        "flops": float(count_flops(model, shape).total),
+        "params": sum(p.numel() for p in model.parameters()),
+        "flops": count_flops(model, shape).total,
     }
 
 
@@ -439,5 +440,6 @@ def _run_attempts(run: _Run, report: ExportReport) -> None:
         report.status, report.winner = "passed", step
         report.artefact_sha256 = _sha256(job.out_dir / report.artefact)
         break
+    rejected += run.notes
     if rejected:
         report.fallback_reason = " | ".join(rejected)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 from pathlib import Path
@@ -104,3 +105,15 @@ def test_config_file_with_flags_overriding(
     assert "no complete checkpoint" in capsys.readouterr().err
     assert exporters_main(["--out", str(tmp_path)]) == 2
     assert "--checkpoint is required" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None,
+                    reason="TensorRT is installed: the missing-TensorRT message cannot show")
+def test_tensorrt_target_without_tensorrt_exits_2_with_the_alternative(
+    cnn: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = exporters_main(["--checkpoint", str(cnn.checkpoint), "--out", str(tmp_path),
+                           "--int8", "--target", "tensorrt"])
+    assert code == 2
+    assert "target=onnxruntime" in capsys.readouterr().err
+    assert not (tmp_path / "model.fp32.onnx").exists()  # failed before any work
