@@ -204,11 +204,11 @@ class _Run:
     def quantize(
         self, out: Path, exclude: Sequence[str] = (), only: Sequence[str] | None = None
     ) -> Path:
-        """Quantize the FP32 model; calibrates on the first call, reuses the ranges after."""
+        """Quantize the FP32 model; the ranges of the first call are reused where possible."""
         quantize_int8(
             self.prepared_fp32(),
             out,
-            calib_inputs=None if self.cache.is_file() else self.calibration_inputs(),
+            calib_inputs=self.calibration_inputs(),
             input_name=self.fp32.input_name,
             cfg=self.job.calibration,
             cache_path=self.cache,

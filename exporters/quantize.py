@@ -7,13 +7,16 @@ zero-point is 0, which TensorRT's explicit quantization requires (ONNX Runtime's
 ONNX Runtime would otherwise emit int32 DequantizeLinear nodes, which TensorRT's parser
 refuses. The same file then runs in ONNX Runtime (CPU/CUDA) and builds a TensorRT engine.
 
-Activation ranges are computed once and cached (``calibration_cache``), so re-quantizing with
-layers excluded — the gate fallback — costs no second calibration pass.
+Where ONNX Runtime supports it (``calibration_cache_path``, new in 2026 releases; JetPack
+builds are older) the activation ranges are computed once and cached, so re-quantizing with
+layers excluded — the gate fallback — costs no second calibration pass; elsewhere each
+quantization calibrates again, with the same samples and so the same ranges.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 import time
@@ -41,6 +44,9 @@ QDQ_OPTIONS: dict[str, object] = {
     "WeightSymmetric": True,
     "QuantizeBias": False,
 }
+
+
+CACHE_SUPPORTED = "calibration_cache_path" in inspect.signature(quantize_static).parameters
 
 
 @dataclass
@@ -88,7 +94,7 @@ def quantize_int8(
     fp32_path: Path,
     out_path: Path,
     *,
-    calib_inputs: np.ndarray | None,
+    calib_inputs: np.ndarray,
     input_name: str,
     cfg: CalibrationConfig,
     cache_path: Path | None = None,
@@ -97,12 +103,14 @@ def quantize_int8(
 ) -> QuantizeResult:
     """Quantize ``fp32_path`` (prepared by :func:`prepare_for_quantization`) to ``out_path``.
 
-    ``calib_inputs`` may be None when ``cache_path`` already holds the activation ranges.
+    With ``cache_path`` the ranges are read from there when it exists (and ``calib_inputs``
+    is not run), else computed and saved there; ignored where ONNX Runtime has no cache.
     """
     t0 = time.perf_counter()
-    reader = (
-        BatchReader(calib_inputs, input_name, cfg.batch_size) if calib_inputs is not None else None
-    )
+    reader = BatchReader(calib_inputs, input_name, cfg.batch_size)
+    cache: dict[str, str] = {}
+    if cache_path is not None and CACHE_SUPPORTED:
+        cache["calibration_cache_path"] = str(cache_path)
     with _quiet_ort(), atomic_output(Path(out_path)) as tmp:
         quantize_static(
             str(fp32_path),
@@ -115,8 +123,8 @@ def quantize_int8(
             calibrate_method=ort_calibration_method(cfg.method),
             nodes_to_exclude=list(nodes_to_exclude),
             nodes_to_quantize=list(nodes_to_quantize) if nodes_to_quantize is not None else None,
-            calibration_cache_path=str(cache_path) if cache_path is not None else None,
             extra_options={**QDQ_OPTIONS, **ort_calibration_options(cfg)},
+            **cache,  # type: ignore[arg-type]
         )
     return QuantizeResult(
         path=Path(out_path),

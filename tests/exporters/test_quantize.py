@@ -12,7 +12,12 @@ from exporters.calibration import CalibrationConfig, representative_inputs
 from exporters.gates import top1
 from exporters.onnx_export import export_onnx
 from exporters.onnx_weights import weight_refs
-from exporters.quantize import prepare_for_quantization, quantizable_nodes, quantize_int8
+from exporters.quantize import (
+    CACHE_SUPPORTED,
+    prepare_for_quantization,
+    quantizable_nodes,
+    quantize_int8,
+)
 from exporters.runtime import OrtRunner, predict
 
 
@@ -62,14 +67,32 @@ def test_excluded_layers_stay_in_float(cnn: Any, tmp_path: Path) -> None:
     train, _ = cnn.splits()
     cache = tmp_path / "ranges.json"
     cfg = CalibrationConfig(samples=128)
-    quantize_int8(prepared, tmp_path / "all.onnx", calib_inputs=representative_inputs(train, 128),
-                  input_name="input", cfg=cfg, cache_path=cache)
-    assert cache.is_file()
-    # The second quantization reuses the cached ranges: no calibration data needed.
-    quantize_int8(prepared, tmp_path / "ex.onnx", calib_inputs=None, input_name="input", cfg=cfg,
+    calib = representative_inputs(train, 128)
+    quantize_int8(prepared, tmp_path / "all.onnx", calib_inputs=calib, input_name="input",
+                  cfg=cfg, cache_path=cache)
+    assert cache.is_file() == CACHE_SUPPORTED
+    quantize_int8(prepared, tmp_path / "ex.onnx", calib_inputs=calib, input_name="input", cfg=cfg,
                   cache_path=cache, nodes_to_exclude=[nodes[0]])
     dtypes = {r.node: r.array.dtype for r in weight_refs(tmp_path / "ex.onnx")}
     assert dtypes[nodes[0]] == np.float32
     assert all(dtypes[n] == np.int8 for n in nodes[1:])
     model = onnx.load(str(tmp_path / "ex.onnx"))
     assert any(n.op_type == "DequantizeLinear" for n in model.graph.node)
+
+
+@pytest.mark.skipif(not CACHE_SUPPORTED, reason="this onnxruntime has no calibration cache")
+def test_cached_ranges_replace_a_second_calibration(
+    cnn: Any, cnn_fp32: Any, tmp_path: Path
+) -> None:
+    prepared = prepare_for_quantization(cnn_fp32.path, tmp_path / "prep.onnx")
+    cfg, cache = CalibrationConfig(samples=128), tmp_path / "ranges.json"
+    calib = representative_inputs(cnn.splits()[0], 128)
+    first = quantize_int8(prepared, tmp_path / "a.onnx", calib_inputs=calib, input_name="input",
+                          cfg=cfg, cache_path=cache)
+    # Data 100x off would give other scales if it were run: it is not, the cache is used.
+    second = quantize_int8(prepared, tmp_path / "b.onnx", calib_inputs=calib * 100,
+                           input_name="input", cfg=cfg, cache_path=cache)
+    uncached = quantize_int8(prepared, tmp_path / "c.onnx", calib_inputs=calib * 100,
+                             input_name="input", cfg=cfg)
+    a, b, c = (first.path.read_bytes(), second.path.read_bytes(), uncached.path.read_bytes())
+    assert a == b and a != c
