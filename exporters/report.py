@@ -114,11 +114,11 @@ def render_table(report: ExportReport) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    ref = next((a.measurement.reference_top1 for a in report.attempts if a.measurement), None)
+    first = next((a.measurement for a in report.attempts if a.measurement), None)
     out = []
-    if ref is not None:
-        out.append(f"FP32 reference top-1: {ref * 100:.2f}% "
-                   f"({report.attempts[0].measurement.samples} held-out samples)")  # type: ignore[union-attr]
+    if first is not None:
+        out.append(f"FP32 reference top-1: {first.reference_top1 * 100:.2f}% "
+                   f"({first.samples} held-out samples)")
     if report.prune:
         out.append(f"pruning: {report.prune.get('spec')} -> sparsity "
                    f"{report.prune.get('sparsity', 0) * 100:.1f}%, FLOPs "
