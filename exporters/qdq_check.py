@@ -134,3 +134,31 @@ def check_qdq(
             violations.append(Violation(name, "weight-per-channel",
                                         f"{scale.size} scales for {weight.shape[axis]} channels"))
     return violations
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m exporters.qdq_check MODEL.onnx ...``: exit 1 when any file has violations."""
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m exporters.qdq_check",
+        description="Check ONNX files for TensorRT-compatible symmetric int8 Q/DQ: zero-points "
+        "0, int8, per-tensor activations, per-channel weights on the output-channel axis, "
+        "opset >= 13, no int32 bias DequantizeLinear.",
+    )
+    ap.add_argument("models", nargs="+", type=Path, metavar="MODEL.onnx")
+    ap.add_argument("--allow-per-tensor-weights", action="store_true",
+                    help="accept weights with one scale (TensorRT takes them; accuracy suffers)")
+    args = ap.parse_args(argv)
+    failed = 0
+    for path in args.models:
+        found = check_qdq(path, require_per_channel_weights=not args.allow_per_tensor_weights)
+        print(f"{path}: {'OK' if not found else f'{len(found)} violation(s)'}")
+        for v in found:
+            print(f"  {v}")
+        failed += bool(found)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -108,3 +108,17 @@ def test_hand_built_graphs() -> None:
     assert "want 0" in wrong_axis[0].detail
     shifted = check_qdq(_tiny_conv_qdq(13, axis=0, zero_point=3))
     assert {(v.node, v.rule) for v in shifted} == {("q_x", "zero-point"), ("dq_x", "zero-point")}
+
+
+def test_command_line_exit_status(
+    prepared: Path, calib: np.ndarray, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from exporters.qdq_check import main
+
+    ours = quantize_int8(prepared, tmp_path / "q.onnx", calib_inputs=calib, input_name="input",
+                         cfg=CalibrationConfig(samples=128)).path
+    asym = _ort_quantize(prepared, calib, tmp_path / "asym.onnx", ActivationSymmetric=False)
+    assert main([str(ours)]) == 0
+    assert main([str(ours), str(asym)]) == 1
+    out = capsys.readouterr().out
+    assert f"{ours}: OK" in out and "[zero-point]" in out
