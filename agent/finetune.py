@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hpc_core import checkpoint as ckpt
+from hpc_core.atomic import write_json_atomic
 from hpc_core.config import ModelConfig, TrainConfig, config_from_dict
 from hpc_core.metrics import peak_device_mb, peak_rss_mb
 from hpc_core.models import build_model
@@ -278,5 +279,5 @@ def run_finetune(
         "stopped_reason": result.stopped_reason,
         "checkpoint": str(result.checkpoint_dir) if result.checkpoint_dir else None,
     }
-    ckpt.write_json_atomic(job.out / "report.json", report)
+    write_json_atomic(job.out / "report.json", report)
     return FinetuneResult(report, result.checkpoint_dir)

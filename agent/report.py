@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.governor import GovernorHook
-from hpc_core.checkpoint import fsync_dir, write_json_atomic
+from hpc_core.atomic import fsync_dir, write_json_atomic
 
 REPORT_FORMAT = "edgetrain.job_report/1"
 STATE_LEVEL = {"NORMAL": 0, "THROTTLED": 1, "PAUSED": 2}
@@ -63,8 +63,9 @@ def _time_above(samples: Sequence[dict[str, Any]], target_c: float) -> float:
     return total
 
 
-def summarize(samples: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]],
-              limits: Limits) -> dict[str, Any]:
+def summarize(
+    samples: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]], limits: Limits
+) -> dict[str, Any]:
     temps = [s["temp_c"] for s in samples if s.get("temp_c") is not None]
     powers = [s["power_mw"] for s in samples if s.get("power_mw") is not None]
     summary: dict[str, Any] = {
@@ -91,15 +92,17 @@ def build_report(
     rec = hook.record
     summary = summarize(rec.samples, rec.metrics, limits)
     elapsed = hook.clock.now() - hook.start_s
-    summary.update({
-        "steps": rec.steps,
-        "elapsed_s": elapsed,
-        "compute_s": rec.compute_s,
-        "paced_s": rec.paced_s,
-        "waited_s": rec.waited_s,
-        "mean_duty": rec.compute_s / elapsed if elapsed > 0 else None,
-        "events": len(hook.controller.events),
-    })
+    summary.update(
+        {
+            "steps": rec.steps,
+            "elapsed_s": elapsed,
+            "compute_s": rec.compute_s,
+            "paced_s": rec.paced_s,
+            "waited_s": rec.waited_s,
+            "mean_duty": rec.compute_s / elapsed if elapsed > 0 else None,
+            "events": len(hook.controller.events),
+        }
+    )
     summary.update(extra_summary or {})
     return JobReport(
         job=dict(job or {}),
@@ -126,14 +129,20 @@ def plot_report(report: JobReport, path: Path) -> Path:
 
     ax = axes[0]
     mt = [m["t_s"] / 60 for m in report.metrics if "train/loss" in m]
-    ax.plot(mt, [m["train/loss"] for m in report.metrics if "train/loss" in m],
-            color="tab:blue", lw=1, label="train loss")
+    ax.plot(
+        mt,
+        [m["train/loss"] for m in report.metrics if "train/loss" in m],
+        color="tab:blue",
+        lw=1,
+        label="train loss",
+    )
     ax.set_ylabel("loss")
     acc = [(m["t_s"] / 60, m["eval/acc"]) for m in report.metrics if "eval/acc" in m]
     if acc:
         ax2 = ax.twinx()
-        ax2.plot([a for a, _ in acc], [b for _, b in acc], "o-", color="tab:green",
-                 label="eval acc")
+        ax2.plot(
+            [a for a, _ in acc], [b for _, b in acc], "o-", color="tab:green", label="eval acc"
+        )
         ax2.set_ylabel("accuracy")
         ax2.set_ylim(0, 1)
         ax2.legend(loc="center right")
@@ -153,10 +162,17 @@ def plot_report(report: JobReport, path: Path) -> Path:
     ax.legend(loc="lower right", fontsize=8)
 
     ax = axes[2]
-    ax.plot(t, [(x["power_now_mw"] or 0) / 1000 for x in s], color="tab:orange", lw=0.6,
-            alpha=0.35, label="after a step")
-    ax.plot(t, [(x["power_mw"] or 0) / 1000 for x in s], color="tab:orange", lw=1.2,
-            label="average")
+    ax.plot(
+        t,
+        [(x["power_now_mw"] or 0) / 1000 for x in s],
+        color="tab:orange",
+        lw=0.6,
+        alpha=0.35,
+        label="after a step",
+    )
+    ax.plot(
+        t, [(x["power_mw"] or 0) / 1000 for x in s], color="tab:orange", lw=1.2, label="average"
+    )
     if lim.power_cap_w is not None:
         ax.axhline(lim.power_cap_w, ls="--", color="gray", lw=1, label=f"cap {lim.power_cap_w:g} W")
     ax.set_ylabel("W")
@@ -175,8 +191,13 @@ def plot_report(report: JobReport, path: Path) -> Path:
         if ev["kind"] == "power_mode" and ev["old"] != ev["new"]:
             for a in axes:
                 a.axvline(ev["t_s"] / 60, color="tab:cyan", lw=0.8)
-            axes[2].annotate(f" {ev['old']} -> {ev['new']}", (ev["t_s"] / 60, 0.9),
-                             xycoords=("data", "axes fraction"), fontsize=8, color="tab:cyan")
+            axes[2].annotate(
+                f" {ev['old']} -> {ev['new']}",
+                (ev["t_s"] / 60, 0.9),
+                xycoords=("data", "axes fraction"),
+                fontsize=8,
+                color="tab:cyan",
+            )
     return _save_png(fig, path)
 
 

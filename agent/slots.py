@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpc_core.atomic import fsync_dir, fsync_file
 from hpc_core.manifest import (
     ChunkHashError,
     ChunkRef,
@@ -80,22 +81,6 @@ class CorruptSlotError(SlotError):
 
 class StateBusyError(SlotError):
     """Another process holds the state lock."""
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,7 +201,8 @@ class ChunkStore:
             self.remove(ref.sha256)
             raise ChunkHashError(
                 f"local chunk {ref.sha256[:16]} is corrupt (disk error or power loss); it was "
-                "removed, pull again to fetch it", ref.sha256,
+                "removed, pull again to fetch it",
+                ref.sha256,
             )
         return data
 
@@ -343,11 +329,14 @@ class ModelSlots:
                 (build / "manifest.json").write_bytes(manifest_bytes)
                 (build / "manifest.sig").write_bytes(signature_bytes)
                 for f in ("manifest.json", "manifest.sig"):
-                    _fsync_file(build / f)
-                marker = {"name": manifest.name, "version": manifest.version,
-                          "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}
+                    fsync_file(build / f)
+                marker = {
+                    "name": manifest.name,
+                    "version": manifest.version,
+                    "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
+                }
                 (build / MARKER).write_text(json.dumps(marker) + "\n")
-                _fsync_file(build / MARKER)
+                fsync_file(build / MARKER)
                 fsync_dir(build)
             except BaseException:
                 shutil.rmtree(build, ignore_errors=True)
@@ -422,8 +411,15 @@ def _manifest_bytes(slot: Path) -> bytes | None:
 class _Region:
     """One tensor or artefact being written while chunks stream by."""
 
-    def __init__(self, offset: int, nbytes: int, sha256: str, label: str, out: Any,
-                 error: type[IntegrityError]) -> None:
+    def __init__(
+        self,
+        offset: int,
+        nbytes: int,
+        sha256: str,
+        label: str,
+        out: Any,
+        error: type[IntegrityError],
+    ) -> None:
         self.offset, self.end, self.sha256, self.label = offset, offset + nbytes, sha256, label
         self.out, self.error = out, error
         self.hash = hashlib.sha256()
@@ -460,8 +456,9 @@ def _assemble(manifest: Manifest, chunks: ChunkStore, dest: Path) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             f = open(path, "wb")  # noqa: SIM115
             files.append(f)
-            regions.append(_Region(a.offset, a.nbytes, a.sha256, f"artefact {a.path}", f,
-                                   IntegrityError))
+            regions.append(
+                _Region(a.offset, a.nbytes, a.sha256, f"artefact {a.path}", f, IntegrityError)
+            )
         regions.sort(key=lambda r: r.offset)
         _stream_chunks(manifest, chunks, regions)
         for f in files:
@@ -528,8 +525,9 @@ def verify_slot(slot: Path, trusted: dict[str, TrustedKey] | None) -> Manifest:
     manifest_bytes = (slot / "manifest.json").read_bytes()
     if trusted is not None:
         sig = slot / "manifest.sig"
-        verify_manifest(manifest_bytes, sig.read_bytes() if sig.is_file() else None, trusted,
-                        source=str(slot))
+        verify_manifest(
+            manifest_bytes, sig.read_bytes() if sig.is_file() else None, trusted, source=str(slot)
+        )
     manifest = Manifest.from_bytes(manifest_bytes, source=str(slot / "manifest.json"))
     index = {t.name: t for t in read_safetensors_index(slot / MODEL_FILE)}
     if set(index) != {t.name for t in manifest.tensors}:
@@ -537,8 +535,10 @@ def verify_slot(slot: Path, trusted: dict[str, TrustedKey] | None) -> Manifest:
     for t in manifest.tensors:
         src = index[t.name]
         if (src.dtype, tuple(src.shape)) != (t.dtype, tuple(t.shape)):
-            raise SpecMismatchError(f"{slot / MODEL_FILE}: tensor {t.name} is {src.dtype}"
-                                    f"{list(src.shape)}, manifest says {t.dtype}{list(t.shape)}")
+            raise SpecMismatchError(
+                f"{slot / MODEL_FILE}: tensor {t.name} is {src.dtype}"
+                f"{list(src.shape)}, manifest says {t.dtype}{list(t.shape)}"
+            )
         if _hash_range(src.data.path, src.data.start, t.nbytes) != t.sha256:
             raise TensorHashError(f"{slot / MODEL_FILE}: tensor {t.name} does not match its hash")
     for a in manifest.artefacts:
@@ -563,8 +563,13 @@ class LoadedModel:
 
 
 def load_active(
-    state_dir: Path, name: str, *, trusted: dict[str, TrustedKey] | None = None,
-    verify: bool = False, device: str = "cpu", allow_custom: bool = False,
+    state_dir: Path,
+    name: str,
+    *,
+    trusted: dict[str, TrustedKey] | None = None,
+    verify: bool = False,
+    device: str = "cpu",
+    allow_custom: bool = False,
 ) -> LoadedModel:
     """Build the active model and load its weights through safetensors (never a pickle).
 
@@ -582,9 +587,12 @@ def load_active(
         manifest = active.manifest
         if trusted is not None:
             sig = active.path / "manifest.sig"
-            verify_manifest((active.path / "manifest.json").read_bytes(),
-                            sig.read_bytes() if sig.is_file() else None, trusted,
-                            source=str(active.path))
+            verify_manifest(
+                (active.path / "manifest.json").read_bytes(),
+                sig.read_bytes() if sig.is_file() else None,
+                trusted,
+                source=str(active.path),
+            )
         read_safetensors_index(active.path / MODEL_FILE)  # refuses a pickle swapped in
     check_against_spec(manifest, allow_custom=allow_custom)
     module = build_module(manifest.model, allow_custom=allow_custom)

@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from hpc_core.checkpoint import fsync_dir, write_json_atomic
+from hpc_core.atomic import fsync_dir, write_json_atomic
 
 __all__ = ["atomic_output", "file_mb", "write_json_atomic"]
 

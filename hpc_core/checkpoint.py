@@ -27,50 +27,22 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from hpc_core.atomic import TMP_PREFIX, fsync_dir, fsync_file
 from hpc_core.config import TrainConfig, config_from_dict
 from hpc_core.models import build_model
 
 FORMAT = "edgetrain.checkpoint/1"
 MARKER = "COMPLETE"
 STEP_PREFIX = "step_"
-TMP_PREFIX = ".tmp-"
 
 
 class CheckpointError(Exception):
     """A checkpoint that is missing, incomplete or inconsistent."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Atomic file primitives
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """temp file + fsync + rename: readers see the old file or the new one, never half."""
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
-    _fsync_file(path)
+    fsync_file(path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-import os
 import pickle
 from pathlib import Path
 
@@ -83,9 +82,3 @@ def test_optimizer_and_rng_state_round_trip(make_config) -> None:
     a = torch.rand(3)
     ckpt.restore_rng(rng_t, json.loads(json.dumps(rng_m)))
     assert torch.equal(torch.rand(3), a)
-
-
-def test_fsync_helpers_accept_real_paths(tmp_path: Path) -> None:
-    ckpt.write_json_atomic(tmp_path / "x.json", {"a": 1})
-    assert json.loads((tmp_path / "x.json").read_text()) == {"a": 1}
-    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
