@@ -44,7 +44,8 @@ test: setup services
 bench: setup
 	$(PY) benchmarks/trainer_overhead.py
 	$(PY) benchmarks/finetune.py
-	@for b in sync export; do [ -f benchmarks/$$b.py ] && $(PY) benchmarks/$$b.py || true; done
+	$(PY) benchmarks/sync.py
+	$(PY) benchmarks/export.py
 
 lint: setup
 	$(VENV)/bin/ruff check .
