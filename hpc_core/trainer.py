@@ -75,6 +75,8 @@ class TrainState:
     nan_rollbacks: int = 0
     best_metric: float | None = None
     best_step: int | None = None
+    es_best: float | None = None
+    """Best value of the early-stopping metric so far (survives a resume)."""
     evals_since_best: int = 0
 
 
@@ -541,9 +543,8 @@ class Trainer:
         if es.patience is None or es.metric not in self.last_eval:
             return False
         value = self.last_eval[es.metric]
-        ref = getattr(self, "_es_best", None)
-        if ref is None or _better(value, ref, es.mode, es.min_delta):
-            self._es_best = value
+        if st.es_best is None or _better(value, st.es_best, es.mode, es.min_delta):
+            st.es_best = value
             st.evals_since_best = 0
             return False
         st.evals_since_best += 1
