@@ -281,3 +281,19 @@ def run_finetune(
     }
     write_json_atomic(job.out / "report.json", report)
     return FinetuneResult(report, result.checkpoint_dir)
+
+
+def _main(job_json: str) -> None:
+    """``python -m agent.finetune JOB_JSON``: one job in a process of its own, so its peak
+    RSS is its own; prints the report plus that peak (``rss_mb``) as one JSON line."""
+    import resource
+
+    result = run_finetune(FinetuneJob.model_validate_json(job_json))
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({**result.report, "rss_mb": rss_mb}))
+
+
+if __name__ == "__main__":
+    import sys
+
+    _main(sys.argv[1])

@@ -26,12 +26,6 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 
 def run_job(up: Path, data: Path, out: Path, steps: int, extra: dict) -> dict:
-    code = (
-        "import json, sys, resource; from agent.finetune import FinetuneJob, run_finetune; "
-        "r = run_finetune(FinetuneJob(**json.loads(sys.argv[1]))); "
-        "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024; "
-        "print(json.dumps({**r.report, 'rss_mb': rss}))"
-    )
     kw = {
         "checkpoint": str(up),
         "data": str(data),
@@ -50,7 +44,7 @@ def run_job(up: Path, data: Path, out: Path, steps: int, extra: dict) -> dict:
         "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
     }
     p = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(kw)],
+        [sys.executable, "-m", "agent.finetune", json.dumps(kw)],
         capture_output=True,
         text=True,
         env=env,
@@ -59,8 +53,9 @@ def run_job(up: Path, data: Path, out: Path, steps: int, extra: dict) -> dict:
     report = json.loads(p.stdout.strip().splitlines()[-1])
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     # Skip the first window: it carries loader and allocator warm-up.
-    rates = [m["samples_per_s"] for m in lines if "samples_per_s" in m][1:]
-    report["samples_per_s"] = statistics.median(rates)
+    all_rates = [m["samples_per_s"] for m in lines if "samples_per_s" in m]
+    rates = all_rates[1:]
+    report["samples_per_s"] = statistics.median(rates or all_rates)
     return report
 
 

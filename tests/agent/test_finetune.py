@@ -63,14 +63,6 @@ def test_device_distortion_is_learned(tmp_path: Path) -> None:
 
 
 def _finetune_in_subprocess(up: Path, data: Path, out: Path, extra: dict) -> dict:
-    code = (
-        "import json, sys, resource; from pathlib import Path; "
-        "from agent.finetune import FinetuneJob, run_finetune; "
-        "kw = json.loads(sys.argv[1]); "
-        "r = run_finetune(FinetuneJob(**kw)); "
-        "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024; "
-        "print(json.dumps({**r.report, 'rss_mb': rss}))"
-    )
     kw = {
         "checkpoint": str(up),
         "data": str(data),
@@ -84,7 +76,7 @@ def _finetune_in_subprocess(up: Path, data: Path, out: Path, extra: dict) -> dic
         **extra,
     }
     p = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(kw)],
+        [sys.executable, "-m", "agent.finetune", json.dumps(kw)],
         capture_output=True,
         text=True,
         timeout=600,
