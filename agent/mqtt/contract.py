@@ -282,6 +282,9 @@ class Result(_Message):
     result: dict[str, Any] | None = None
     """On SUCCEEDED (and DUPLICATE of a finished command); a job's is a JobOutcome."""
     error: ErrorInfo | None = None
+    stored_status: ResultStatus | None = None
+    """On DUPLICATE: where the original command stands (ACCEPTED, IN_PROGRESS or its terminal
+    status), so a sender that lost track (a restarted fleet controller) knows without waiting."""
 
 
 class UploadInfo(_Message):
