@@ -7,44 +7,35 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
+from agent.cli.common import (
+    EXIT_CODES,
+    REGISTRY_ENV,
+    add_state_args,
+    guarded,
+    registry_of,
+    state_dir_of,
+    trusted_keys_of,
+)
 from agent.slots import (
     GcReport,
     ModelSlots,
     SlotError,
-    StateBusyError,
     SwitchResult,
     gc,
     installed_models,
 )
 from agent.sync import (
-    FetchFailedError,
-    InsufficientDiskError,
-    RefError,
-    SyncError,
     TransferConfig,
     parse_ref,
     update,
 )
 from agent.upload import upload
-from hpc_core.manifest import ManifestError
-from hpc_core.publish import PublishError, StoreError
-from hpc_core.signing import KeyFileError, load_signing_key, load_trusted_keys
-
-STATE_ENV, REGISTRY_ENV = "EDGETRAIN_STATE_DIR", "EDGETRAIN_REGISTRY"
-DEFAULT_STATE_DIR = "/var/lib/edgetrain"
-
-EXIT_CODES = """\
-exit codes: 0 done, 1 network or registry failure (retry later), 2 bad arguments or
-reference, 3 refused (signature, hash, unsafe name, pickle, spec mismatch: the active model
-is untouched), 4 not enough disk, 5 another pull/install holds the state lock
-"""
+from hpc_core.signing import load_signing_key
 
 PULL_EPILOG = f"""\
 REF is NAME@VERSION (resolved against --registry / ${REGISTRY_ENV}) or a full URL to a
@@ -91,16 +82,6 @@ def _rate(text: str) -> int:
     return int(value)
 
 
-def state_dir_of(args: argparse.Namespace) -> Path:
-    return Path(args.state_dir or os.environ.get(STATE_ENV) or DEFAULT_STATE_DIR)
-
-
-def trusted_keys_of(args: argparse.Namespace) -> Any:
-    return load_trusted_keys(
-        Path(args.trusted_keys) if args.trusted_keys else state_dir_of(args) / "trusted_keys"
-    )
-
-
 def _transfer(args: argparse.Namespace) -> TransferConfig:
     return TransferConfig(
         connect_timeout_s=args.connect_timeout_s,
@@ -133,31 +114,6 @@ def _progress_bar(enabled: bool, desc: str) -> Iterator[Callable[[int, int], Non
         bar.close()
 
 
-def _fail(code: int, message: str) -> int:
-    print(f"agentctl: {message}", file=sys.stderr)
-    return code
-
-
-def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Map the library's errors to one-line messages and documented exit codes."""
-
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return fn(args)
-        except StateBusyError as e:
-            return _fail(5, str(e))
-        except InsufficientDiskError as e:
-            return _fail(4, str(e))
-        except ManifestError as e:
-            return _fail(3, f"refused ({type(e).__name__}): {e}")
-        except (RefError, KeyFileError, PublishError, SlotError, ValueError) as e:
-            return _fail(2, str(e))
-        except (FetchFailedError, SyncError, StoreError, OSError) as e:
-            return _fail(1, str(e))
-
-    return run
-
-
 def _describe(switch: SwitchResult) -> str:
     now = f"{switch.name}@{switch.active.version} active (slot {switch.active.slot})"
     if switch.previous is None:
@@ -166,7 +122,7 @@ def _describe(switch: SwitchResult) -> str:
 
 
 def run_pull(args: argparse.Namespace) -> int:
-    ref = parse_ref(args.ref, args.registry or os.environ.get(REGISTRY_ENV))
+    ref = parse_ref(args.ref, registry_of(args))
     with _progress_bar(not args.no_progress, f"{ref.name}@{ref.version}") as progress:
         result = update(
             ref,
@@ -256,20 +212,6 @@ def run_gc(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_state_args(p: argparse.ArgumentParser, trusted: bool = True) -> None:
-    p.add_argument(
-        "--state-dir",
-        metavar="DIR",
-        help=f"device state (default: ${STATE_ENV} or {DEFAULT_STATE_DIR})",
-    )
-    if trusted:
-        p.add_argument(
-            "--trusted-keys",
-            metavar="DIR",
-            help="folder of trusted *.pub.pem keys (default: STATE_DIR/trusted_keys)",
-        )
-
-
 def _network(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("network")
     g.add_argument(
@@ -327,7 +269,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_state_args(p)
     _network(p)
-    p.set_defaults(func=_guarded(run_pull))
+    p.set_defaults(func=guarded(run_pull))
 
     r = subparsers.add_parser(
         "rollback",
@@ -339,7 +281,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     r.add_argument("name", nargs="?", metavar="NAME", help="model name (optional if only one)")
     add_state_args(r)
-    r.set_defaults(func=_guarded(run_rollback))
+    r.set_defaults(func=guarded(run_rollback))
 
     u = subparsers.add_parser(
         "upload",
@@ -379,7 +321,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     u.add_argument("--metrics", metavar="FILE", help="JSON object of extra metrics to record")
     add_state_args(u, trusted=False)
     _network(u)
-    u.set_defaults(func=_guarded(run_upload))
+    u.set_defaults(func=guarded(run_upload))
 
     m = subparsers.add_parser(
         "models",
@@ -387,7 +329,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="List installed models with their A/B slots.",
     )
     add_state_args(m, trusted=False)
-    m.set_defaults(func=_guarded(run_models))
+    m.set_defaults(func=guarded(run_models))
 
     g = subparsers.add_parser(
         "gc",
@@ -395,4 +337,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Garbage-collect the chunk store (pull does this after each install).",
     )
     add_state_args(g, trusted=False)
-    g.set_defaults(func=_guarded(run_gc))
+    g.set_defaults(func=guarded(run_gc))

@@ -1,6 +1,6 @@
 """agentctl: drive the edge agent on a device, or run one of its jobs in the foreground.
 
-Each command group lives in its own module under ``agent/commands/`` and registers its
+Each command group lives in its own module under ``agent/cli/`` and registers its
 sub-parsers through ``register(subparsers)``.
 """
 
@@ -12,10 +12,10 @@ import sys
 
 # Command modules, in the order they appear in --help.
 COMMAND_MODULES = (
-    "agent.commands.pull",
-    "agent.commands.finetune",
-    "agent.commands.export",
-    "agent.commands.sensors",
+    "agent.cli.models",
+    "agent.cli.finetune",
+    "agent.cli.export",
+    "agent.cli.sensors",
 )
 
 

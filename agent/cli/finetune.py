@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from agent.commands.pull import REGISTRY_ENV, add_state_args, state_dir_of, trusted_keys_of
+from agent.cli.common import add_state_args, registry_of, state_dir_of, trusted_keys_of
 
 EPILOG = """\
 The job plans its micro-batch from the memory budget before the first step (two short probe
@@ -95,7 +94,7 @@ def resolve_checkpoint_arg(args: argparse.Namespace) -> Path:
     from agent.slots import ModelSlots
     from agent.sync import parse_ref, update
 
-    ref = parse_ref(args.checkpoint, args.registry or os.environ.get(REGISTRY_ENV))
+    ref = parse_ref(args.checkpoint, registry_of(args))
     state_dir = state_dir_of(args)
     update(ref, state_dir=state_dir, trusted=trusted_keys_of(args))
     active = ModelSlots(state_dir, ref.name).active()

@@ -1,0 +1,101 @@
+"""What every agentctl command group shares: the device state arguments and the one error handler.
+
+Command modules register their sub-parsers with ``register(subparsers)`` and wrap their
+``run_*`` functions in :func:`guarded`, so a library error always becomes one line on stderr
+and a documented exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+STATE_ENV, REGISTRY_ENV = "EDGETRAIN_STATE_DIR", "EDGETRAIN_REGISTRY"
+DEFAULT_STATE_DIR = "/var/lib/edgetrain"
+
+EXIT_CODES = """\
+exit codes: 0 done, 1 network or registry failure (retry later), 2 bad arguments or
+reference, 3 refused (signature, hash, unsafe name, pickle, spec mismatch: the active model
+is untouched), 4 not enough disk, 5 another pull/install holds the state lock
+"""
+
+
+def state_dir_of(args: argparse.Namespace) -> Path:
+    return Path(args.state_dir or os.environ.get(STATE_ENV) or DEFAULT_STATE_DIR)
+
+
+def registry_of(args: argparse.Namespace) -> str | None:
+    return args.registry or os.environ.get(REGISTRY_ENV)
+
+
+def trusted_keys_of(args: argparse.Namespace) -> Any:
+    from hpc_core.signing import load_trusted_keys
+
+    return load_trusted_keys(
+        Path(args.trusted_keys) if args.trusted_keys else state_dir_of(args) / "trusted_keys"
+    )
+
+
+def add_state_args(p: argparse.ArgumentParser, trusted: bool = True) -> None:
+    p.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help=f"device state (default: ${STATE_ENV} or {DEFAULT_STATE_DIR})",
+    )
+    if trusted:
+        p.add_argument(
+            "--trusted-keys",
+            metavar="DIR",
+            help="folder of trusted *.pub.pem keys (default: STATE_DIR/trusted_keys)",
+        )
+
+
+def fail(code: int, message: str, prog: str = "agentctl") -> int:
+    print(f"{prog}: {message}", file=sys.stderr)
+    return code
+
+
+def exit_code_of(e: BaseException) -> int | None:
+    """The documented exit code of a library error (see EXIT_CODES); None: not ours, re-raise."""
+    from agent.slots import SlotError, StateBusyError
+    from agent.sync import FetchFailedError, InsufficientDiskError, RefError, SyncError
+    from hpc_core.manifest import ManifestError
+    from hpc_core.publish import PublishError, StoreError
+    from hpc_core.signing import KeyFileError
+
+    # Order matters: the specific classes derive from the generic ones below them.
+    table: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], int], ...] = (
+        (StateBusyError, 5),
+        (InsufficientDiskError, 4),
+        (ManifestError, 3),
+        ((RefError, KeyFileError, PublishError, SlotError, ValueError), 2),
+        ((FetchFailedError, SyncError, StoreError, OSError), 1),
+    )
+    for types, code in table:
+        if isinstance(e, types):
+            return code
+    return None
+
+
+def describe_error(e: BaseException) -> str:
+    code = exit_code_of(e)
+    return f"refused ({type(e).__name__}): {e}" if code == 3 else str(e)
+
+
+def guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Map the library's errors to one-line messages and documented exit codes."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except Exception as e:
+            code = exit_code_of(e)
+            if code is None:
+                raise
+            return fail(code, describe_error(e))
+
+    return run
