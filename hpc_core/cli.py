@@ -9,6 +9,7 @@ from pathlib import Path
 
 from hpc_core.config import ConfigError, load_config, reference_markdown, summarize
 from hpc_core.train import add_train_args, run
+from hpc_core.tune import add_tune_args, run_tune
 
 EPILOG = """\
 examples:
@@ -70,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_train_args(t)
     t.set_defaults(func=run)
+    tu = sub.add_parser(
+        "tune",
+        help="hyperparameter search with Optuna (one worker per process, shared storage)",
+        description="Run trials of a study until it holds --trials of them; any number of "
+        "workers may share the study through --storage.",
+    )
+    add_tune_args(tu)
+    tu.set_defaults(func=run_tune)
     # Publishing lives in its own module; it is optional until that module exists.
     try:
         publish_cli = importlib.import_module("hpc_core.publish_cli")
