@@ -1,0 +1,87 @@
+"""``fleetctl send``: one command to a device or a group, and the replies that follow.
+
+A group command is published ONCE on the group topic (the broker fans it out); the devices
+to expect replies from are the group's members in the inventory.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from agent.mqtt.contract import TERMINAL_STATUSES, Command, Result, utc_now
+from fleet.mqtt import FleetConnection
+
+
+@dataclass
+class SendOutcome:
+    command_id: str
+    expected: list[str]
+    last: dict[str, Result] = field(default_factory=dict)
+
+    def rows(self) -> list[dict[str, Any]]:
+        out = []
+        for d in self.expected:
+            r = self.last.get(d)
+            res = r.result or {} if r else {}
+            out.append({
+                "device": d,
+                "status": r.status if r else "NO_REPLY",
+                "code": r.error.code if r and r.error else None,
+                "detail": (r.error.message if r and r.error
+                           else res.get("outcome") if isinstance(res, dict) else None),
+            })
+        return out
+
+    def ok(self, wait: bool) -> bool:
+        good = {"SUCCEEDED"} if wait else {"ACCEPTED", "IN_PROGRESS", "SUCCEEDED"}
+        return all(d in self.last and self.last[d].status in good for d in self.expected)
+
+
+def send(
+    conn: FleetConnection,
+    type_: str,
+    args: dict[str, Any],
+    *,
+    devices: list[str],
+    group: str | None = None,
+    wait: bool = False,
+    timeout_s: float = 30.0,
+    command_timeout_s: float | None = None,
+) -> SendOutcome:
+    """Publish one command and follow the replies: until every device answered at once
+    (ACCEPTED/REJECTED) or, with ``wait``, until every device reached a terminal status."""
+    cid = f"send-{uuid.uuid4().hex[:16]}"
+    cmd = Command(id=cid, type=type_, issued_at=utc_now(), timeout_s=command_timeout_s,  # type: ignore[arg-type]
+                  args=args)
+    t = conn.topics
+    payload = cmd.to_payload()
+    if group is not None:
+        conn.publish(t.group_command(group, type_), payload)
+    else:
+        for d in devices:
+            conn.publish(t.command(d, type_), payload)
+    out = SendOutcome(cid, sorted(devices))
+    want = set(devices)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for m in conn.drain(0.1):
+            if not m.topic.endswith("/res"):
+                continue
+            try:
+                r = Result.from_payload(m.payload)
+            except ValidationError:
+                continue
+            if r.id != cid or r.device not in want:
+                continue
+            prev = out.last.get(r.device)
+            if prev is None or prev.status not in TERMINAL_STATUSES:
+                out.last[r.device] = r
+        done = TERMINAL_STATUSES if wait else TERMINAL_STATUSES | {"ACCEPTED", "IN_PROGRESS"}
+        if all(d in out.last and out.last[d].status in done for d in want):
+            break
+    return out

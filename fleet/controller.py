@@ -1,0 +1,461 @@
+"""The rollout controller: waves, rate limit, timeouts, retries, health gates, abort, rollback.
+
+A loop over (messages in → state → sends out), every change in the store before anything is
+published. Execution ids are ``{rollout}.{device}.{attempt}``: a restarted controller re-sends
+the same id for every execution that was open, and a device that already has it answers
+DUPLICATE with where it stands — so no device ever runs one execution twice.
+
+Rollout states: running → (paused ⇄ running) → succeeded, or → aborting → rolling_back →
+aborted; ``rollback`` of a finished rollout: rolling_back → rolled_back.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from pydantic import ValidationError
+
+from agent.mqtt.contract import Command, JobOutcome, Result
+from fleet.mqtt import FleetConnection
+from fleet.plan import RolloutPlan
+from fleet.store import ROLLOUT_ACTIVE, Execution, FleetStore, Rollout, Wave
+
+log = logging.getLogger("fleet.controller")
+
+RETRIED = frozenset({"FAILED", "TIMED_OUT", "EXPIRED"})
+"""Terminal statuses a plan's ``retries`` apply to; REJECTED never is (the args are wrong)."""
+CONTROLLER_TIMEOUT = "CONTROLLER_TIMEOUT"
+"""error_code of an execution the controller gave up on (no terminal result in timeout_s);
+the device's own late result may still overrule it."""
+DEVICE_TERMINAL = frozenset(
+    {"SUCCEEDED", "FAILED", "TIMED_OUT", "EXPIRED", "REJECTED", "CANCELED"}
+)
+
+
+def exec_id(rid: str, device: str, attempt: int, kind: str = "job") -> str:
+    return f"{rid}.{device}.{attempt}" if kind == "job" else f"{rid}.{device}.{kind}{attempt}"
+
+
+@dataclass
+class RolloutRun:
+    """One rollout's state in memory; the store is the truth, this is its cache."""
+
+    rollout: Rollout
+    waves: list[Wave]
+    targets: list[tuple[str, int]]
+    execs: dict[str, Execution] = field(default_factory=dict)
+    sends: deque[float] = field(default_factory=deque)
+
+    @property
+    def plan(self) -> RolloutPlan:
+        return self.rollout.plan
+
+    def latest(self, kind: str = "job") -> dict[str, Execution]:
+        """The last attempt per device."""
+        out: dict[str, Execution] = {}
+        for e in self.execs.values():
+            if e.kind == kind and (e.device not in out or e.attempt > out[e.device].attempt):
+                out[e.device] = e
+        return out
+
+    def failed(self, e: Execution) -> bool:
+        return e.status in DEVICE_TERMINAL - {"SUCCEEDED", "CANCELED"} or (
+            e.status == "SUCCEEDED" and e.outcome == "rolled_back"
+        )
+
+    def final(self, e: Execution) -> bool:
+        """Terminal and not to be retried."""
+        if e.open:
+            return False
+        return not (
+            e.status in RETRIED
+            and e.attempt <= self.plan.retries
+            and self.rollout.state in ("running", "paused")
+        )
+
+
+class Controller:
+    def __init__(
+        self,
+        store: FleetStore,
+        conn: FleetConnection,
+        *,
+        on_progress: Callable[[RolloutRun], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.conn = conn
+        self.topics = conn.topics
+        self.runs: dict[str, RolloutRun] = {}
+        self.by_exec: dict[str, RolloutRun] = {}
+        self.dirty: dict[str, Execution] = {}
+        self.outbox: list[tuple[RolloutRun, Execution, str | None]] = []
+        self.on_progress = on_progress
+
+    # --- loading and resuming ---------------------------------------------------------
+
+    def load(self, rid: str) -> RolloutRun:
+        r = self.store.rollout(rid)
+        if r is None:
+            raise KeyError(f"no rollout {rid!r}")
+        run = RolloutRun(r, self.store.waves(rid), self.store.targets(rid))
+        for e in self.store.executions(rid):
+            run.execs[e.id] = e
+            self.by_exec[e.id] = run
+        self.runs[rid] = run
+        # Re-send every execution that was in flight with its original id and times: the
+        # device answers DUPLICATE (it has it) or runs it (it never arrived) — never twice.
+        for e in run.execs.values():
+            if e.open and e.status != "PLANNED":
+                self.outbox.append((run, e, None))
+        log.info("rollout loaded", extra={"rollout": rid, "state": r.state,
+                                           "resent": len(self.outbox)})
+        return run
+
+    # --- messages in ------------------------------------------------------------------
+
+    def on_result(self, payload: bytes) -> None:
+        try:
+            r = Result.from_payload(payload)
+        except ValidationError:
+            log.warning("unreadable result ignored")
+            return
+        run = self.by_exec.get(r.id)
+        if run is None:
+            return  # another sender's command (fleetctl send, another controller)
+        e = run.execs[r.id]
+        if r.device != e.device:
+            log.warning("result from the wrong device ignored",
+                        extra={"exec": e.id, "device": r.device})
+            return
+        status: str | None = r.status
+        if status == "DUPLICATE":
+            status = r.stored_status or _infer_status(r)
+            if status in (None, "DUPLICATE"):
+                return
+        now = time.time()
+        if status == "ACCEPTED":
+            if e.status == "SENT":
+                e.status = "ACCEPTED"
+        elif status == "IN_PROGRESS":
+            if e.open:
+                e.status, e.started_at = "IN_PROGRESS", e.started_at or now
+        elif status in DEVICE_TERMINAL:
+            # A late result may still overrule our own timeout: the device's word on whether
+            # the model changed is what a rollback needs.
+            if not e.open and e.error_code != CONTROLLER_TIMEOUT:
+                return
+            self._finish(run, e, status, r, now)
+        self.dirty[e.id] = e
+
+    def _finish(self, run: RolloutRun, e: Execution, status: str, r: Result, now: float) -> None:
+        e.status, e.finished_at = status, now
+        e.error_code = r.error.code if r.error else None
+        e.error_message = r.error.message if r.error else None
+        e.result = r.result
+        if status == "SUCCEEDED" and r.result is not None and e.kind == "job":
+            try:
+                out = JobOutcome.model_validate(r.result)
+            except ValidationError:
+                out = None
+            if out is not None:
+                e.outcome = out.outcome
+                m = run.plan.abort_metric
+                if m:
+                    e.metric_before = out.metrics_before.get(m)
+                    e.metric_after = out.metrics_after.get(m)
+        log.debug("execution finished", extra={
+            "exec": e.id, "status": status, "outcome": e.outcome, "code": e.error_code})
+
+    # --- sending ----------------------------------------------------------------------
+
+    def _plan_exec(self, run: RolloutRun, device: str, wave: int, attempt: int,
+                   kind: str = "job") -> Execution:
+        e = Execution(exec_id(run.rollout.id, device, attempt, kind), run.rollout.id, device,
+                      wave, kind, attempt, "PLANNED", time.time())
+        run.execs[e.id] = e
+        self.by_exec[e.id] = run
+        self.dirty[e.id] = e
+        return e
+
+    def _queue_send(self, run: RolloutRun, e: Execution, now: float) -> None:
+        e.status, e.sent_at = "SENT", now
+        self.dirty[e.id] = e
+        self.outbox.append((run, e, None))
+        run.sends.append(now)
+
+    def _command(self, run: RolloutRun, e: Execution) -> tuple[str, bytes]:
+        p = run.plan
+        sent = datetime.fromtimestamp(e.sent_at or time.time(), timezone.utc)
+        if e.kind == "job":
+            type_, args = p.job, p.args
+        elif e.kind == "rollback":
+            type_, args = "rollback", {"reason": f"rollout {run.rollout.id} rolled back"}
+        else:
+            type_, args = "cancel", {"job_id": e.id.rsplit(".cancel", 1)[0]}
+        # expires_at = the controller's own deadline: a command that waits in an offline
+        # device's session past it is EXPIRED there, not started after we gave up on it.
+        cmd = Command(
+            id=e.id, type=type_, issued_at=sent,  # type: ignore[arg-type]
+            expires_at=datetime.fromtimestamp((e.sent_at or 0) + p.timeout_s, timezone.utc),
+            timeout_s=p.timeout_s, args=args,
+        )
+        return self.topics.command(e.device, type_), cmd.to_payload()
+
+    def _cancel(self, run: RolloutRun, e: Execution, now: float) -> None:
+        cid = e.id + ".cancel"
+        if cid in run.execs:
+            return
+        c = Execution(cid, run.rollout.id, e.device, e.wave, "cancel", e.attempt, "PLANNED", now)
+        run.execs[cid] = c
+        self.by_exec[cid] = run
+        self._queue_send(run, c, now)
+
+    def flush(self) -> None:
+        """Persist this turn's changes, then publish: a send is durable before it leaves."""
+        if self.dirty:
+            self.store.save_executions(self.dirty.values())
+            self.dirty.clear()
+        for run, e, _ in self.outbox:
+            topic, payload = self._command(run, e)
+            self.conn.publish(topic, payload)
+        self.outbox.clear()
+
+    # --- the state machine ----------------------------------------------------------------
+
+    def tick(self, run: RolloutRun, now: float) -> None:
+        req = self.store.take_request(run.rollout.id)
+        if req:
+            self._apply_request(run, req, now)
+        self._timeouts(run, now)
+        state = run.rollout.state
+        if state in ("running", "paused"):
+            self._retries(run)
+            if not self._health_failure_rate(run, now):
+                self._waves(run, now)
+        elif state == "aborting":
+            self._aborting(run, now)
+        elif state == "rolling_back":
+            self._rolling_back(run, now)
+
+    def _set_state(self, run: RolloutRun, state: str, reason: str | None = None) -> None:
+        self.store.set_rollout_state(run.rollout.id, state, reason)
+        run.rollout.state = state
+        if reason:
+            run.rollout.reason = reason
+        log.info("rollout state", extra={"rollout": run.rollout.id, "state": state,
+                                          "reason": reason})
+
+    def _apply_request(self, run: RolloutRun, req: str, now: float) -> None:
+        state = run.rollout.state
+        if req == "pause" and state == "running":
+            self._set_state(run, "paused")
+        elif req == "resume" and state == "paused":
+            self._set_state(run, "running")
+        elif req == "abort" and state in ("running", "paused"):
+            self.abort(run, "operator abort", now)
+        elif req == "rollback":
+            if state in ("running", "paused"):
+                self.abort(run, "operator rollback", now, rollback=True)
+            elif state in ("succeeded", "aborted", "rolled_back"):
+                self._set_state(run, "rolling_back")
+
+    def abort(self, run: RolloutRun, reason: str, now: float, rollback: bool | None = None) -> None:
+        """Stop new waves, drop what was not sent, cancel what waits on a device, let
+        running executions finish; then roll back (if the plan says so)."""
+        for w in run.waves:
+            if w.state in ("running", "baking"):
+                w.state, w.finished_at = "aborted", now
+                self.store.save_wave(w)
+        for e in list(run.execs.values()):
+            if e.status == "PLANNED":
+                e.status, e.finished_at = "CANCELED", now
+                e.error_code, e.error_message = "ABORTED", "never sent: the rollout was aborted"
+                self.dirty[e.id] = e
+            elif e.kind == "job" and e.status in ("SENT", "ACCEPTED"):
+                self._cancel(run, e, now)
+        if rollback is not None and rollback != run.plan.rollback_on_abort:
+            run.rollout.plan = run.plan.model_copy(update={"rollback_on_abort": rollback})
+            self.store.save_plan(run.rollout.id, run.rollout.plan)
+        self._set_state(run, "aborting", reason)
+
+    def _timeouts(self, run: RolloutRun, now: float) -> None:
+        for e in list(run.execs.values()):
+            if e.open and e.sent_at is not None and now - e.sent_at > run.plan.timeout_s:
+                was_started = e.status in ("ACCEPTED", "IN_PROGRESS")
+                e.status, e.finished_at = "TIMED_OUT", now
+                e.error_code = CONTROLLER_TIMEOUT
+                e.error_message = f"no terminal result within {run.plan.timeout_s:g} s"
+                self.dirty[e.id] = e
+                if was_started and e.kind == "job":
+                    self._cancel(run, e, now)  # so a retry never runs beside the old one
+
+    def _retries(self, run: RolloutRun) -> None:
+        for dev, e in run.latest().items():
+            if not e.open and not run.final(e):
+                self._plan_exec(run, dev, e.wave, e.attempt + 1)
+
+    def _health_failure_rate(self, run: RolloutRun, now: float) -> bool:
+        p = run.plan
+        done = [e for e in run.latest().values() if run.final(e) and e.status != "CANCELED"]
+        failed = sum(run.failed(e) for e in done)
+        if len(done) >= p.min_completed and failed / len(done) > p.abort_failure_rate:
+            self.abort(run, f"failure rate {failed}/{len(done)} > {p.abort_failure_rate:g}", now)
+            return True
+        return False
+
+    def _may_send(self, run: RolloutRun, now: float) -> bool:
+        limit = run.plan.max_per_minute
+        if limit is None:
+            return True
+        while run.sends and now - run.sends[0] > 60:
+            run.sends.popleft()
+        return len(run.sends) < limit
+
+    def _waves(self, run: RolloutRun, now: float) -> None:
+        wave = next((w for w in run.waves if w.state != "done"), None)
+        if wave is None:
+            self._set_state(run, "succeeded")
+            return
+        if wave.state == "pending":
+            if run.rollout.state == "paused":
+                return
+            wave.state, wave.started_at = "running", now
+            self.store.save_wave(wave)
+            have = {e.device for e in run.execs.values() if e.kind == "job"}
+            for dev, w in run.targets:
+                if w == wave.idx and dev not in have:
+                    self._plan_exec(run, dev, wave.idx, 1)
+            log.info("wave started", extra={"rollout": run.rollout.id, "wave": wave.idx,
+                                             "target": wave.target})
+        if wave.state == "running":
+            if run.rollout.state == "running":
+                for e in run.execs.values():
+                    if e.status == "PLANNED" and e.kind == "job":
+                        if not self._may_send(run, now):
+                            break
+                        self._queue_send(run, e, now)
+            mine = [e for d, e in run.latest().items() if e.wave == wave.idx]
+            if mine and all(run.final(e) for e in mine):
+                if self._health_metric(run, wave, mine, now):
+                    return
+                wave.state = "baking"
+                wave.bake_until = now + run.plan.bake_s
+                self.store.save_wave(wave)
+        if wave.state == "baking" and now >= (wave.bake_until or 0):
+            wave.state, wave.finished_at = "done", now
+            self.store.save_wave(wave)
+            log.info("wave done", extra={"rollout": run.rollout.id, "wave": wave.idx})
+
+    def _health_metric(self, run: RolloutRun, wave: Wave, mine: list[Execution],
+                       now: float) -> bool:
+        p = run.plan
+        drops = [
+            e.metric_before - e.metric_after for e in mine
+            if e.metric_before is not None and e.metric_after is not None
+        ]
+        if p.max_metric_drop is None or not drops:
+            return False
+        med = statistics.median(drops)
+        if med > p.max_metric_drop:
+            self.abort(run, f"wave {wave.idx}: median {p.abort_metric} drop {med:.4f} > "
+                            f"{p.max_metric_drop:g}", now)
+            return True
+        return False
+
+    def _aborting(self, run: RolloutRun, now: float) -> None:
+        if any(e.open for e in run.execs.values() if e.kind == "job"):
+            return  # running executions finish; their outcome decides their rollback
+        if run.plan.rollback_on_abort:
+            self._set_state(run, "rolling_back")
+        else:
+            self._set_state(run, "aborted")
+
+    def committed_devices(self, run: RolloutRun) -> list[str]:
+        return sorted({e.device for e in run.execs.values()
+                       if e.kind == "job" and e.status == "SUCCEEDED" and e.outcome == "committed"})
+
+    def _rolling_back(self, run: RolloutRun, now: float) -> None:
+        rbs = run.latest("rollback")
+        for dev in self.committed_devices(run):
+            if dev not in rbs:
+                w = next((e.wave for e in run.execs.values() if e.device == dev), -1)
+                self._queue_send(run, self._plan_exec(run, dev, w, 1, "rollback"), now)
+        if any(e.open for e in run.latest("rollback").values()):
+            return
+        self._set_state(run, "aborted" if run.rollout.reason else "rolled_back")
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def run(self, rids: list[str] | None = None, *, forever: bool = False,
+            poll_s: float = 0.05) -> dict[str, str]:
+        """Drive the given rollouts (default: every active one) to a final state."""
+        for rid in rids or [r.id for r in self.store.rollouts(ROLLOUT_ACTIVE)]:
+            if rid not in self.runs:
+                self.load(rid)
+        self.flush()
+        last_scan = time.monotonic()
+        while True:
+            for msg in self.conn.drain(poll_s):
+                kind = msg.topic.rsplit("/", 1)[-1]
+                if kind == "res":
+                    self.on_result(msg.payload)
+            now = time.time()
+            for run in self.runs.values():
+                if run.rollout.state in ROLLOUT_ACTIVE:
+                    self.tick(run, now)
+            self.flush()
+            for run in self.runs.values():
+                if self.on_progress is not None:
+                    self.on_progress(run)
+            if forever and time.monotonic() - last_scan > 1.0:
+                last_scan = time.monotonic()
+                for r in self.store.rollouts(ROLLOUT_ACTIVE):
+                    if r.id not in self.runs:
+                        self.load(r.id)
+            if not forever and all(
+                r.rollout.state not in ROLLOUT_ACTIVE for r in self.runs.values()
+            ):
+                self.conn.flush()
+                return {rid: r.rollout.state for rid, r in self.runs.items()}
+
+
+def _infer_status(r: Result) -> str | None:
+    """Where a DUPLICATE's command stands when the device did not say (older agents)."""
+    if r.result is not None:
+        return "SUCCEEDED"
+    if r.error is not None:
+        code = r.error.code
+        return code if code in ("CANCELED", "TIMED_OUT", "EXPIRED") else "FAILED"
+    return None
+
+
+def summarize(run: RolloutRun) -> dict[str, Any]:
+    """Counts per wave and overall, for the status table and the report."""
+    latest = run.latest()
+    waves = []
+    for w in run.waves:
+        devs = [d for d, wi in run.targets if wi == w.idx]
+        es = [latest[d] for d in devs if d in latest]
+        waves.append({
+            "wave": w.idx, "state": w.state, "devices": len(devs),
+            "sent": sum(e.status != "PLANNED" for e in es),
+            "running": sum(e.open and e.status != "PLANNED" for e in es),
+            "succeeded": sum(e.status == "SUCCEEDED" and not run.failed(e) for e in es),
+            "failed": sum(run.failed(e) and run.final(e) for e in es),
+            "canceled": sum(e.status == "CANCELED" for e in es),
+            "started_at": w.started_at, "finished_at": w.finished_at,
+        })
+    rbs = run.latest("rollback").values()
+    return {
+        "id": run.rollout.id, "state": run.rollout.state, "reason": run.rollout.reason,
+        "targets": len(run.targets), "waves": waves,
+        "rolled_back": sum(e.status == "SUCCEEDED" for e in rbs),
+        "rollback_failed": sum(not e.open and e.status != "SUCCEEDED" for e in rbs),
+    }

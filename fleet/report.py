@@ -1,0 +1,110 @@
+"""A rollout's final report: JSON (the record), a table (for the terminal) and a PNG of
+executions over time per wave. Built from the store alone, so it can be made again at any
+time with ``fleetctl rollout report ID``."""
+
+from __future__ import annotations
+
+import io
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from fleet.controller import RolloutRun, summarize
+from fleet.inventory import render_table
+from fleet.store import FleetStore
+from hpc_core.atomic import write_bytes_atomic
+
+
+def load_run(store: FleetStore, rid: str) -> RolloutRun:
+    r = store.rollout(rid)
+    if r is None:
+        raise KeyError(f"no rollout {rid!r}; `fleetctl rollout list` shows them")
+    run = RolloutRun(r, store.waves(rid), store.targets(rid))
+    run.execs = {e.id: e for e in store.executions(rid)}
+    return run
+
+
+def build(run: RolloutRun) -> dict[str, Any]:
+    s = summarize(run)
+    latest = run.latest()
+    m = run.plan.abort_metric
+    for w in s["waves"]:
+        drops = [e.metric_before - e.metric_after for e in latest.values()
+                 if e.wave == w["wave"] and e.metric_before is not None
+                 and e.metric_after is not None]
+        w[f"median_drop_{m}"] = round(statistics.median(drops), 6) if drops else None
+    execs = sorted(run.execs.values(), key=lambda e: (e.created_at, e.id))
+    return {
+        "rollout": s["id"],
+        "state": s["state"],
+        "reason": s["reason"],
+        "plan": run.plan.model_dump(mode="json"),
+        "created_at": run.rollout.created_at,
+        "finished_at": run.rollout.finished_at,
+        "targets": s["targets"],
+        "waves": s["waves"],
+        "rolled_back": s["rolled_back"],
+        "rollback_failed": s["rollback_failed"],
+        "executions": [{
+            "id": e.id, "device": e.device, "wave": e.wave, "kind": e.kind,
+            "attempt": e.attempt, "status": e.status, "outcome": e.outcome,
+            "sent_at": e.sent_at, "started_at": e.started_at, "finished_at": e.finished_at,
+            "metric_before": e.metric_before, "metric_after": e.metric_after,
+            "error_code": e.error_code, "error_message": e.error_message,
+        } for e in execs],
+    }
+
+
+WAVE_COLUMNS = ["wave", "state", "devices", "sent", "running", "succeeded", "failed", "canceled"]
+
+
+def table(report: dict[str, Any]) -> str:
+    head = f"rollout {report['rollout']}: {report['state']}"
+    if report.get("reason"):
+        head += f" ({report['reason']})"
+    cols = [*WAVE_COLUMNS, f"median_drop_{report['plan']['abort_metric']}"]
+    tail = f"rolled back: {report['rolled_back']}, rollback failed: {report['rollback_failed']}"
+    return "\n".join([head, render_table(report["waves"], cols), tail])
+
+
+def plot_png(report: dict[str, Any]) -> bytes:
+    """Finished executions over time, one cumulative line per wave, abort marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = report["created_at"]
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    jobs = [e for e in report["executions"] if e["kind"] == "job" and e["finished_at"]]
+    for w in report["waves"]:
+        ts = sorted(e["finished_at"] - t0 for e in jobs if e["wave"] == w["wave"])
+        if ts:
+            ax.step(ts, range(1, len(ts) + 1), where="post", label=f"wave {w['wave']}")
+    rbs = sorted(e["finished_at"] - t0 for e in report["executions"]
+                 if e["kind"] == "rollback" and e["finished_at"])
+    if rbs:
+        ax.step(rbs, range(1, len(rbs) + 1), where="post", linestyle="--", label="rollbacks")
+    if report["finished_at"]:
+        ax.axvline(report["finished_at"] - t0, color="grey", linewidth=0.8)
+    ax.set_xlabel("seconds since the rollout was created")
+    ax.set_ylabel("executions finished")
+    ax.set_title(f"{report['rollout']}: {report['state']}")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def write(report: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rid = report["rollout"]
+    paths = {"json": out_dir / f"{rid}.json", "table": out_dir / f"{rid}.txt",
+             "png": out_dir / f"{rid}.png"}
+    write_bytes_atomic(paths["json"], json.dumps(report, indent=1).encode())
+    write_bytes_atomic(paths["table"], (table(report) + "\n").encode())
+    write_bytes_atomic(paths["png"], plot_png(report))
+    return paths

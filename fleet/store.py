@@ -1,0 +1,297 @@
+"""The controller's durable state: rollouts, their waves and every execution, in SQLite (WAL).
+
+Written before anything is published, so a controller killed at any instant restarts from
+here. Why ``synchronous=NORMAL`` is enough: a process kill never loses a committed WAL
+transaction, and even a power cut that loses the last ones is safe, because execution ids are
+deterministic (rollout, device, attempt) — a re-planned execution gets the id the device has
+already seen and is answered DUPLICATE instead of running twice.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fleet.plan import RolloutPlan
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS rollouts (
+    id TEXT PRIMARY KEY,
+    plan TEXT NOT NULL,
+    state TEXT NOT NULL,
+    reason TEXT,
+    request TEXT,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    finished_at REAL
+);
+CREATE TABLE IF NOT EXISTS waves (
+    rollout_id TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    target INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    bake_until REAL,
+    PRIMARY KEY (rollout_id, idx)
+);
+CREATE TABLE IF NOT EXISTS targets (
+    rollout_id TEXT NOT NULL,
+    device TEXT NOT NULL,
+    pos INTEGER NOT NULL,
+    wave INTEGER NOT NULL,
+    PRIMARY KEY (rollout_id, device)
+);
+CREATE TABLE IF NOT EXISTS executions (
+    id TEXT PRIMARY KEY,
+    rollout_id TEXT NOT NULL,
+    device TEXT NOT NULL,
+    wave INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    sent_at REAL,
+    started_at REAL,
+    finished_at REAL,
+    outcome TEXT,
+    metric_before REAL,
+    metric_after REAL,
+    error_code TEXT,
+    error_message TEXT,
+    result TEXT
+);
+CREATE INDEX IF NOT EXISTS executions_rollout ON executions (rollout_id, kind, device);
+"""
+
+ROLLOUT_ACTIVE = ("running", "paused", "aborting", "rolling_back")
+ROLLOUT_FINAL = ("succeeded", "aborted", "rolled_back")
+REQUESTS = ("pause", "resume", "abort", "rollback")
+
+EXEC_OPEN = ("PLANNED", "SENT", "ACCEPTED", "IN_PROGRESS")
+"""Controller-side execution states before the terminal ones of the contract."""
+
+
+@dataclass
+class Execution:
+    id: str
+    rollout_id: str
+    device: str
+    wave: int
+    kind: str
+    """job | rollback | cancel"""
+    attempt: int
+    status: str
+    created_at: float
+    sent_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    outcome: str | None = None
+    metric_before: float | None = None
+    metric_after: float | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    result: dict[str, Any] | None = None
+
+    @property
+    def open(self) -> bool:
+        return self.status in EXEC_OPEN
+
+    def row(self) -> tuple[Any, ...]:
+        return (
+            self.id, self.rollout_id, self.device, self.wave, self.kind, self.attempt,
+            self.status, self.created_at, self.sent_at, self.started_at, self.finished_at,
+            self.outcome, self.metric_before, self.metric_after, self.error_code,
+            self.error_message, None if self.result is None else json.dumps(self.result),
+        )
+
+
+_EXEC_COLS = (
+    "id, rollout_id, device, wave, kind, attempt, status, created_at, sent_at, started_at, "
+    "finished_at, outcome, metric_before, metric_after, error_code, error_message, result"
+)
+
+
+@dataclass
+class Wave:
+    rollout_id: str
+    idx: int
+    target: int
+    """Cumulative device count reached at the end of this wave."""
+    state: str
+    """pending | running | baking | done | aborted"""
+    started_at: float | None = None
+    finished_at: float | None = None
+    bake_until: float | None = None
+
+
+@dataclass
+class Rollout:
+    id: str
+    plan: RolloutPlan
+    state: str
+    reason: str | None
+    request: str | None
+    created_at: float
+    updated_at: float
+    finished_at: float | None
+
+
+class FleetStore:
+    """One connection per process; the controller writes, ``fleetctl rollout`` reads and
+    posts operator requests (pause, resume, abort, rollback) that the controller applies."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute("PRAGMA busy_timeout=30000")
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextmanager
+    def tx(self) -> Iterator[sqlite3.Connection]:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.db
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    # --- rollouts ---------------------------------------------------------------------
+
+    def create_rollout(self, plan: RolloutPlan, targets: list[str]) -> Rollout:
+        """The rollout, its waves and its target snapshot in one transaction."""
+        now = time.time()
+        ordered = sorted(targets)
+        sizes = plan.wave_sizes(len(ordered))
+        with self.tx() as db:
+            n = db.execute(
+                "SELECT COUNT(*) FROM rollouts WHERE id = ? OR id LIKE ?",
+                (plan.name, plan.name + "-%"),
+            ).fetchone()[0]
+            rid = plan.name if n == 0 else f"{plan.name}-{n + 1}"
+            db.execute(
+                "INSERT INTO rollouts (id, plan, state, created_at, updated_at) "
+                "VALUES (?, ?, 'running', ?, ?)",
+                (rid, plan.model_dump_json(), now, now),
+            )
+            db.executemany(
+                "INSERT INTO waves (rollout_id, idx, target, state) VALUES (?, ?, ?, 'pending')",
+                [(rid, i, s) for i, s in enumerate(sizes)],
+            )
+            rows = []
+            for pos, dev in enumerate(ordered):
+                wave = next(i for i, s in enumerate(sizes) if pos < s) if pos < sizes[-1] else -1
+                rows.append((rid, dev, pos, wave))
+            db.executemany(
+                "INSERT INTO targets (rollout_id, device, pos, wave) VALUES (?, ?, ?, ?)", rows
+            )
+        rollout = self.rollout(rid)
+        assert rollout is not None
+        return rollout
+
+    def rollout(self, rid: str) -> Rollout | None:
+        row = self.db.execute(
+            "SELECT id, plan, state, reason, request, created_at, updated_at, finished_at "
+            "FROM rollouts WHERE id = ?",
+            (rid,),
+        ).fetchone()
+        if row is None:
+            return None
+        return Rollout(row[0], RolloutPlan.model_validate_json(row[1]), *row[2:])
+
+    def rollouts(self, states: Iterable[str] | None = None) -> list[Rollout]:
+        ids = [r[0] for r in self.db.execute("SELECT id FROM rollouts ORDER BY created_at")]
+        out = [r for r in (self.rollout(i) for i in ids) if r is not None]
+        return [r for r in out if states is None or r.state in states]
+
+    def set_rollout_state(self, rid: str, state: str, reason: str | None = None) -> None:
+        now = time.time()
+        final = now if state in ROLLOUT_FINAL else None
+        self.db.execute(
+            "UPDATE rollouts SET state = ?, reason = COALESCE(?, reason), updated_at = ?, "
+            "finished_at = COALESCE(?, finished_at) WHERE id = ?",
+            (state, reason, now, final, rid),
+        )
+
+    def save_plan(self, rid: str, plan: RolloutPlan) -> None:
+        self.db.execute("UPDATE rollouts SET plan = ? WHERE id = ?", (plan.model_dump_json(), rid))
+
+    def post_request(self, rid: str, request: str) -> None:
+        if request not in REQUESTS:
+            raise ValueError(f"request {request!r}: one of {', '.join(REQUESTS)}")
+        self.db.execute(
+            "UPDATE rollouts SET request = ?, updated_at = ? WHERE id = ?",
+            (request, time.time(), rid),
+        )
+
+    def take_request(self, rid: str) -> str | None:
+        with self.tx() as db:
+            row = db.execute("SELECT request FROM rollouts WHERE id = ?", (rid,)).fetchone()
+            if row and row[0]:
+                db.execute("UPDATE rollouts SET request = NULL WHERE id = ?", (rid,))
+                return str(row[0])
+        return None
+
+    # --- waves and targets -------------------------------------------------------------
+
+    def waves(self, rid: str) -> list[Wave]:
+        rows = self.db.execute(
+            "SELECT rollout_id, idx, target, state, started_at, finished_at, bake_until "
+            "FROM waves WHERE rollout_id = ? ORDER BY idx",
+            (rid,),
+        )
+        return [Wave(*r) for r in rows]
+
+    def save_wave(self, w: Wave) -> None:
+        self.db.execute(
+            "UPDATE waves SET state = ?, started_at = ?, finished_at = ?, bake_until = ? "
+            "WHERE rollout_id = ? AND idx = ?",
+            (w.state, w.started_at, w.finished_at, w.bake_until, w.rollout_id, w.idx),
+        )
+
+    def targets(self, rid: str) -> list[tuple[str, int]]:
+        """(device, wave) in rollout order; wave -1 = beyond the plan's last wave."""
+        rows = self.db.execute(
+            "SELECT device, wave FROM targets WHERE rollout_id = ? ORDER BY pos", (rid,)
+        )
+        return [(str(d), int(w)) for d, w in rows]
+
+    # --- executions --------------------------------------------------------------------
+
+    def executions(self, rid: str, kind: str | None = None) -> list[Execution]:
+        q = f"SELECT {_EXEC_COLS} FROM executions WHERE rollout_id = ?"
+        params: tuple[Any, ...] = (rid,)
+        if kind is not None:
+            q += " AND kind = ?"
+            params += (kind,)
+        out = []
+        for r in self.db.execute(q + " ORDER BY created_at, id", params):
+            e = Execution(*r)
+            e.result = None if r[-1] is None else json.loads(r[-1])
+            out.append(e)
+        return out
+
+    def save_executions(self, execs: Iterable[Execution]) -> None:
+        """Upsert in one transaction: the controller batches every change of a loop turn."""
+        rows = [e.row() for e in execs]
+        if not rows:
+            return
+        with self.tx() as db:
+            db.executemany(
+                f"INSERT OR REPLACE INTO executions ({_EXEC_COLS}) "
+                f"VALUES ({', '.join('?' * 17)})",
+                rows,
+            )
