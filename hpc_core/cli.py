@@ -7,7 +7,9 @@ import importlib
 import sys
 from pathlib import Path
 
+from hpc_core.batch_find import add_batch_find_args, run_batch_find
 from hpc_core.config import ConfigError, load_config, reference_markdown, summarize
+from hpc_core.lr_find import add_lr_find_args, run_lr_find
 from hpc_core.train import add_train_args, run
 from hpc_core.tune import add_tune_args, run_tune
 
@@ -79,6 +81,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_tune_args(tu)
     tu.set_defaults(func=run_tune)
+    lf = sub.add_parser(
+        "lr-find",
+        help="learning-rate range test: suggestion + plot",
+        description="Sweep the LR exponentially for a few steps; suggest the LR at the "
+        "steepest descent of the smoothed loss; plot loss against LR.",
+    )
+    add_lr_find_args(lf)
+    lf.set_defaults(func=run_lr_find)
+    bf = sub.add_parser(
+        "batch-find",
+        help="largest batch one training step fits in memory",
+        description="Double the batch until a step runs out of memory or passes --limit-mb, "
+        "then bisect. The model and optimizer are restored after each probe.",
+    )
+    add_batch_find_args(bf)
+    bf.set_defaults(func=run_batch_find)
     # Publishing lives in its own module; it is optional until that module exists.
     try:
         publish_cli = importlib.import_module("hpc_core.publish_cli")
