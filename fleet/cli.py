@@ -231,6 +231,15 @@ def _run_controller(a: argparse.Namespace, store: FleetStore, conn: FleetConnect
     return states
 
 
+def _exit_code(store: FleetStore, states: dict[str, str]) -> int:
+    """0 only when every rollout finished its waves and no device of it failed."""
+    for rid, state in states.items():
+        s = summarize(reports.load_run(store, rid))
+        if state != "succeeded" or any(w["failed"] for w in s["waves"]):
+            return EXIT_FAILED
+    return EXIT_OK
+
+
 def cmd_rollout_create(a: argparse.Namespace) -> int:
     plan = _plan(a)
     db = Path(a.db)
@@ -257,7 +266,7 @@ def cmd_rollout_create(a: argparse.Namespace) -> int:
         states = _run_controller(a, store, conn, [r.id])
     finally:
         conn.stop()
-    return EXIT_OK if states.get(r.id) == "succeeded" else EXIT_FAILED
+    return _exit_code(store, states)
 
 
 def cmd_controller(a: argparse.Namespace) -> int:
@@ -273,7 +282,7 @@ def cmd_controller(a: argparse.Namespace) -> int:
         states = _run_controller(a, store, conn, a.rollout or None, forever=a.forever)
     finally:
         conn.stop()
-    return EXIT_OK if all(s == "succeeded" for s in states.values()) else EXIT_FAILED
+    return _exit_code(store, states)
 
 
 def _get_run(store: FleetStore, rid: str) -> RolloutRun:

@@ -132,6 +132,7 @@ class SimDevice:
         self.running: str | None = None
         self.executed: list[str] = []
         """Ids of the jobs this device started, in order (a test's "ran twice?" record)."""
+        self.duplicates = 0
         self.res_seq = itertools.count()
         self.evt_seq = itertools.count()
         self.tel_seq = itertools.count()
@@ -231,6 +232,7 @@ class SimDevice:
             return
         old = self.jobs.get(cmd.id)
         if old is not None:
+            self.duplicates += 1
             self.send_result(cmd.id, "DUPLICATE", result=old.result, error=old.error,
                              stored_status=old.status)
             return
@@ -493,6 +495,7 @@ class SimFleet:
             "devices": len(self.devices),
             "executed": {d.id: list(d.executed) for d in self.devices.values() if d.executed},
             "models": {d.id: d.model.version for d in self.devices.values()},
+            "duplicates": sum(d.duplicates for d in self.devices.values()),
             "errors": self.errors,
         }
 

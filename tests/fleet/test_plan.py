@@ -1,0 +1,45 @@
+"""The rollout plan model: wave arithmetic and refusals that name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleet.plan import PlanError, RolloutPlan, validate_plan
+
+
+def plan(**kw: object) -> RolloutPlan:
+    return validate_plan({"name": "r", "group": "g", "job": "deploy", **kw})
+
+
+def test_waves_are_cumulative_and_skip_empty_ones() -> None:
+    p = plan(waves="1,5%,25%,100%")
+    assert p.waves == [1, "5%", "25%", "100%"]
+    assert p.wave_sizes(100) == [1, 5, 25, 100]
+    assert p.wave_sizes(10) == [1, 3, 10]  # 5% of 10 rounds up to 1: that wave adds nobody
+    assert p.wave_sizes(1) == [1]
+    assert plan(waves=["50%"]).wave_sizes(9) == [5]  # a plan that stops at half stops there
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"waves": "0,100%"}, "waves"),
+        ({"waves": "1,abc%"}, "waves"),
+        ({"abort_failure_rate": 1.5}, "abort_failure_rate"),
+        ({"bake": 3}, "bake"),
+        ({"job": "train"}, "job"),
+        ({"name": "a/b"}, "name"),
+        ({"timeout_s": 0}, "timeout_s"),
+    ],
+)
+def test_bad_fields_are_named(fields: dict[str, object], named: str) -> None:
+    with pytest.raises(PlanError) as e:
+        plan(**fields)
+    assert f"\n  {named}:" in str(e.value)
+
+
+def test_group_xor_devices() -> None:
+    with pytest.raises(PlanError, match="exactly one of group or devices"):
+        validate_plan({"name": "r", "job": "deploy"})
+    with pytest.raises(PlanError, match="listed twice"):
+        validate_plan({"name": "r", "job": "deploy", "devices": ["a", "a"]})

@@ -1,0 +1,187 @@
+"""Staged rollouts end to end: the real ``fleetctl`` against a real mosquitto and simulated
+devices that speak the agent's contract."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleet.sim import SimFleet
+from tests.fleet.conftest import fleetctl_argv
+
+Run = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def report(tmp_path: Path, rid: str) -> dict[str, Any]:
+    return json.loads((tmp_path / "reports" / f"{rid}.json").read_text())
+
+
+def rollout_id(out: str) -> str:
+    return json.loads(out.splitlines()[0])["rollout"]
+
+
+def jobs_run(fleet: SimFleet, rid: str) -> dict[str, list[str]]:
+    """Per device, the ids of this rollout's jobs it started (rollbacks excluded)."""
+    return {d.id: [j for j in d.executed if j.startswith(rid + ".") and "rollback" not in j]
+            for d in fleet.devices.values()}
+
+
+def test_100_devices_roll_out_in_waves(sim_fleet: Callable[..., SimFleet], fleetctl: Run,
+                                       tmp_path: Path) -> None:
+    fleet = sim_fleet(devices=100, behavior={"job_duration_s": 0.1, "acc_delta": 0.01})
+    r = fleetctl("rollout", "create", "--name", "deploy-v2", "--group", "sim", "--job",
+                 "deploy", "--args", '{"version": "v2"}', "--waves", "1,5%,25%,100%",
+                 "--bake-s", "0.3", "--max-metric-drop", "0.02", "--min-completed", "5")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = report(tmp_path, "deploy-v2")
+    assert rep["state"] == "succeeded"
+    assert [w["devices"] for w in rep["waves"]] == [1, 4, 20, 75]
+    assert all(w["succeeded"] == w["devices"] and w["state"] == "done" for w in rep["waves"])
+    jobs = [e for e in rep["executions"] if e["kind"] == "job"]
+    assert len(jobs) == 100 and {e["status"] for e in jobs} == {"SUCCEEDED"}
+    # Each wave starts after the previous one finished and baked.
+    for prev, nxt in zip(rep["waves"], rep["waves"][1:], strict=False):
+        first_sent = min(e["sent_at"] for e in jobs if e["wave"] == nxt["wave"])
+        assert first_sent >= prev["finished_at"] >= prev["started_at"] + 0.3 - 1e-3
+    for d, runs in jobs_run(fleet, "deploy-v2").items():
+        assert runs == [f"deploy-v2.{d}.1"]
+    assert {d.model.version for d in fleet.devices.values()} == {"v2"}
+    assert (tmp_path / "reports" / "deploy-v2.png").read_bytes()[:4] == b"\x89PNG"
+    assert "deploy-v2: succeeded" in r.stdout
+
+
+def test_20_percent_failing_aborts_after_first_wave_and_rolls_back(
+    sim_fleet: Callable[..., SimFleet], fleetctl: Run, tmp_path: Path
+) -> None:
+    # Every 5th device fails: sim-0004 is in the first wave after the canary (devices 1-4).
+    fleet = sim_fleet(devices=100, fail_share=0.2, behavior={"job_duration_s": 0.1})
+    r = fleetctl("rollout", "create", "--name", "bad", "--group", "sim", "--job", "deploy",
+                 "--args", '{"version": "v2"}', "--waves", "1,5%,25%,100%", "--bake-s", "0.2",
+                 "--abort-failure-rate", "0.1", "--min-completed", "5")
+    assert r.returncode == 1, r.stdout + r.stderr
+    rep = report(tmp_path, "bad")
+    assert rep["state"] == "aborted" and rep["reason"].startswith("failure rate 1/5")
+    assert [w["state"] for w in rep["waves"]] == ["done", "aborted", "pending", "pending"]
+    ran = {d for d, runs in jobs_run(fleet, "bad").items() if runs}
+    assert ran == {f"sim-{i:04d}" for i in range(5)}  # nothing beyond wave 1 was sent
+    # The four that committed v2 are rolled back to v1; the failed one never changed.
+    assert rep["rolled_back"] == 4
+    assert {d.id for d in fleet.devices.values() if any("rollback" in j for j in d.executed)} \
+        == {"sim-0000", "sim-0001", "sim-0002", "sim-0003"}
+    assert {d.model.version for d in fleet.devices.values()} == {"v1"}
+
+
+def test_canary_accuracy_drop_aborts(sim_fleet: Callable[..., SimFleet], fleetctl: Run,
+                                     tmp_path: Path) -> None:
+    fleet = sim_fleet(devices=10, behavior={"job_duration_s": 0.05, "acc_delta": 0.005},
+                      overrides={"sim-0000": {"job_duration_s": 0.05, "acc_delta": -0.05}})
+    r = fleetctl("rollout", "create", "--name", "canary", "--group", "sim", "--job",
+                 "finetune", "--waves", "1,50%,100%", "--max-metric-drop", "0.02")
+    assert r.returncode == 1, r.stdout + r.stderr
+    rep = report(tmp_path, "canary")
+    assert rep["state"] == "aborted"
+    assert "wave 0: median eval/acc drop 0.0500 > 0.02" in rep["reason"]
+    assert [d for d, runs in jobs_run(fleet, "canary").items() if runs] == ["sim-0000"]
+    assert fleet.devices["sim-0000"].model.version == "v1"  # rolled back
+    assert rep["rolled_back"] == 1
+
+
+def _db_count(db: Path, where: str) -> int:
+    try:
+        with sqlite3.connect(db, timeout=5) as c:
+            return int(c.execute(f"SELECT COUNT(*) FROM executions WHERE {where}").fetchone()[0])
+    except sqlite3.OperationalError:
+        return 0
+
+
+def test_controller_sigkilled_mid_rollout_resumes_without_running_anything_twice(
+    sim_fleet: Callable[..., SimFleet], fleetctl: Run, broker: Any, tmp_path: Path,
+    subprocess_env: dict[str, str],
+) -> None:
+    fleet = sim_fleet(devices=60, behavior={"job_duration_s": 0.4})
+    db = tmp_path / "fleet.db"
+    base = fleetctl_argv(broker, tmp_path)
+    create = [*base, "rollout", "create", "--name", "kill", "--group", "sim", "--job",
+              "deploy", "--args", '{"version": "v2"}', "--waves", "1,20%,100%",
+              "--bake-s", "0.2", "--max-per-minute", "3000"]
+    for kill_at in (3, 30):  # in the first waves, then in the middle of the last one
+        argv = create if kill_at == 3 else [*base, "controller"]
+        proc = subprocess.Popen(argv, env=subprocess_env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while _db_count(db, "status != 'PLANNED'") < kill_at or _db_count(
+                db, "status IN ('SENT', 'ACCEPTED', 'IN_PROGRESS')") == 0:
+            assert proc.poll() is None and time.monotonic() < deadline, "finished too early"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        time.sleep(0.6)  # results arrive while no controller runs: the session keeps them
+    r = fleetctl("controller")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = report(tmp_path, "kill")
+    assert rep["state"] == "succeeded"
+    jobs = [e for e in rep["executions"] if e["kind"] == "job"]
+    assert len(jobs) == 60 and {e["status"] for e in jobs} == {"SUCCEEDED"}
+    assert {e["attempt"] for e in jobs} == {1}
+    for dev, runs in jobs_run(fleet, "kill").items():
+        assert runs == [f"kill.{dev}.1"], (dev, runs)  # started once, never again
+    assert sum(d.duplicates for d in fleet.devices.values()) > 0  # re-sent, answered DUPLICATE
+
+
+def test_offline_device_times_out_and_rejected_is_not_retried(
+    sim_fleet: Callable[..., SimFleet], fleetctl: Run, tmp_path: Path
+) -> None:
+    fleet = sim_fleet(devices=4, behavior={"job_duration_s": 0.05},
+                      overrides={"sim-0001": {"reject": True}})
+    fleet.crash("sim-0002")  # its last will marks it offline; commands wait in its session
+    time.sleep(0.2)
+    r = fleetctl("rollout", "create", "--name", "offline", "--group", "sim", "--job", "deploy",
+                 "--timeout-s", "1", "--retries", "1", "--abort-failure-rate", "1")
+    assert r.returncode == 1, r.stdout + r.stderr  # finished, but not every device succeeded
+    rep = report(tmp_path, "offline")
+    by_dev: dict[str, list[dict[str, Any]]] = {}
+    for e in rep["executions"]:
+        if e["kind"] == "job":
+            by_dev.setdefault(e["device"], []).append(e)
+    assert [e["status"] for e in by_dev["sim-0001"]] == ["REJECTED"]
+    assert [e["status"] for e in by_dev["sim-0002"]] == ["TIMED_OUT", "TIMED_OUT"]
+    assert [e["status"] for e in by_dev["sim-0000"]] == ["SUCCEEDED"]
+    assert rep["state"] == "succeeded" and rep["waves"][0]["failed"] == 2
+
+
+def test_bad_plan_is_refused_naming_the_field(fleetctl: Run, tmp_path: Path) -> None:
+    bad = tmp_path / "rollout.yaml"
+    bad.write_text("name: r\ngroup: sim\njob: deploy\nwaves: [1, 5%]\nbake: 600\n"
+                   "max_metric_drop: -1\n")
+    r = fleetctl("rollout", "create", "--plan", str(bad))
+    assert r.returncode == 2
+    assert "bake: unknown field" in r.stderr and "max_metric_drop:" in r.stderr
+    r = fleetctl("rollout", "create", "--name", "r", "--group", "sim", "--job", "deploy",
+                 "--abort-failure-rate", "2")
+    assert r.returncode == 2 and "abort_failure_rate:" in r.stderr
+    assert not (tmp_path / "fleet.db").exists() or _db_count(tmp_path / "fleet.db", "1") == 0
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_send_to_group_and_device(sim_fleet: Callable[..., SimFleet], fleetctl: Run,
+                                  wait: bool) -> None:
+    sim_fleet(devices=5, overrides={"sim-0003": {"reject": True}})
+    extra = ["--wait"] if wait else []
+    r = fleetctl("send", "--group", "sim", "ping", *extra, "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["results"]
+    want = {"SUCCEEDED"} if wait else {"ACCEPTED", "SUCCEEDED"}
+    assert len(rows) == 5 and {x["status"] for x in rows} <= want
+    r = fleetctl("send", "sim-0003", "deploy", "--args", '{"version": "v9"}', *extra)
+    assert r.returncode == 1 and "BAD_ARGS" in r.stdout
+    r = fleetctl("devices", "--json")
+    assert [d["device"] for d in json.loads(r.stdout)] == [f"sim-{i:04d}" for i in range(5)]
