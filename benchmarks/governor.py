@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from agent.sim_job import SimJobResult, simulate_job  # noqa: E402
+from agent.sim.job import SimJobResult, simulate_job  # noqa: E402
 from device_profiles import load_profile  # noqa: E402
 from device_profiles.schema import DeviceProfile  # noqa: E402
 

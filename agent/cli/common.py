@@ -33,7 +33,7 @@ def registry_of(args: argparse.Namespace) -> str | None:
 
 
 def trusted_keys_of(args: argparse.Namespace) -> Any:
-    from hpc_core.signing import load_trusted_keys
+    from registry.signing import load_trusted_keys
 
     return load_trusted_keys(
         Path(args.trusted_keys) if args.trusted_keys else state_dir_of(args) / "trusted_keys"
@@ -60,24 +60,17 @@ def fail(code: int, message: str, prog: str = "agentctl") -> int:
 
 
 def exit_code_of(e: BaseException) -> int | None:
-    """The documented exit code of a library error (see EXIT_CODES); None: not ours, re-raise."""
-    from agent.slots import SlotError, StateBusyError
-    from agent.sync import FetchFailedError, InsufficientDiskError, RefError, SyncError
-    from hpc_core.manifest import ManifestError
-    from hpc_core.publish import PublishError, StoreError
-    from hpc_core.signing import KeyFileError
+    """The documented exit code of a library error (see EXIT_CODES); None: not ours, re-raise.
 
-    # Order matters: the specific classes derive from the generic ones below them.
-    table: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], int], ...] = (
-        (StateBusyError, 5),
-        (InsufficientDiskError, 4),
-        (ManifestError, 3),
-        ((RefError, KeyFileError, PublishError, SlotError, ValueError), 2),
-        ((FetchFailedError, SyncError, StoreError, OSError), 1),
-    )
-    for types, code in table:
-        if isinstance(e, types):
-            return code
+    Library errors carry their code (``exit_code``, e.g. registry.errors); plain bad values and
+    I/O failures map to 2 and 1."""
+    code = getattr(e, "exit_code", None)
+    if isinstance(code, int):
+        return code
+    if isinstance(e, ValueError):
+        return 2
+    if isinstance(e, OSError):
+        return 1
     return None
 
 

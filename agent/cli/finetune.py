@@ -1,16 +1,17 @@
-"""agentctl finetune / profiles: run one fine-tune job in the foreground."""
+"""``agentctl finetune``: one fine-tune job in the foreground, flags derived from FinetuneJob."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
-from pydantic import ValidationError
-
-from agent.cli.common import add_state_args, registry_of, state_dir_of, trusted_keys_of
+from agent.cli.common import add_state_args, fail, registry_of, state_dir_of, trusted_keys_of
+from agent.finetune.job import FinetuneJob
+from hpc_core.config import ConfigError
+from hpc_core.job_args import add_job_arguments, job_tree, validate_job
 
 EPILOG = """\
 The job plans its micro-batch from the memory budget before the first step (two short probe
@@ -22,6 +23,7 @@ examples:
       --sensors sim --trainable all --epochs 3
   agentctl finetune --checkpoint runs/digits --data /data/cam0 --out jobs/j2 --budget-mb 1500
   agentctl finetune ... --resume          # continue jobs/j2 from its last checkpoint
+  agentctl finetune --config job.yaml --set lr=3e-4   # fields of FinetuneJob; flags override
 
 exit codes: 0 done, 1 the job failed, 2 invalid arguments, 3 the model could not be pulled
 """
@@ -32,69 +34,30 @@ def register(sub: argparse._SubParsersAction) -> None:
         "finetune",
         help="fine-tune a checkpoint on local data within the board's limits",
         description="Fine-tune an upstream checkpoint on this device's data inside a memory "
-        "budget, paced by the thermal/power governor.",
+        "budget, paced by the thermal/power governor. --checkpoint also takes a registry ref "
+        "(NAME@VERSION with --registry, or a URL), pulled and verified first.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--checkpoint",
-        required=True,
-        metavar="REF|DIR",
-        help="checkpoint or run directory, an installed slot, or a registry ref "
-        "(NAME@VERSION with --registry, or a URL) to pull and verify first",
-    )
+    add_job_arguments(p, FinetuneJob)
     p.add_argument(
         "--registry", help="registry for NAME@VERSION refs (default: $EDGETRAIN_REGISTRY)"
-    )
-    p.add_argument(
-        "--data", required=True, type=Path, help="image folder (class sub-folders) or .npz"
-    )
-    p.add_argument("--out", required=True, type=Path, help="job directory")
-    p.add_argument(
-        "--profile", default="auto", help="device profile name or auto (see `agentctl profiles`)"
-    )
-    p.add_argument("--budget-mb", type=float, help="memory budget (default: the profile's)")
-    p.add_argument("--effective-batch", type=int, default=64, help="samples per optimizer step")
-    p.add_argument("--micro-batch", type=int, help="skip planning and use this micro-batch")
-    length = p.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=int, help="optimizer steps")
-    length.add_argument("--epochs", type=int, help="passes over the device data (default 3)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    p.add_argument("--trainable", default="head", help="head | last_n:K | all (default head)")
-    p.add_argument(
-        "--activation-checkpointing",
-        action="store_true",
-        help="recompute activations in backward: less memory, more compute",
-    )
-    p.add_argument("--precision", choices=["auto", "fp32", "fp16", "bf16"], default="auto")
-    p.add_argument(
-        "--sensors",
-        default="auto",
-        choices=["auto", "jtop", "tegrastats", "sysfs", "sim", "none"],
-        help="sensor backend for the governor (none: no pacing)",
-    )
-    p.add_argument(
-        "--sim-time-scale",
-        type=float,
-        default=1.0,
-        help="with --sensors sim: simulated seconds per real second (60 shows a "
-        "board heating up within a short demo job)",
     )
     p.add_argument("--resume", action="store_true", help="continue from the job's last checkpoint")
     add_state_args(p)
     p.set_defaults(func=run)
 
 
-def resolve_checkpoint_arg(args: argparse.Namespace) -> Path:
+def resolve_checkpoint(text: str, args: argparse.Namespace) -> Path:
     """A local path as is; a registry ref is pulled, verified and installed, then its slot used."""
-    local = Path(args.checkpoint)
-    if local.exists() or ("@" not in args.checkpoint and "://" not in args.checkpoint):
+    local = Path(text)
+    if local.exists() or ("@" not in text and "://" not in text):
         return local
-    from agent.slots import ModelSlots
-    from agent.sync import parse_ref, update
+    from agent.storage.slots import ModelSlots
+    from registry.pull import update
+    from registry.refs import parse_ref
 
-    ref = parse_ref(args.checkpoint, registry_of(args))
+    ref = parse_ref(text, registry_of(args))
     state_dir = state_dir_of(args)
     update(ref, state_dir=state_dir, trusted=trusted_keys_of(args))
     active = ModelSlots(state_dir, ref.name).active()
@@ -103,95 +66,39 @@ def resolve_checkpoint_arg(args: argparse.Namespace) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent.finetune import FinetuneJob, resolve_profile, run_finetune
-    from agent.governor import Governor, GovernorConfig, GovernorHook
-    from agent.memory_plan import BudgetTooSmall
-    from agent.report import Limits, build_report, write_report
-    from agent.sensors import open_backend
+    from agent.cli.common import exit_code_of
+    from agent.finetune.memory_plan import BudgetTooSmall
+    from agent.finetune.recipe import resolve_profile, run_paced
     from device_profiles import ProfileError
     from hpc_core.logs import setup_logging
 
     setup_logging("auto")
-    from agent.slots import SlotError
-    from agent.sync import SyncError
-    from hpc_core.manifest import ManifestError
-    from hpc_core.signing import KeyFileError
-
     try:
-        checkpoint = resolve_checkpoint_arg(args)
-    except (SyncError, ManifestError, SlotError, KeyFileError, OSError) as e:
-        print(f"agentctl finetune: --checkpoint {args.checkpoint}: {e}", file=sys.stderr)
-        return 3
-    try:
-        job = FinetuneJob(
-            checkpoint=checkpoint,
-            data=args.data,
-            out=args.out,
-            profile=args.profile,
-            budget_mb=args.budget_mb,
-            effective_batch=args.effective_batch,
-            micro_batch=args.micro_batch,
-            steps=args.steps,
-            epochs=args.epochs,
-            lr=args.lr,
-            optimizer=args.optimizer,
-            trainable=args.trainable,
-            activation_checkpointing=args.activation_checkpointing,
-            precision=args.precision,
-        )
-        profile = resolve_profile(job.profile)
-    except ValidationError as e:
-        for err in e.errors():
-            print(
-                f"agentctl finetune: --{_flag(err['loc'])}: {err['msg']}",
-                file=sys.stderr,
-            )
-        return 2
-    except ProfileError as e:
-        print(f"agentctl finetune: --profile: {e}", file=sys.stderr)
-        return 2
-
-    hook = None
-    sensors_cm = (
-        contextlib.nullcontext()
-        if args.sensors == "none"
-        else open_backend(args.sensors, profile=profile, sim_time_scale=args.sim_time_scale)
-    )
-    with sensors_cm as sensors:
-        if sensors is not None:
-            hook = GovernorHook(
-                Governor(GovernorConfig.from_profile(profile), profile=profile), sensors
-            )
+        tree: dict[str, Any] = job_tree(args)
+    except ConfigError as e:
+        return fail(2, f"finetune: {e}")
+    if isinstance(tree.get("checkpoint"), str):
         try:
-            result = run_finetune(job, hooks=[hook] if hook else [], resume=args.resume)
-        except (BudgetTooSmall, ValueError) as e:
-            print(f"agentctl finetune: {e}", file=sys.stderr)
-            return 1
-    report = result.report
-    t = profile.thermal
-    if hook is not None:
-        limits = Limits(
-            target_c=t.throttle_target_c,
-            soft_pause_c=t.soft_pause_c,
-            board_throttle_c=t.board_throttle_c,
-            critical_c=t.critical_c,
-        )
-        governed = build_report(hook, limits, job=report, extra_summary=_summary(report))
-        # One report per job: the fine-tune's figures under "job", pacing over time beside them.
-        write_report(governed, job.out, stem="report")
-        report["governor"] = governed.summary
-    _print_summary(report, t.throttle_target_c)
-    print(json.dumps({"report": str(job.out / "report.json"), "checkpoint": report["checkpoint"]}))
+            tree["checkpoint"] = str(resolve_checkpoint(tree["checkpoint"], args))
+        except Exception as e:
+            if exit_code_of(e) is None:
+                raise
+            return fail(3, f"finetune: --checkpoint {tree['checkpoint']}: {e}")
+    try:
+        job = validate_job(FinetuneJob, tree, "fine-tune job")
+        resolve_profile(job.profile)
+    except ConfigError as e:
+        return fail(2, f"finetune: {e}")
+    except ProfileError as e:
+        return fail(2, f"finetune: --profile: {e}")
+    try:
+        result = run_paced(job, resume=args.resume)
+    except (BudgetTooSmall, ValueError) as e:
+        return fail(1, f"finetune: {e}")
+    _print_summary(result.report, result.target_c)
+    print(json.dumps({"report": str(job.out / "report.json"),
+                      "checkpoint": result.report["checkpoint"]}))
     return 0
-
-
-def _flag(loc: tuple) -> str:
-    return "-".join(map(str, loc)).replace("_", "-")
-
-
-def _summary(report: dict) -> dict:
-    keys = ("accuracy_before", "accuracy_after", "peak_rss_mb", "budget_mb", "micro_batch_size")
-    return {k: report[k] for k in keys}
 
 
 def _print_summary(r: dict, target_c: float) -> None:

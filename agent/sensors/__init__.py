@@ -39,7 +39,7 @@ def _make(name: str, profile: DeviceProfile | None, interval_s: float, sim_time_
         return SysfsBackend(root=root)
     if name == "sim":
         from agent.sensors.sim import ProcessLoadDriver, SimBackend
-        from agent.thermal_sim import SimPlant
+        from agent.sim.plant import SimPlant
         from device_profiles import load_profile
 
         plant = SimPlant(profile if profile is not None else load_profile("sim"))

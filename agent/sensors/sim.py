@@ -1,4 +1,4 @@
-"""Readings from the simulated plant (``agent.thermal_sim``).
+"""Readings from the simulated plant (``agent.sim.plant``).
 
 Two ways to drive it:
 - simulated time (tests, benchmarks): the job advances the plant itself (steps and the
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from agent.sensors.reading import Reading, total_power_mw
-from agent.thermal_sim import SimPlant
+from agent.sim.plant import SimPlant
 
 Driver = Callable[[], tuple[float, float]]
 """Returns (seconds to advance the plant, load 0..1 over them)."""

@@ -11,18 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from agent.finetune import (
-    FinetuneJob,
-    apply_trainable,
-    enable_activation_checkpointing,
-    run_finetune,
-)
-from agent.memory_plan import BudgetTooSmall, fit_plan
+from agent.finetune.job import FinetuneJob
+from agent.finetune.memory_plan import BudgetTooSmall, fit_plan
+from agent.finetune.model import apply_trainable, enable_activation_checkpointing
+from agent.finetune.recipe import run_finetune
 from hpc_core.config import load_config
 from hpc_core.models import build_model
 from hpc_core.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "scripts"))
 from make_device_data import make_device_data  # noqa: E402
 

@@ -136,7 +136,7 @@ def _probe_subprocess(cfg: TrainConfig, init_checkpoint: Path, trainable: str, m
     (out / "probe.json").write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     p = subprocess.run(
-        [sys.executable, "-m", "agent.memory_plan", str(out / "probe.json")],
+        [sys.executable, "-m", "agent.finetune.memory_plan", str(out / "probe.json")],
         capture_output=True,
         text=True,
         env=env,
@@ -150,7 +150,7 @@ def _probe_subprocess(cfg: TrainConfig, init_checkpoint: Path, trainable: str, m
 def _probe_cuda(cfg: TrainConfig, init_checkpoint: Path, trainable: str, micro: int) -> float:
     import torch
 
-    from agent.finetune import prepare_model
+    from agent.finetune.model import prepare_model
     from hpc_core.trainer import Trainer
 
     torch.cuda.empty_cache()
@@ -161,7 +161,7 @@ def _probe_cuda(cfg: TrainConfig, init_checkpoint: Path, trainable: str, micro: 
 
 
 def _probe_main(spec_path: str) -> None:
-    from agent.finetune import prepare_model
+    from agent.finetune.model import prepare_model
     from hpc_core.trainer import Trainer
 
     spec = json.loads(Path(spec_path).read_text())

@@ -8,20 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from agent.governor import (
-    BangBangGovernor,
-    Decision,
-    Governor,
-    GovernorConfig,
-    GovernorEvent,
-    GovernorHook,
-    GovernorState,
-    PIController,
-)
+from agent.pacing.controller import Decision, GovernorEvent, GovernorState, PIController
+from agent.pacing.governor import Governor, GovernorConfig
+from agent.pacing.hook import GovernorHook
 from agent.sensors.reading import Reading
 from agent.sensors.sim import SimBackend
-from agent.sim_job import simulate_job
-from agent.thermal_sim import SimClock, SimPlant
+from agent.sim.baselines import BangBangGovernor
+from agent.sim.job import simulate_job
+from agent.sim.plant import SimClock, SimPlant
 from device_profiles import load_profile
 
 NANO = load_profile("jetson-orin-nano-8gb")

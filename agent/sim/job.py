@@ -10,16 +10,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from agent.governor import (
-    BangBangGovernor,
-    DutyController,
-    Governor,
-    GovernorConfig,
-    GovernorEvent,
-    GovernorHook,
-)
+from agent.pacing.controller import DutyController, GovernorEvent
+from agent.pacing.governor import Governor, GovernorConfig
+from agent.pacing.hook import GovernorHook
 from agent.sensors.sim import SimBackend
-from agent.thermal_sim import BoardShutdown, PlantParams, SimClock, SimPlant
+from agent.sim.baselines import BangBangGovernor
+from agent.sim.plant import BoardShutdown, PlantParams, SimClock, SimPlant
 from device_profiles.schema import DeviceProfile
 
 Control = Literal["governor", "bangbang", "none"]

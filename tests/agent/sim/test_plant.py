@@ -7,7 +7,7 @@ import math
 import pytest
 
 from agent.sensors.sim import SimBackend
-from agent.thermal_sim import BoardShutdown, SimClock, SimPlant, plant_params
+from agent.sim.plant import BoardShutdown, SimClock, SimPlant, plant_params
 from device_profiles import load_profile
 
 NANO = load_profile("jetson-orin-nano-8gb")

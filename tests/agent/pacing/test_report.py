@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from agent.governor import Governor, GovernorConfig, GovernorHook
-from agent.report import Limits, build_report, write_report
+from agent.pacing.governor import Governor, GovernorConfig
+from agent.pacing.hook import GovernorHook
+from agent.pacing.report import Limits, build_report, write_report
 from agent.sensors.sim import SimBackend
-from agent.sim_job import SimModeSwitcher
-from agent.thermal_sim import SimClock, SimPlant
+from agent.sim.job import SimModeSwitcher
+from agent.sim.plant import SimClock, SimPlant
 from device_profiles import load_profile
 
 NANO = load_profile("jetson-orin-nano-8gb")

@@ -18,95 +18,31 @@ time constant, so duty is a smooth, fast actuator for a slow, first-order plant.
   per second inside the same power envelope (voltage falls with frequency); switches are rare
   (``mode_switch_every_s``) and need a predicted gain of ``mode_switch_min_gain``.
 
-``GovernorHook`` plugs all this into ``hpc_core.Trainer`` as a ``TrainerHook``. The clock is
-injected (``Clock``), so tests run hours of simulated time in seconds. ``BangBangGovernor`` is
-the thermostat baseline the benchmark compares against.
+``agent.pacing.hook.GovernorHook`` plugs it into ``hpc_core.Trainer`` as a ``TrainerHook``;
+the choice of power mode is ``agent.pacing.power_modes``; the thermostat baseline the
+benchmark compares against is ``agent.sim.baselines.BangBangGovernor``.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agent.sensors import SensorBackend
+from agent.pacing.controller import (
+    Decision,
+    GovernorEvent,
+    GovernorState,
+    Phase,
+    PIController,
+)
+from agent.pacing.power_modes import PowerModeSwitcher, choose_mode
 from agent.sensors.reading import Reading
 from device_profiles.schema import DeviceProfile
 
-log = logging.getLogger("agent.governor")
-
-Phase = Literal["active", "idle"]
-"""A reading taken right after a step (the board was computing) or after a pause (idle)."""
-
-
-class GovernorState(str, Enum):
-    NORMAL = "NORMAL"
-    THROTTLED = "THROTTLED"
-    PAUSED = "PAUSED"
-
-
-@dataclass(frozen=True)
-class GovernorEvent:
-    t_s: float
-    kind: Literal["state", "power_mode", "sensor"]
-    old: str
-    new: str
-    reason: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"t_s": self.t_s, "kind": self.kind, "old": self.old, "new": self.new,
-                "reason": self.reason}
-
-
-@dataclass(frozen=True)
-class Decision:
-    duty: float
-    """Share of time to compute, 0..1; 0 = do not start another step yet."""
-    state: GovernorState
-    limit: str | None = None
-    """Which limit sets the duty: "thermal", "power", "sensor", or None at full speed."""
-    zone: str | None = None
-    temp_c: float | None = None
-    power_mw: float | None = None
-
-
-class Clock(Protocol):
-    def now(self) -> float: ...
-
-    def sleep(self, seconds: float) -> None: ...
-
-
-class MonotonicClock:
-    def now(self) -> float:
-        return time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        if seconds > 0:
-            time.sleep(seconds)
-
-
-class DutyController(Protocol):
-    """What ``GovernorHook`` drives: the PI ``Governor`` or the ``BangBangGovernor``."""
-
-    state: GovernorState
-    events: list[GovernorEvent]
-    target_c: float
-
-    def update(self, reading: Reading, now_s: float, phase: Phase = "active") -> Decision: ...
-
-
-class PowerModeSwitcher(Protocol):
-    def current(self) -> str | None: ...
-
-    def available(self) -> list[str]: ...
-
-    def switch(self, name: str) -> None: ...
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,35 +127,6 @@ class GovernorConfig(BaseModel):
 
 # ---------------------------------------------------------------------------------------------
 # The PI governor
-
-
-class PIController:
-    """u = Kp * e + I, clipped to [lo, hi]; I accumulates Kp * e * dt / Ti.
-
-    Anti-windup: I stays within [lo, hi] and integrates only while the output is not clipped
-    (or the error pulls it back inside), so a long stretch at full speed on a cool board leaves
-    nothing to unwind when the target is reached. ``track`` realigns I when another limit set
-    the output (bumpless hand-over)."""
-
-    def __init__(self, kp: float, ti_s: float, lo: float, hi: float) -> None:
-        self.kp, self.ti_s, self.lo, self.hi = kp, ti_s, lo, hi
-        self.integral = 0.0
-        """In output units (duty)."""
-
-    def _clip(self, x: float) -> float:
-        return min(self.hi, max(self.lo, x))
-
-    def update(self, error: float, dt_s: float) -> float:
-        raw = self.kp * error + self.integral
-        saturated_high = raw >= self.hi and error > 0
-        saturated_low = raw <= self.lo and error < 0
-        if not (saturated_high or saturated_low):
-            self.integral = self._clip(self.integral + self.kp * error * dt_s / self.ti_s)
-        return self._clip(self.kp * error + self.integral)
-
-    def track(self, applied: float, error: float) -> None:
-        """Another limit set the output: align so this loop resumes from the applied duty."""
-        self.integral = self._clip(applied - self.kp * error)
 
 
 @dataclass
@@ -413,210 +320,27 @@ class Governor:
             allowed = active + headroom_c * 1000.0 / self.cfg.thermal_resistance_c_per_w
         if self.cfg.power_cap_mw is not None:
             allowed = min(allowed, self.cfg.power_cap_mw)
-        # Correct the profile's power estimates by what this board measures in this mode.
-        bias = active / (self.profile.load_power_w(current) * 1000.0)
-
-        def predicted(name: str) -> tuple[float, float]:
-            mode_mw = self.profile.load_power_w(name) * 1000.0 * bias
-            duty = 1.0 if mode_mw <= allowed else max(0.0, (allowed - idle) / (mode_mw - idle))
-            return self.profile.relative_speed(name) * min(1.0, duty), min(1.0, duty)
-
-        candidates = [
-            m for m in self.switcher.available()
-            if m != current and not self.profile.mode(m).needs_reboot
-        ]
-        if not candidates:
+        choice = choose_mode(
+            self.profile,
+            current,
+            self.switcher.available(),
+            active_mw=active,
+            idle_mw=idle,
+            allowed_mw=allowed,
+            min_gain=self.cfg.mode_switch_min_gain,
+        )
+        if choice is None:
             return
-        now_rate, _ = predicted(current)
-        best = max(candidates, key=lambda m: predicted(m)[0])
-        best_rate, best_duty = predicted(best)
-        if now_rate > 0 and best_rate < now_rate * (1.0 + self.cfg.mode_switch_min_gain):
-            return
+        best = choice.mode
         try:
             self.switcher.switch(best)
         except Exception as e:  # a refused switch (no root, nvpmodel error) must not stop training
             self._event(now, "power_mode", current, current, f"switch to {best} failed: {e}")
             return
-        gain = (best_rate / now_rate - 1.0) * 100 if now_rate > 0 else math.inf
-        self._event(now, "power_mode", current, best,
-                    f"{allowed / 1000:.1f} W sustainable: predicted {gain:+.0f}% steps/s")
+        self._event(
+            now, "power_mode", current, best,
+            f"{allowed / 1000:.1f} W sustainable: predicted {choice.gain_pct:+.0f}% steps/s",
+        )
         # Bumpless transfer: start the new mode at the duty predicted to hold the same power.
-        self.pi.track(max(self.cfg.min_duty, best_duty), error)
-        self.power.active_mw = self.profile.load_power_w(best) * 1000.0 * bias
-
-
-# ---------------------------------------------------------------------------------------------
-# The thermostat baseline
-
-
-class BangBangGovernor:
-    """Run at full speed until the hottest zone reaches the target, then stop until it has
-    cooled ``hysteresis_c`` below: what a cron job around jtop does. Baseline only."""
-
-    def __init__(self, target_c: float, hysteresis_c: float = 2.0,
-                 control_zones: Sequence[str] | None = None) -> None:
-        self.target_c = target_c
-        self.hysteresis_c = hysteresis_c
-        self.control_zones = list(control_zones) if control_zones else None
-        self.state = GovernorState.NORMAL
-        self.events: list[GovernorEvent] = []
-
-    def update(self, reading: Reading, now_s: float, phase: Phase = "active") -> Decision:
-        hot = reading.hottest(self.control_zones)
-        if hot is None:
-            return Decision(1.0 if self.state == GovernorState.NORMAL else 0.0, self.state)
-        zone, temp = hot
-        if self.state == GovernorState.NORMAL and temp >= self.target_c:
-            self.events.append(GovernorEvent(now_s, "state", "NORMAL", "THROTTLED",
-                                             f"{zone} {temp:.1f} C >= {self.target_c:.1f} C"))
-            self.state = GovernorState.THROTTLED
-        elif self.state == GovernorState.THROTTLED and temp <= self.target_c - self.hysteresis_c:
-            self.events.append(GovernorEvent(now_s, "state", "THROTTLED", "NORMAL",
-                                             f"{zone} {temp:.1f} C cooled"))
-            self.state = GovernorState.NORMAL
-        duty = 1.0 if self.state == GovernorState.NORMAL else 0.0
-        return Decision(duty, self.state, None if duty else "thermal", zone, temp,
-                        reading.total_power_mw)
-
-
-# ---------------------------------------------------------------------------------------------
-# The trainer hook
-
-
-@dataclass
-class PacingRecord:
-    """What the hook saw, for the job report."""
-
-    samples: list[dict[str, Any]] = field(default_factory=list)
-    metrics: list[dict[str, Any]] = field(default_factory=list)
-    steps: int = 0
-    compute_s: float = 0.0
-    paced_s: float = 0.0
-    waited_s: float = 0.0
-
-
-class GovernorHook:
-    """``TrainerHook`` that reads the sensors after every optimizer step, asks the controller
-    for a duty and sleeps the matching pause through the injected clock.
-
-    PAUSED: with ``on_pause="wait"`` the hook checkpoints (``trainer.save()``) and then sleeps,
-    polling the sensors every ``poll_s``, until the controller lets training resume (giving up
-    with ``trainer.request_stop`` after ``max_wait_s``); with ``on_pause="stop"`` it asks the
-    trainer to checkpoint and return at once, for a supervisor to restart later."""
-
-    def __init__(
-        self,
-        controller: DutyController,
-        sensors: SensorBackend,
-        *,
-        clock: Clock | None = None,
-        on_pause: Literal["wait", "stop"] = "wait",
-        poll_s: float = 1.0,
-        max_wait_s: float = 3600.0,
-        idle_read_min_s: float = 0.02,
-        record_every_s: float = 1.0,
-        power_mode: PowerModeSwitcher | None = None,
-    ) -> None:
-        self.controller = controller
-        self.sensors = sensors
-        self.clock: Clock = clock or MonotonicClock()
-        self.on_pause = on_pause
-        self.poll_s = poll_s
-        self.max_wait_s = max_wait_s
-        self.idle_read_min_s = idle_read_min_s
-        self.record_every_s = record_every_s
-        self.power_mode = power_mode
-        self.record = PacingRecord()
-        self.last: Decision | None = None
-        self.start_s = self.clock.now()
-        # Unknown until the first step ends: the first step also carries loader start-up.
-        self._resumed_at: float | None = None
-        self._last_sample_s = -math.inf
-        self._last_metrics_s = -math.inf
-        self._idle_mw: float | None = None
-        self._window_mj = 0.0
-        self._window_s = 0.0
-
-    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
-        now = self.clock.now()
-        step_s = 0.0 if self._resumed_at is None else max(0.0, now - self._resumed_at)
-        self.record.steps += 1
-        self.record.compute_s += step_s
-        reading = self.sensors.read()
-        decision = self.last = self.controller.update(reading, now, "active")
-        self._account(reading.total_power_mw, step_s)
-        self._record_metrics(now, step, metrics)
-        if decision.state == GovernorState.PAUSED and self.on_pause == "stop":
-            trainer.request_stop(f"governor paused: {self._last_reason()}")
-        elif decision.duty <= 0.0:
-            if decision.state == GovernorState.PAUSED and hasattr(trainer, "save"):
-                trainer.save()  # the next thing past the soft limit is the board's own throttle
-            self._sample(self.clock.now(), step, decision)
-            self._wait(trainer, step)
-        elif decision.duty < 1.0 and step_s > 0:
-            pause = step_s * (1.0 - decision.duty) / decision.duty
-            self.clock.sleep(pause)
-            self.record.paced_s += pause
-            idle_mw = None
-            if pause >= self.idle_read_min_s:
-                idle = self.sensors.read()
-                self.controller.update(idle, self.clock.now(), "idle")
-                idle_mw = idle.total_power_mw
-            self._account(idle_mw if idle_mw is not None else self._idle_mw, pause, idle=True)
-        self._sample(self.clock.now(), step, decision)
-        self._resumed_at = self.clock.now()
-
-    def _wait(self, trainer: Any, step: int) -> None:
-        waited = 0.0
-        while True:
-            self.clock.sleep(self.poll_s)
-            waited += self.poll_s
-            now = self.clock.now()
-            reading = self.sensors.read()
-            decision = self.last = self.controller.update(reading, now, "idle")
-            self._account(reading.total_power_mw, self.poll_s, idle=True)
-            self._sample(now, step, decision)
-            if decision.duty > 0.0 and decision.state != GovernorState.PAUSED:
-                break
-            if waited >= self.max_wait_s:
-                trainer.request_stop(f"governor waited {waited:.0f} s without cooling down")
-                break
-        self.record.waited_s += waited
-
-    def _account(self, power_mw: float | None, seconds: float, idle: bool = False) -> None:
-        """Energy of the sample window: a reading after a step stands for that step, one
-        after a pause for the pause (the last idle reading when the pause was too short)."""
-        if idle and power_mw is not None:
-            self._idle_mw = power_mw
-        if power_mw is not None and seconds > 0:
-            self._window_mj += power_mw * seconds
-            self._window_s += seconds
-
-    def _last_reason(self) -> str:
-        events = self.controller.events
-        return events[-1].reason if events else "soft limit"
-
-    def _sample(self, now: float, step: int, d: Decision) -> None:
-        if now - self._last_sample_s < self.record_every_s:
-            return
-        self._last_sample_s = now
-        avg_mw = self._window_mj / self._window_s if self._window_s > 0 else d.power_mw
-        self._window_mj = self._window_s = 0.0
-        self.record.samples.append({
-            "t_s": now - self.start_s,
-            "step": step,
-            "temp_c": d.temp_c,
-            "zone": d.zone,
-            "power_mw": avg_mw,
-            "power_now_mw": d.power_mw,
-            "duty": d.duty,
-            "state": d.state.value,
-            "limit": d.limit,
-            "power_mode": self.power_mode.current() if self.power_mode else None,
-        })
-
-    def _record_metrics(self, now: float, step: int, metrics: dict[str, float]) -> None:
-        evaluated = any(k.startswith("eval/") for k in metrics)
-        if evaluated or now - self._last_metrics_s >= self.record_every_s:
-            self._last_metrics_s = now
-            self.record.metrics.append({"t_s": now - self.start_s, "step": step, **metrics})
+        self.pi.track(max(self.cfg.min_duty, choice.duty), error)
+        self.power.active_mw = choice.active_mw

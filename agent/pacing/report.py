@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.governor import GovernorHook
+from agent.pacing.hook import GovernorHook
 from hpc_core.atomic import fsync_dir, write_json_atomic
 
 REPORT_FORMAT = "edgetrain.job_report/1"

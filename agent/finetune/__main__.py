@@ -1,0 +1,21 @@
+"""``python -m agent.finetune JOB_JSON``: one job in a process of its own, so its peak RSS is
+its own; prints the report plus that peak (``rss_mb``) as one JSON line."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+
+from agent.finetune.job import FinetuneJob
+from agent.finetune.recipe import run_finetune
+
+
+def main(job_json: str) -> None:
+    result = run_finetune(FinetuneJob.model_validate_json(job_json))
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({**result.report, "rss_mb": rss_mb}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

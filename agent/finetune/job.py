@@ -1,0 +1,77 @@
+"""The fine-tune job as a device accepts it: from ``agentctl finetune`` flags, a job file, or
+the daemon's fine-tune command. Torch-free, so the daemon and the CLI parser can import it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+TRAINABLE_RE = re.compile(r"^(head|all|last_n:([1-9][0-9]*))$")
+
+
+class FinetuneJob(BaseModel):
+    """What `agentctl finetune` and the daemon's fine-tune command accept."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    checkpoint: Path
+    """The upstream model: an hpc_core checkpoint or run directory, or an installed slot."""
+    data: Path
+    """The device's data: a folder of class sub-folders (PNG/JPEG) or an .npz with x and y."""
+    out: Path
+    """Job directory: metrics.jsonl, checkpoints/, report.json, report.png."""
+    profile: str = "auto"
+    """Device profile name, or auto (detect from /proc/device-tree/model)."""
+    budget_mb: float | None = Field(default=None, gt=0)
+    """Memory budget for training in MB (null = the profile's training budget)."""
+    effective_batch: int = Field(default=64, ge=1)
+    """Samples per optimizer step; micro-batches accumulate up to it."""
+    micro_batch: int | None = Field(default=None, ge=1)
+    """Force the micro-batch instead of probing (null = plan from the budget; set it to
+    effective_batch for an unbounded run)."""
+    steps: int | None = Field(default=None, ge=1)
+    """Optimizer steps (wins over epochs)."""
+    epochs: int | None = Field(default=None, ge=1)
+    lr: float = Field(default=1e-3, gt=0)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """sgd uses momentum 0.9."""
+    trainable: str = "head"
+    """head | last_n:K (the last K conv/linear layers and their norms) | all"""
+    activation_checkpointing: bool = False
+    """Recompute activations of trainable blocks in backward: less memory, ~30% more compute."""
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
+    """auto = bf16 where the profile has it, else fp16, on CUDA; fp32 on CPU."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    checkpoint_every: int = Field(default=25, ge=1)
+    """Save every N steps so a reboot resumes instead of restarting."""
+    val_fraction: float = Field(default=0.3, gt=0, lt=1)
+    """Share of the device data held out to measure accuracy before and after."""
+    seed: int = 0
+    sensors: Literal["auto", "jtop", "tegrastats", "sysfs", "sim", "none"] = "auto"
+    """Sensor backend for the thermal/power governor (none: no pacing)."""
+    sim_time_scale: float = Field(default=1.0, gt=0)
+    """With sensors=sim: simulated seconds per real second (60 shows a board heating up
+    within a short demo job)."""
+
+    @field_validator("trainable")
+    @classmethod
+    def _trainable(cls, v: str) -> str:
+        if not TRAINABLE_RE.match(v):
+            raise ValueError(f"trainable must be head, all or last_n:K (K >= 1), got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _length(self) -> FinetuneJob:
+        if self.steps is None and self.epochs is None:
+            self.epochs = 3
+        return self
+
+
+@dataclass
+class FinetuneResult:
+    report: dict[str, Any]
+    checkpoint_dir: Path | None

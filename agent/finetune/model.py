@@ -1,0 +1,85 @@
+"""The upstream model made ready to fine-tune: loaded from a slot or checkpoint, the trainable
+scope applied, activation checkpointing on request."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hpc_core import checkpoint as ckpt
+from hpc_core.config import ModelConfig
+from hpc_core.models import build_model
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+
+
+def apply_trainable(model: nn.Module, scope: str) -> int:
+    """Freeze all but ``scope``; return the number of trainable parameters."""
+    if scope == "all":
+        for p in model.parameters():
+            p.requires_grad_(True)
+    else:
+        k = 1 if scope == "head" else int(scope.split(":")[1])
+        layers = _layers(model)
+        if k > len(layers):
+            raise ValueError(
+                f"trainable={scope}: the model has only {len(layers)} conv/linear layers"
+            )
+        for p in model.parameters():
+            p.requires_grad_(False)
+        first = layers[-k]
+        # Everything registered after the first trainable layer (incl. its norms) trains.
+        seen = False
+        for m in model.modules():
+            seen = seen or m is first
+            if seen:
+                for p in m.parameters(recurse=False):
+                    p.requires_grad_(True)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def enable_activation_checkpointing(model: nn.Module) -> int:
+    """Recompute the trainable children of every Sequential in backward; return how many."""
+    count = 0
+    for seq in [m for m in model.modules() if isinstance(m, nn.Sequential)]:
+        for block in seq.children():
+            trainable = any(p.requires_grad for p in block.parameters())
+            if trainable and not isinstance(block, nn.Sequential) and list(block.parameters()):
+                # An instance attribute keeps state_dict keys unchanged (no wrapper module).
+                block.forward = functools.partial(  # type: ignore[method-assign]
+                    checkpoint, type(block).forward.__get__(block), use_reentrant=False
+                )
+                count += 1
+    return count
+
+
+def load_upstream(path: Path) -> tuple[nn.Module, ModelConfig]:
+    """An installed A/B slot (signed manifest + safetensors) or an hpc_core checkpoint/run."""
+    if (path / "manifest.json").is_file():
+        from hpc_core.manifest import Manifest
+        from safetensors.torch import load_file
+
+        manifest = Manifest.from_bytes((path / "manifest.json").read_bytes(), source=str(path))
+        spec = ModelConfig(**manifest.model.model_dump())
+        model = build_model(
+            spec.name,
+            num_classes=spec.num_classes,
+            in_channels=spec.in_channels,  # type: ignore[arg-type]
+            image_size=spec.image_size,
+            **spec.kwargs,
+        )  # type: ignore[arg-type]
+        model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
+        return model, spec
+    model, cfg = ckpt.load_model(ckpt.resolve_checkpoint(path))
+    return model, cfg.model
+
+
+def prepare_model(path: Path, trainable: str) -> tuple[nn.Module, ModelConfig]:
+    model, spec = load_upstream(path)
+    apply_trainable(model, trainable)
+    return model, spec
