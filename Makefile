@@ -46,6 +46,7 @@ bench: setup
 	$(PY) benchmarks/finetune.py
 	$(PY) benchmarks/sync.py
 	$(PY) benchmarks/export.py
+	$(PY) benchmarks/fleet.py
 
 lint: setup
 	$(VENV)/bin/ruff check .
