@@ -27,46 +27,37 @@ def peak_device_mb(device: torch.device) -> float | None:
 
 
 class MetricsLogger:
-    """Writes one JSON object per line: ``{"step": N, "time": unix_s, "<metric>": value, ...}``."""
+    """Writes one JSON object per line: ``{"step": N, "time": unix_s, "<metric>": value, ...}``.
+
+    TensorBoard and MLflow (``hpc_core.tracking``) get the same names. Each train/* line also
+    carries system metrics (``sys/cpu_percent``, ``sys/rss_mb``, ``sys/gpu_*`` on CUDA).
+    """
 
     def __init__(
         self, output_dir: Path, cfg: LoggingConfig, run_name: str, config: dict[str, Any]
     ) -> None:
+        from hpc_core.tracking import MlflowSink, SystemSampler, TensorBoardSink
+
         output_dir.mkdir(parents=True, exist_ok=True)
         self.path = output_dir / "metrics.jsonl"
         self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - lives as long as the logger; line-buffered so a crash loses no line
-        self._tb = None
-        self._mlflow = None
+        self._system = SystemSampler()
+        self._sinks: list[Any] = []
         if cfg.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise RuntimeError(
-                    "logging.tensorboard=true needs `pip install edgetrain[tracking]`"
-                ) from e
-            self._tb = SummaryWriter(str(output_dir / "tb"))
+            self._sinks.append(TensorBoardSink(output_dir))
         if cfg.mlflow:
-            try:
-                import mlflow
-            except ImportError as e:
-                raise RuntimeError(
-                    "logging.mlflow=true needs `pip install edgetrain[tracking]`"
-                ) from e
-            if cfg.mlflow_tracking_uri:
-                mlflow.set_tracking_uri(cfg.mlflow_tracking_uri)
-            mlflow.start_run(run_name=run_name)
-            mlflow.log_params(_flatten(config))
-            self._mlflow = mlflow
+            self._sinks.append(
+                MlflowSink(output_dir, cfg.mlflow_tracking_uri, run_name, _flatten(config))
+            )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if "train/loss" in metrics:
+            metrics = {**metrics, **self._system.sample()}
         clean = {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}
         self._file.write(json.dumps({"step": step, "time": round(time.time(), 3), **clean}) + "\n")
         finite = {k: v for k, v in metrics.items() if math.isfinite(v)}
-        if self._tb is not None:
-            for k, v in finite.items():
-                self._tb.add_scalar(k, v, step)
-        if self._mlflow is not None:
-            self._mlflow.log_metrics({k.replace("/", "_"): v for k, v in finite.items()}, step=step)
+        for sink in self._sinks:
+            sink.log(step, finite)
 
     def event(self, step: int, kind: str, **fields: Any) -> None:
         """A discrete event (rollback, OOM, preemption) in the same stream."""
@@ -77,10 +68,10 @@ class MetricsLogger:
 
     def close(self) -> None:
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._mlflow is not None:
-            self._mlflow.end_run()
+        if self._sinks:
+            records = read_metrics(self.path)
+            for sink in self._sinks:
+                sink.close(records)
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
