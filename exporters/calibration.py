@@ -17,6 +17,8 @@ from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod
 from pydantic import BaseModel, ConfigDict, Field
 from torch.utils.data import Dataset
 
+from hpc_core.job_args import flag
+
 CalibMethod = Literal["minmax", "percentile", "entropy"]
 
 _ORT_METHODS = {
@@ -27,11 +29,11 @@ _ORT_METHODS = {
 
 
 class CalibrationConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    samples: int = Field(default=512, ge=1)
+    samples: int = Field(default=512, ge=1, json_schema_extra=flag("calib"))
     """Training samples drawn (without replacement) to set the activation ranges."""
-    method: CalibMethod = "minmax"
+    method: CalibMethod = Field(default="minmax", json_schema_extra=flag("calib-method"))
     """minmax: observed range; percentile: clip at `percentile` of |x| (robust to outliers);
     entropy: KL-divergence-optimal threshold (TensorRT's classic calibrator)."""
     percentile: float = Field(default=99.999, gt=90.0, le=100.0)

@@ -22,17 +22,20 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from exporters.artifacts import atomic_output
+from hpc_core.job_args import flag
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"
 
 
 class OnnxExportConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    opset: int = Field(default=18, ge=17)
+    opset: int = Field(default=18, ge=17, json_schema_extra=flag("opset"))
     """ONNX opset; >= 13 is needed for per-channel Q/DQ, 17 is the floor here."""
-    exporter: Literal["dynamo", "torchscript"] = "dynamo"
+    exporter: Literal["dynamo", "torchscript"] = Field(
+        default="dynamo", json_schema_extra=flag("exporter")
+    )
     """dynamo: torch.export-based (PyTorch's default since 2.9, needs onnxscript, opset >= 18);
     torchscript: the legacy tracer, for opset 17 or models torch.export cannot capture."""
     dynamic_batch: bool = True

@@ -52,17 +52,18 @@ from exporters.tensorrt_build import (
 from hpc_core.checkpoint import load_model, resolve_checkpoint
 from hpc_core.config import DataConfig, TrainConfig
 from hpc_core.data import build_datasets
+from hpc_core.job_args import flag
 
 Precision = Literal["int8", "fp16", "fp32"]
 INSTALLED = ("model.onnx", "model.engine", "model.engine.json", "report.json")
 
 
 class FallbackConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    enabled: bool = True
+    enabled: bool = Field(default=True, json_schema_extra=flag("fallback"))
     """On a failed gate, retry at the next step instead of failing the job."""
-    max_excluded_layers: int = Field(default=3, ge=0)
+    max_excluded_layers: int = Field(default=3, ge=0, json_schema_extra=flag("max-excluded-layers"))
     """INT8 retries leave the 1, 2, ... up to this many most sensitive layers in float."""
     fp16: bool = True
     """Try FP16 after the INT8 steps."""
@@ -76,20 +77,20 @@ class ExportJob(BaseModel):
     """Everything one export needs; ``agentctl export`` and ``python -m exporters`` build it
     from their flags (or a YAML file), the agent from a job message."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     checkpoint: Path
     """A checkpoint directory (with COMPLETE) or a run directory (its final/ or latest)."""
-    out_dir: Path
+    out_dir: Path = Field(json_schema_extra=flag("out"))
     """Where model.onnx / model.engine, model.fp32.onnx and report.json are written."""
     data: DataConfig | None = None
     """Calibration, recovery and held-out data (null = the checkpoint's own data config).
     Images are resized to the model's input size."""
-    prune: PruneSpec | None = None
+    prune: PruneSpec | None = Field(default=None, json_schema_extra=flag(text=True))
     """2:4, unstructured:AMOUNT[:global] or channels:AMOUNT (null = no pruning)."""
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     """Fine-tune after pruning (masks kept); not run without pruning."""
-    precision: Precision = "fp32"
+    precision: Precision = Field(default="fp32", json_schema_extra=flag(each_choice=True))
     """First step of the fallback chain: int8 -> fp16 -> fp32."""
     target: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
     """onnxruntime: the ONNX file is the artefact; tensorrt: an engine built from it."""

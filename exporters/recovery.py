@@ -25,7 +25,7 @@ from hpc_core.trainer import Trainer
 
 
 class RecoveryConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     steps: int = Field(default=120, ge=0)
     """Optimizer steps of the fine-tune after pruning (0 = no fine-tune)."""

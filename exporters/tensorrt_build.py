@@ -23,6 +23,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from exporters.artifacts import atomic_output, write_json_atomic
+from hpc_core.job_args import flag
 
 Precision = Literal["int8", "fp16", "fp32"]
 
@@ -32,12 +33,12 @@ class TensorRTUnavailable(RuntimeError):
 
 
 class TensorRTConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    workspace_mb: int = Field(default=1024, ge=16)
+    workspace_mb: int = Field(default=1024, ge=16, json_schema_extra=flag("trt-workspace-mb"))
     """Builder scratch memory limit; take it from the device profile (Orin Nano: a few
     hundred MB, as the GPU shares RAM with everything else)."""
-    timing_cache: Path | None = None
+    timing_cache: Path | None = Field(default=None, json_schema_extra=flag("trt-timing-cache"))
     """Kernel timing cache file, read if present and written back after the build
     (null = <out>/tensorrt.timing_cache)."""
     fp16: bool = True
