@@ -181,7 +181,7 @@ class LoggingConfig(StrictModel):
     mlflow: bool = False
     """Also log to MLflow (needs the tracking extra)."""
     mlflow_tracking_uri: str | None = None
-    """MLflow tracking URI (null = MLflow's default, ./mlruns)."""
+    """MLflow tracking URI or server URL (null = a SQLite store in output_dir/mlflow.db)."""
 
 
 class FaultConfig(StrictModel):
