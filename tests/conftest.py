@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from tests.support.mosquitto import Broker, have_mosquitto, start_mosquitto
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -32,3 +36,22 @@ def subprocess_env() -> dict[str, str]:
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture
+def mosquitto(tmp_path: Path) -> Iterator[Callable[..., Broker]]:
+    """Start real mosquitto brokers: ``mosquitto(**options)`` takes the options of
+    ``tests.support.mosquitto.start_mosquitto`` and returns a Broker (host, port, stop(),
+    start()); every broker started is stopped after the test. Skips without mosquitto."""
+    if not have_mosquitto():
+        pytest.skip("mosquitto is not installed (make services)")
+    started: list[Broker] = []
+
+    def start(name: str = "broker", **options: Any) -> Broker:
+        broker = start_mosquitto(tmp_path / f"mosquitto-{name}", **options)
+        started.append(broker)
+        return broker
+
+    yield start
+    for broker in started:
+        broker.stop()

@@ -1,0 +1,160 @@
+"""A real mosquitto broker for tests: free loopback port, optional password file, ACL and TLS.
+
+Stable API (the daemon's and the fleet's tests share it)::
+
+    broker = start_mosquitto(workdir)                        # anonymous, plain TCP
+    broker = start_mosquitto(workdir, passwords={"dev-a": "pw"}, acl=ACL_DEVICE_PATTERN)
+    broker = start_mosquitto(workdir, tls=make_pki(workdir, ["dev-a"]), require_certificate=True)
+    broker.host, broker.port ; broker.stop() ; broker.start()   # restart on the same port
+
+Recipe from the field notes: one ``listener PORT 127.0.0.1`` in a conf file (never ``-p`` with
+``-c``), ``set_tcp_nodelay true``, a large ``max_queued_messages`` (the default 1000 drops
+silently for a slow subscriber), ``user root`` when root (else mosquitto drops to the
+``mosquitto`` user and cannot read 0600 auth files). Certificates are made on the fly with
+``cryptography`` (see :mod:`tests.support.pki`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.support.pki import Pki
+
+ACL_DEVICE_PATTERN = (
+    "# each device reads and writes only its own subtree, and reads its groups' commands\n"
+    "pattern readwrite fleet/v1/dev/%u/#\n"
+    "pattern read fleet/v1/group/+/cmd/#\n"
+)
+"""Per-device isolation by username (or certificate CN with use_identity_as_username)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def have_mosquitto() -> bool:
+    return shutil.which("mosquitto") is not None
+
+
+@dataclass
+class Broker:
+    """A mosquitto process on ``host:port``; ``stop()``/``start()`` keep the port and conf."""
+
+    host: str
+    port: int
+    conf: Path
+    workdir: Path
+    tls: Pki | None = None
+    log: Path | None = None
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def start(self, timeout_s: float = 10.0) -> Broker:
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        log = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            ["mosquitto", "-c", str(self.conf)], stdout=log, stderr=log,
+            stdin=subprocess.DEVNULL,
+        )
+        if log is not subprocess.DEVNULL:
+            log.close()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                socket.create_connection((self.host, self.port), timeout=0.2).close()
+                return self
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.proc.kill()
+                    tail = self.log.read_text()[-2000:] if self.log and self.log.exists() else ""
+                    raise RuntimeError(f"mosquitto did not start on {self.port}: {tail}") from None
+                time.sleep(0.05)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM (mosquitto saves its persistence file, if enabled, on the way out)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout_s)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def write_password_file(path: Path, passwords: dict[str, str]) -> Path:
+    """A mosquitto password file (hashed with the real ``mosquitto_passwd``)."""
+    path.unlink(missing_ok=True)
+    for i, (user, pw) in enumerate(passwords.items()):
+        args = ["mosquitto_passwd", "-b"] + (["-c"] if i == 0 else []) + [str(path), user, pw]
+        subprocess.run(args, check=True, capture_output=True)
+    path.chmod(0o600)
+    return path
+
+
+def start_mosquitto(
+    workdir: Path,
+    *,
+    passwords: dict[str, str] | None = None,
+    acl: str | None = None,
+    tls: Pki | None = None,
+    require_certificate: bool = False,
+    use_identity_as_username: bool = False,
+    persistence: bool = False,
+    port: int | None = None,
+    extra_conf: str = "",
+) -> Broker:
+    """Write a conf under ``workdir`` and start mosquitto on a free loopback port.
+
+    ``passwords``: user -> password (anonymous access is then refused). ``acl``: ACL file text
+    (e.g. :data:`ACL_DEVICE_PATTERN`). ``tls``: serve TLS with the Pki's server certificate;
+    ``require_certificate`` asks clients for one signed by its CA, and
+    ``use_identity_as_username`` makes the certificate's CN the username the ACL sees.
+    ``persistence``: keep sessions and queued messages across ``stop()``/``start()``.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    lines = [f"listener {port} 127.0.0.1", "set_tcp_nodelay true",
+             "max_queued_messages 100000", "max_inflight_messages 0"]
+    if os.geteuid() == 0:
+        lines.append("user root")
+    anonymous = passwords is None and not use_identity_as_username
+    lines.append(f"allow_anonymous {'true' if anonymous else 'false'}")
+    if passwords is not None:
+        lines.append(f"password_file {write_password_file(workdir / 'passwd', passwords)}")
+    if acl is not None:
+        acl_path = workdir / "acl"
+        acl_path.write_text(acl)
+        acl_path.chmod(0o600)
+        lines.append(f"acl_file {acl_path}")
+    if tls is not None:
+        lines += [f"cafile {tls.ca_cert}", f"certfile {tls.server_cert}",
+                  f"keyfile {tls.server_key}", "tls_version tlsv1.2"]
+        if require_certificate:
+            lines.append("require_certificate true")
+        if use_identity_as_username:
+            lines.append("use_identity_as_username true")
+    if persistence:
+        lines += ["persistence true", f"persistence_location {workdir}/",
+                  "autosave_interval 1"]
+    else:
+        lines.append("persistence false")
+    lines += ["log_type error", "log_type warning", "log_type notice", "log_dest stderr"]
+    if extra_conf:
+        lines.append(extra_conf)
+    conf = workdir / "mosquitto.conf"
+    conf.write_text("\n".join(lines) + "\n")
+    broker = Broker("127.0.0.1", port, conf, workdir, tls=tls, log=workdir / "mosquitto.log")
+    return broker.start()
