@@ -432,6 +432,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConnectionError as e:
         print(f"fleetctl: {e}", file=sys.stderr)
         return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("fleetctl: interrupted; rollouts keep their state, `fleetctl controller` "
+              "resumes them", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -185,3 +185,61 @@ def test_send_to_group_and_device(sim_fleet: Callable[..., SimFleet], fleetctl: 
     assert r.returncode == 1 and "BAD_ARGS" in r.stdout
     r = fleetctl("devices", "--json")
     assert [d["device"] for d in json.loads(r.stdout)] == [f"sim-{i:04d}" for i in range(5)]
+
+
+def _state(db: Path, rid: str) -> tuple[str, list[str]]:
+    with sqlite3.connect(db, timeout=5) as c:
+        state = c.execute("SELECT state FROM rollouts WHERE id = ?", (rid,)).fetchone()[0]
+        waves = [r[0] for r in c.execute(
+            "SELECT state FROM waves WHERE rollout_id = ? ORDER BY idx", (rid,))]
+    return str(state), waves
+
+
+def _until(pred: Callable[[], bool], timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_operator_pause_resume_abort(sim_fleet: Callable[..., SimFleet], fleetctl: Run,
+                                     broker: Any, tmp_path: Path,
+                                     subprocess_env: dict[str, str]) -> None:
+    fleet = sim_fleet(devices=20, behavior={"job_duration_s": 0.05})
+    db = tmp_path / "fleet.db"
+    r = fleetctl("rollout", "create", "--detach", "--name", "ops", "--group", "sim",
+                 "--job", "deploy", "--args", '{"version": "v2"}', "--waves", "1,50%,100%",
+                 "--bake-s", "1.0")
+    assert r.returncode == 0, r.stderr
+    assert _state(db, "ops") == ("running", ["pending"] * 3)  # created, nothing sent yet
+    ctl = subprocess.Popen([*fleetctl_argv(broker, tmp_path), "controller"],
+                           env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _until(lambda: _state(db, "ops")[1][0] == "baking")
+        assert fleetctl("rollout", "pause", "ops").returncode == 0
+        _until(lambda: _state(db, "ops")[0] == "paused")
+        time.sleep(1.5)  # past the bake: a paused rollout starts no wave
+        assert _state(db, "ops") == ("paused", ["done", "pending", "pending"])
+        st = fleetctl("rollout", "status", "ops")
+        assert "rollout ops: paused" in st.stdout and "[####################] 1/1" in st.stdout
+        assert fleetctl("rollout", "resume", "ops").returncode == 0
+        _until(lambda: _state(db, "ops")[1][1] in ("baking", "done"))
+        assert fleetctl("rollout", "abort", "ops").returncode == 0
+        _, err = ctl.communicate(timeout=60)
+    finally:
+        ctl.kill()
+    assert ctl.returncode == 1, err
+    rep = report(tmp_path, "ops")
+    assert rep["state"] == "aborted" and rep["reason"] == "operator abort"
+    assert rep["waves"][2]["sent"] == 0 and rep["rolled_back"] == 10
+    assert {d.model.version for d in fleet.devices.values()} == {"v1"}
+
+
+def test_watch_follows_status_and_events(sim_fleet: Callable[..., SimFleet], fleetctl: Run
+                                         ) -> None:
+    sim_fleet(devices=3)
+    r = fleetctl("watch", "--count", "3", "--duration-s", "10")
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert r.returncode == 0 and len(lines) == 3
+    assert {x["device"] for x in lines} == {"sim-0000", "sim-0001", "sim-0002"}
+    assert {x["kind"] for x in lines} == {"status"} and lines[0]["state"] == "online"
