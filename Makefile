@@ -38,6 +38,7 @@ demo: setup
 
 test: setup services
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # One script per target in the issues; each prints its figures beside its baseline.
