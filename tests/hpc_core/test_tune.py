@@ -200,7 +200,10 @@ def test_two_workers_share_a_postgresql_study(
     [
         ("params:\n  optimizer.lr: {type: float, low: 0.1, high: 0.01}\n", "low (0.1) must be"),
         ("params:\n  optimizer.lr: {type: float, low: 0, high: 1, log: true}\n", "log=true needs"),
-        ("params:\n  optimizer.lr: {type: float, low: 0.1, high: 1, lg: true}\n", "lg: unknown key"),
+        (
+            "params:\n  optimizer.lr: {type: float, low: 0.1, high: 1, lg: true}\n",
+            "lg: unknown key",
+        ),
         ("params:\n  optimizer.rate: {type: int, low: 1, high: 2}\n", "no key 'rate'"),
         ("params:\n  optimizer: {type: int, low: 1, high: 2}\n", "names a section"),
         ("stduy: {}\nparams:\n  optimizer.lr: {type: categorical, choices: [1]}\n", "stduy"),
