@@ -43,3 +43,13 @@ def test_group_xor_devices() -> None:
         validate_plan({"name": "r", "job": "deploy"})
     with pytest.raises(PlanError, match="listed twice"):
         validate_plan({"name": "r", "job": "deploy", "devices": ["a", "a"]})
+
+
+def test_example_plan_loads() -> None:
+    from pathlib import Path
+
+    from fleet.plan import load_plan
+
+    repo = Path(__file__).resolve().parents[2]
+    p = load_plan(repo / "scripts/fleet/nightly_finetune.yaml", {"name": "nightly-20261123"})
+    assert p.job == "finetune" and p.wave_sizes(40) == [1, 4, 40]
