@@ -27,6 +27,11 @@ exit codes: 0 ok, 1 training failed, 2 invalid config or arguments
 def validate(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(Path(args.config), args.overrides)
+        from hpc_core.models import model_spec_errors
+
+        errors = model_spec_errors(cfg.model.name, cfg.model.kwargs)
+        if errors:
+            raise ConfigError(str(args.config), errors)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2

@@ -267,17 +267,40 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return tree
 
 
+def _duplicate_keys(node: yaml.Node, path: str = "") -> list[str]:
+    """Every key given twice in one mapping (YAML would silently keep the last), by path."""
+    found: list[str] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key, value in node.value:
+            name = str(key.value)
+            where = f"{path}.{name}" if path else name
+            if name in seen:
+                found.append(f"  {where}: duplicate key (line {key.start_mark.line + 1}): "
+                             "keep one")
+            seen.add(name)
+            found += _duplicate_keys(value, where)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found += _duplicate_keys(item, f"{path}[{i}]")
+    return found
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML 1.2 mapping from ``path``; refuses empty files and duplicate keys."""
     try:
         text = path.read_text()
     except OSError as e:
         raise ConfigError(str(path), [f"  cannot read: {e.strerror}"]) from e
     try:
+        duplicates = _duplicate_keys(yaml.compose(text, Loader=_Loader))
         tree = parse_yaml(text)
     except yaml.YAMLError as e:
         raise ConfigError(str(path), [f"  not valid YAML: {e}"]) from e
+    if duplicates:
+        raise ConfigError(str(path), duplicates)
     if tree is None:
-        return {}
+        raise ConfigError(str(path), ["  (top level): the file is empty or only comments"])
     if not isinstance(tree, dict):
         raise ConfigError(str(path), [f"  top level must be a mapping, got {type(tree).__name__}"])
     return tree

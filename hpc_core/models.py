@@ -8,6 +8,7 @@ module anywhere: upstream, on a device, or in an exporter.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, Literal
@@ -54,6 +55,25 @@ def resolve_factory(name: str) -> ModelFactory:
     raise ValueError(
         f"unknown model {name!r}: use one of {available_models()} or 'package.module:factory'"
     )
+
+
+def model_spec_errors(name: str, kwargs: dict[str, Any]) -> list[str]:
+    """What ``hpc-train validate`` reports about a model spec before anything is built: an
+    unknown name (with the known ones) or a kwarg the factory does not take, by field path."""
+    try:
+        factory = resolve_factory(name)
+    except ValueError as e:
+        return [f"  model.name: {e}"]
+    params = inspect.signature(factory).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return []
+    reserved = {"num_classes", "in_channels", "image_size"}
+    takes = sorted(set(params) - reserved)
+    return [
+        f"  model.kwargs.{k}: {name} takes no argument {k!r} (it takes: {', '.join(takes)})"
+        for k in kwargs
+        if k not in params or k in reserved
+    ]
 
 
 def build_model(

@@ -34,6 +34,20 @@ BAD_CONFIGS = [
         "training",
     ),
     ("workers knob without workers", "data: {prefetch_factor: 2}\ntraining: {epochs: 1}\n", "data"),
+    ("unknown model", "model: {name: small_cnnn}\ntraining: {epochs: 1}\n", "model.name"),
+    (
+        "kwarg the factory does not take",
+        "model: {name: small_cnn, kwargs: {widht: 8}}\ntraining: {epochs: 1}\n",
+        "model.kwargs.widht",
+    ),
+    ("empty file", "", "(top level)"),
+    ("comment-only file", "# nothing yet\n\n", "(top level)"),
+    (
+        "duplicate key",
+        "training: {epochs: 1}\noptimizer: {lr: 0.1, lr: 0.2}\n",
+        "optimizer.lr: duplicate key",
+    ),
+    ("duplicate section", "training: {epochs: 1}\ntraining: {epochs: 2}\n", "training: duplicate"),
 ]
 
 
@@ -100,3 +114,18 @@ def test_embedded_profile_accumulates_micro_batches_of_16() -> None:
     cfg = load_config(REPO / "configs/embedded.yaml")
     assert cfg.training.micro_batch_size == 16
     assert cfg.training.global_batch_size > 16
+
+
+def test_unknown_model_lists_the_known_names(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: {name: small_cnnn}\ntraining: {epochs: 1}\n")
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "small_cnn" in err and "mobilenet_v2" in err
+
+
+def test_kwarg_error_lists_what_the_factory_takes(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: {name: small_cnn, kwargs: {widht: 8}}\ntraining: {epochs: 1}\n")
+    assert main(["validate", str(path)]) == 2
+    assert "width" in capsys.readouterr().err
