@@ -11,10 +11,10 @@ import difflib
 from functools import cache
 from pathlib import Path
 
-import yaml
 from pydantic import ValidationError
 
 from device_profiles.schema import DeviceProfile
+from hpc_core.config import ConfigError, read_yaml
 
 PROFILE_DIR = Path(__file__).resolve().parent
 
@@ -39,12 +39,11 @@ def load_profile(name: str) -> DeviceProfile:
 
 
 def load_profile_file(path: Path) -> DeviceProfile:
+    # The training configs' reader: YAML 1.2 (`off` stays a string), no duplicate keys.
     try:
-        tree = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise ProfileError(f"{path}: cannot read: {e}") from e
-    if not isinstance(tree, dict):
-        raise ProfileError(f"{path}: top level must be a mapping")
+        tree = read_yaml(path)
+    except ConfigError as e:
+        raise ProfileError(str(e)) from e
     if tree.get("name") != path.stem:
         raise ProfileError(f"{path}: name must equal the file name {path.stem!r}")
     try:
