@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,8 @@ sys.path.insert(0, str(REPO))
 
 import paho.mqtt.client as mqtt  # noqa: E402
 
+from tests.support.mosquitto import start_mosquitto  # noqa: E402
+
 TARGET_WALL_S = 60.0
 FLOOR_MSGS_IN = 5  # non-retained PUBLISH per device, see the docstring
 SYS_TOPICS = {
@@ -44,30 +45,6 @@ SYS_TOPICS = {
     "$SYS/broker/bytes/received": "bytes_in",
     "$SYS/broker/bytes/sent": "bytes_out",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_broker(port: int, work: Path) -> subprocess.Popen[bytes]:
-    conf = work / "mosquitto.conf"
-    conf.write_text(
-        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-        "set_tcp_nodelay true\nmax_queued_messages 100000\nsys_interval 1\n"
-        "max_connections -1\n"
-    )
-    proc = subprocess.Popen(["mosquitto", "-c", str(conf)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("mosquitto did not start")
 
 
 def broker_counters(port: int) -> dict[str, int]:
@@ -98,9 +75,9 @@ def main() -> int:
         print("mosquitto is not installed: apt-get install mosquitto", file=sys.stderr)
         return 1
     work = Path(tempfile.mkdtemp(prefix="fleet-bench-"))
-    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    broker = start_broker(port, work)
+    broker = start_mosquitto(work / "broker", extra_conf="sys_interval 1\nmax_connections -1")
+    port = broker.port
     sim = subprocess.Popen(
         [sys.executable, "-m", "fleet.sim", "--port", str(port), "--devices", str(a.devices),
          "--job-duration-s", str(a.job_duration_s)],
@@ -156,8 +133,7 @@ def main() -> int:
     finally:
         sim.terminate()
         sim.wait(30)
-        broker.terminate()
-        broker.wait(10)
+        broker.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 

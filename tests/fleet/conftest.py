@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,39 +12,14 @@ import pytest
 
 from fleet.mqtt import BrokerConfig
 from fleet.sim import SimConfig, SimFleet
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support.mosquitto import Broker
 
 
 @pytest.fixture
-def broker(tmp_path: Path) -> Iterator[BrokerConfig]:
-    if shutil.which("mosquitto") is None:
-        pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
-    port = _free_port()
-    conf = tmp_path / "mosquitto.conf"
-    conf.write_text(
-        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-        "set_tcp_nodelay true\nmax_queued_messages 100000\n"
-    )
-    proc = subprocess.Popen(["mosquitto", "-c", str(conf)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("mosquitto did not start") from None
-            time.sleep(0.05)
-    yield BrokerConfig(port=port)
-    proc.terminate()
-    proc.wait(10)
+def broker(mosquitto: Callable[..., Broker]) -> BrokerConfig:
+    """The shared real mosquitto (tests/support/mosquitto.py), as the fleet's broker config."""
+    b = mosquitto()
+    return BrokerConfig(host=b.host, port=b.port)
 
 
 @pytest.fixture
