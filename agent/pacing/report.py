@@ -7,16 +7,15 @@ a crash never leaves half a report next to a finished job.
 
 from __future__ import annotations
 
+import io
 import itertools
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agent.pacing.hook import GovernorHook
-from hpc_core.atomic import fsync_dir, write_json_atomic
+from hpc_core.atomic import write_bytes_atomic, write_json_atomic
 
 REPORT_FORMAT = "edgetrain.job_report/1"
 STATE_LEVEL = {"NORMAL": 0, "THROTTLED": 1, "PAUSED": 2}
@@ -203,17 +202,9 @@ def plot_report(report: JobReport, path: Path) -> Path:
 
 def _save_png(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=110)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    write_bytes_atomic(path, buf.getvalue())
     return path
 
 
