@@ -69,7 +69,8 @@ def table(report: dict[str, Any]) -> str:
 
 
 def plot_png(report: dict[str, Any]) -> bytes:
-    """Finished executions over time, one cumulative line per wave, abort marked."""
+    """Finished executions over time, one cumulative line per wave from its start; failures
+    marked x, bake periods shaded, rollbacks dashed, the rollout's end a grey line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,9 +80,19 @@ def plot_png(report: dict[str, Any]) -> bytes:
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     jobs = [e for e in report["executions"] if e["kind"] == "job" and e["finished_at"]]
     for w in report["waves"]:
-        ts = sorted(e["finished_at"] - t0 for e in jobs if e["wave"] == w["wave"])
-        if ts:
-            ax.step(ts, range(1, len(ts) + 1), where="post", label=f"wave {w['wave']}")
+        mine = sorted((e for e in jobs if e["wave"] == w["wave"]), key=lambda e: e["finished_at"])
+        if not mine or w["started_at"] is None:
+            continue
+        # Each wave's line starts at 0 when the wave starts, so its delay and speed both show.
+        ts = [w["started_at"] - t0] + [e["finished_at"] - t0 for e in mine]
+        (line,) = ax.step(ts, range(len(ts)), where="post", marker=".", markersize=3,
+                          label=f"wave {w['wave']} ({w['devices']} devices)")
+        bad = [(e["finished_at"] - t0, i + 1) for i, e in enumerate(mine)
+               if e["status"] != "SUCCEEDED" or e["outcome"] == "rolled_back"]
+        if bad:
+            ax.plot(*zip(*bad, strict=True), "x", color=line.get_color(), markersize=7)
+        if w["finished_at"] and w["state"] == "done":
+            ax.axvspan(ts[-1], w["finished_at"] - t0, color=line.get_color(), alpha=0.08)
     rbs = sorted(e["finished_at"] - t0 for e in report["executions"]
                  if e["kind"] == "rollback" and e["finished_at"])
     if rbs:
