@@ -1,0 +1,76 @@
+"""The micro-batch plan for a budget that covers the job's whole process tree.
+
+The worker (this process, torch-free) stays alive while the probes and then the fine-tune
+child run, so its own RSS comes off the budget first. Probe peaks are noisy (allocator and
+page-cache effects: identical runs gave 2.3-3.8 MB/sample), so each of three sizes is probed
+twice, the line is fitted through the worst probe of each size, and the spread between
+repeats plus the worst residual is kept as a margin.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from agent.finetune.memory_plan import HEADROOM, BudgetTooSmall, _probe_subprocess
+from agent.jobs.proctree import rss_mb
+from hpc_core.config import config_from_dict
+
+REPEATS = 2
+
+
+def probe_points(effective_batch: int) -> list[int]:
+    top = max(1, min(16, effective_batch))
+    return sorted({max(1, top // 4), max(1, top // 2), top})
+
+
+def fit(points: dict[int, list[float]]) -> tuple[float, float, float]:
+    """(base, per_sample, margin) from the worst peak at each size."""
+    xs = sorted(points)
+    ys = [max(points[m]) for m in xs]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    slope = max(slope, 1e-3)
+    base = my - slope * mx
+    residual = max(abs(y - (base + slope * x)) for x, y in zip(xs, ys))
+    spread = max(max(v) - min(v) for v in points.values())
+    return base, slope, residual + spread
+
+
+def plan_for_tree(
+    cfg: dict[str, Any], init: Path, trainable: str, budget_mb: float, probes_dir: Path
+) -> dict[str, Any]:
+    train_cfg = config_from_dict(cfg["config"])
+    effective = train_cfg.training.global_batch_size
+    train_cfg = train_cfg.model_copy(update={"run": train_cfg.run.model_copy(
+        update={"output_dir": probes_dir})})
+    points: dict[int, list[float]] = {}
+    for m in probe_points(effective):
+        points[m] = [_probe_subprocess(train_cfg, init, trainable, m) for _ in range(REPEATS)]
+    base, per_sample, margin = fit(points)
+    worker = rss_mb(os.getpid())
+    limit = budget_mb * HEADROOM - worker - margin
+    micro = int((limit - base) // per_sample)
+    if micro < 1:
+        raise BudgetTooSmall(
+            f"finetune.budget_mb={budget_mb:.0f}: the job's tree needs ~{worker + base + margin + per_sample:.0f} MB "
+            f"for one sample ({worker:.0f} MB job process + {base:.0f} MB fixed + "
+            f"{per_sample:.1f} MB/sample + {margin:.0f} MB noise margin): raise the budget or "
+            "train fewer layers (--trainable head)"
+        )
+    micro = min(micro, effective)
+    divisors = [d for d in range(micro, 0, -1) if effective % d == 0]
+    if divisors and divisors[0] * 2 > micro:
+        micro = divisors[0]
+    return {
+        "budget_mb": budget_mb, "micro_batch_size": micro,
+        "accumulation_steps": -(-effective // micro), "base_mb": round(base, 1),
+        "per_sample_mb": round(per_sample, 3), "margin_mb": round(margin, 1),
+        "job_process_mb": round(worker, 1),
+        "predicted_tree_peak_mb": round(worker + base + per_sample * micro, 1),
+        "probes": {str(k): [round(v, 1) for v in vs] for k, vs in points.items()},
+        "method": "probe subprocess peak RSS, 3 sizes x 2, whole-tree budget",
+    }

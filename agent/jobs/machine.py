@@ -1,0 +1,167 @@
+"""The device job as an explicit state machine (Mender-style): each step one small function, the
+transitions named, every one persisted in the job store before the next step starts.
+
+    pull -> finetune -> [export] -> stage -> health -> commit  -> [upload] -> SUCCEEDED
+                                                   \\-> rollback -> FAILED (the reason)
+
+A restart resumes at the first step that is not ``done``: a finished step never runs again;
+an interrupted one runs again from its own checkpoint (the fine-tune from its last trainer
+checkpoint, the others are idempotent). The active model changes only in ``commit``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent.jobs.spec import DeviceJob
+from agent.jobs.store import JobRecord, JobState, JobStore
+
+log = logging.getLogger(__name__)
+
+
+class StepFailed(Exception):
+    """A step could not do its job; ``code`` is a contract ErrorCode."""
+
+    def __init__(self, step: str, message: str, code: str = "JOB_FAILED") -> None:
+        super().__init__(f"{step}: {message}")
+        self.step, self.code = step, code
+
+
+class Canceled(Exception):
+    """cancel_requested was seen (at a step boundary or inside the fine-tune)."""
+
+
+class Suspended(Exception):
+    """SIGTERM: the job stays IN_PROGRESS and resumes on the next start (exit 75)."""
+
+
+class TimedOut(Exception):
+    pass
+
+
+@dataclass
+class JobContext:
+    store: JobStore
+    job_id: str
+    state_dir: Path
+    spec: DeviceJob
+    outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    deadline: float | None = None
+    """time.time() after which the job is TIMED_OUT."""
+    on_event: Callable[[str, dict[str, Any]], None] | None = None
+    """The progress display's feed: (stage, detail)."""
+
+    @property
+    def job_dir(self) -> Path:
+        return job_dir_of(self.state_dir, self.job_id)
+
+    def event(self, stage: str, **detail: Any) -> None:
+        if self.on_event is not None:
+            self.on_event(stage, detail)
+
+
+def job_dir_of(state_dir: Path, job_id: str) -> Path:
+    return Path(state_dir) / "jobs" / job_id
+
+
+def next_step(spec: DeviceJob, outputs: dict[str, dict[str, Any]]) -> str | None:
+    """The named transition out of the last finished step (None: the job is over)."""
+    order = spec.planned_steps()
+    for name in order:
+        if name == "commit" and not outputs.get("health", {}).get("passed", False):
+            return None if "rollback" in outputs else "rollback"
+        if name not in outputs:
+            return name
+    return None
+
+
+def run(ctx: JobContext, steps: dict[str, Callable[[JobContext], dict[str, Any]]]) -> JobRecord:
+    """Drive the job to a terminal state (or raise Suspended); returns the final record."""
+    store, jid = ctx.store, ctx.job_id
+    for s in store.steps(jid):
+        if s.status in ("done", "skipped"):
+            ctx.outputs[s.name] = s.outputs or {}
+    try:
+        while (name := next_step(ctx.spec, ctx.outputs)) is not None:
+            if store.cancel_requested(jid) and name not in ("rollback", "upload"):
+                raise Canceled(f"canceled before {name}")
+            if ctx.deadline is not None and time.time() > ctx.deadline:
+                raise TimedOut(f"timeout_s passed before {name}")
+            store.step_started(jid, name)
+            ctx.event(name, status="started")
+            try:
+                out = steps[name](ctx)
+            except StepFailed as e:
+                store.step_failed(jid, name, {"code": e.code, "message": str(e),
+                                              "retryable": False})
+                raise
+            store.step_finished(jid, name, out)
+            ctx.outputs[name] = out
+            ctx.event(name, status="done", outputs=out)
+    except Canceled as e:
+        _discard_staged(ctx, steps)
+        return store.transition(jid, JobState.CANCELED, error=_err("CANCELED", str(e)))
+    except TimedOut as e:
+        _discard_staged(ctx, steps)
+        return store.transition(jid, JobState.TIMED_OUT, error=_err("TIMED_OUT", str(e), True))
+    except StepFailed as e:
+        _discard_staged(ctx, steps)
+        return store.transition(jid, JobState.FAILED, error=_err(e.code, str(e)),
+                                result=outcome(ctx))
+    result = outcome(ctx)
+    if "rollback" in ctx.outputs:
+        return store.transition(jid, JobState.FAILED, result=result,
+                                error=_err("JOB_FAILED", f"health: {result['reason']}"))
+    return store.transition(jid, JobState.SUCCEEDED, result=result)
+
+
+def _discard_staged(ctx: JobContext, steps: dict[str, Callable[[JobContext], dict]]) -> None:
+    # A staged but uncommitted model never outlives its job.
+    if "stage" in ctx.outputs and "commit" not in ctx.outputs and "rollback" not in ctx.outputs:
+        ctx.store.step_started(ctx.job_id, "rollback")
+        out = steps["rollback"](ctx)
+        ctx.store.step_finished(ctx.job_id, "rollback", out)
+        ctx.outputs["rollback"] = out
+
+
+def _err(code: str, message: str, retryable: bool = False) -> dict[str, Any]:
+    return {"code": code, "message": message, "retryable": retryable}
+
+
+def outcome(ctx: JobContext) -> dict[str, Any]:
+    """The JobOutcome (contract) of the job so far."""
+    o = ctx.outputs
+    health = o.get("health", {})
+    before = {"eval/acc": health["active"]["accuracy"]} if "active" in health else {}
+    after = {"eval/acc": health["staged"]["accuracy"]} if "staged" in health else {}
+    if "commit" in o:
+        kind, reason = "committed", None
+    elif "rollback" in o:
+        kind = "rolled_back"
+        reason = "; ".join(health.get("failures", [])) or o["rollback"].get("why")
+    else:
+        kind, reason = "unchanged", None
+    res: dict[str, Any] = {"outcome": kind, "reason": reason, "metrics_before": before,
+                           "metrics_after": after}
+    pull = o.get("pull")
+    if pull:
+        res["previous_model"] = {"name": ctx.spec.model, "version": pull["version"]}
+    if "commit" in o:
+        res["model"] = {"name": ctx.spec.model, "version": o["commit"]["version"],
+                        "slot": o["commit"]["slot"]}
+    elif pull:
+        res["model"] = res["previous_model"]
+    if "upload" in o:
+        res["uploaded"] = {"name": ctx.spec.model, "version": o["upload"]["version"],
+                           "parent": o["upload"]["parent"]}
+    # Extra figures for the summary (JobOutcome allows extra keys).
+    res["export"] = {k: o["export"].get(k) for k in ("winner", "int8_drop_pts", "p50_ms_b1")} \
+        if "export" in o else None
+    res["health"] = health or None
+    res["memory"] = o.get("finetune", {}).get("memory")
+    return res

@@ -1,0 +1,78 @@
+"""Resident memory of a whole process tree, sampled from /proc: the job's real footprint.
+
+The budget covers the job process, its probe subprocesses and the training child together;
+``ru_maxrss`` of one process misses the others, so a thread sums VmRSS over the tree every
+``interval_s`` and keeps the peak. Torch-free and cheap (a few /proc reads per sample).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+_PROC = Path("/proc")
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    task_dir = _PROC / str(pid) / "task"
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return kids
+    for tid in tids:
+        try:
+            kids += [int(x) for x in (task_dir / tid / "children").read_text().split()]
+        except OSError:
+            continue
+    return kids
+
+
+def tree_pids(root: int) -> list[int]:
+    seen, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        seen.append(pid)
+        todo += _children(pid)
+    return seen
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        for line in (_PROC / str(pid) / "status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def tree_rss_mb(root: int | None = None) -> float:
+    """Summed RSS of ``root`` (default: this process) and all its descendants, in MiB."""
+    return sum(rss_mb(p) for p in tree_pids(os.getpid() if root is None else root))
+
+
+class TreePeak:
+    """Samples the tree's summed RSS in a daemon thread; ``peak_mb`` is the highest seen."""
+
+    def __init__(self, root: int | None = None, interval_s: float = 0.02) -> None:
+        self.root = os.getpid() if root is None else root
+        self.interval_s = interval_s
+        self.peak_mb = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tree-rss", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_mb = max(self.peak_mb, tree_rss_mb(self.root))
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> TreePeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_mb = max(self.peak_mb, tree_rss_mb(self.root))

@@ -1,0 +1,89 @@
+"""``python -m agent.jobs.worker --state-dir DIR --job-id ID``: run one job from the store.
+
+Exit codes: 0 the job reached a terminal state (read it from the store), 75 suspended by
+SIGTERM (the job stays IN_PROGRESS and resumes on the next start), anything else: crashed.
+The worker dies with its parent, so a kill -9 of the daemon never leaves two workers behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agent.jobs.store import JobState, JobStore
+
+EX_TEMPFAIL = 75
+log = logging.getLogger(__name__)
+
+
+def die_with_parent() -> None:
+    """PR_SET_PDEATHSIG(SIGKILL), then check the parent did not die before it took effect."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent or parent == 1:
+        os._exit(1)
+
+
+def run_job(
+    state_dir: Path, job_id: str, on_event: Callable[[str, dict[str, Any]], None] | None = None
+) -> int:
+    """Run (or resume) ``job_id`` in this process; returns the worker exit code."""
+    from agent.jobs import steps
+    from agent.jobs.machine import JobContext, Suspended, run
+    from agent.jobs.spec import DeviceJob
+
+    store = JobStore(state_dir)
+    rec = store.get(job_id)
+    if rec is None:
+        print(f"worker: no job {job_id!r} in {store.path}", file=sys.stderr)
+        return 2
+    if rec.terminal:
+        return 0
+    rec = store.transition(job_id, JobState.IN_PROGRESS)
+    spec = DeviceJob.model_validate(rec.spec)
+    deadline = rec.started_at + rec.timeout_s if rec.timeout_s and rec.started_at else None
+    ctx = JobContext(store, job_id, Path(state_dir), spec, deadline=deadline, on_event=on_event)
+    ctx.job_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run(ctx, steps.STEPS)
+    except Suspended:
+        return EX_TEMPFAIL
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m agent.jobs.worker", description=__doc__)
+    p.add_argument("--state-dir", type=Path, required=True)
+    p.add_argument("--job-id", required=True)
+    p.add_argument("--no-parent-check", action="store_true",
+                   help="run detached (tests, a shell): do not die with the parent")
+    a = p.parse_args(argv)
+    if not a.no_parent_check:
+        die_with_parent()
+    from agent.jobs import steps
+
+    def on_term(signum: int, frame: Any) -> None:
+        steps.SIGTERM_SEEN["flag"] = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    if threading.current_thread() is threading.main_thread():
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    t0 = time.monotonic()
+    code = run_job(a.state_dir, a.job_id)
+    log.info("worker done in %.1fs, exit %d", time.monotonic() - t0, code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
