@@ -238,6 +238,11 @@ class FleetStore:
         )
 
     def take_request(self, rid: str) -> str | None:
+        # Read first: the controller asks every turn, and a write transaction per turn would
+        # contend with `fleetctl rollout status` readers for nothing.
+        row = self.db.execute("SELECT request FROM rollouts WHERE id = ?", (rid,)).fetchone()
+        if not row or not row[0]:
+            return None
         with self.tx() as db:
             row = db.execute("SELECT request FROM rollouts WHERE id = ?", (rid,)).fetchone()
             if row and row[0]:
