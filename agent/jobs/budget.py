@@ -32,10 +32,10 @@ def fit(points: dict[int, list[float]]) -> tuple[float, float, float]:
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
     slope = max(slope, 1e-3)
     base = my - slope * mx
-    residual = max(abs(y - (base + slope * x)) for x, y in zip(xs, ys))
+    residual = max(abs(y - (base + slope * x)) for x, y in zip(xs, ys, strict=True))
     spread = max(max(v) - min(v) for v in points.values())
     return base, slope, residual + spread
 
@@ -56,8 +56,9 @@ def plan_for_tree(
     micro = int((limit - base) // per_sample)
     if micro < 1:
         raise BudgetTooSmall(
-            f"finetune.budget_mb={budget_mb:.0f}: the job's tree needs ~{worker + base + margin + per_sample:.0f} MB "
-            f"for one sample ({worker:.0f} MB job process + {base:.0f} MB fixed + "
+            f"finetune.budget_mb={budget_mb:.0f}: the job's tree needs "
+            f"~{worker + base + margin + per_sample:.0f} MB for one sample ({worker:.0f} MB job "
+            f"process + {base:.0f} MB fixed + "
             f"{per_sample:.1f} MB/sample + {margin:.0f} MB noise margin): raise the budget or "
             "train fewer layers (--trainable head)"
         )

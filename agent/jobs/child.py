@@ -202,8 +202,8 @@ def step_stage(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
             "sequence": staged.manifest.sequence, "signer": key.name}
 
 
-STEPS = {"config": step_config, "stage": step_stage, "finetune": step_finetune, "export": step_export,
-         "health": step_health}
+STEPS = {"config": step_config, "finetune": step_finetune, "export": step_export,
+         "stage": step_stage, "health": step_health}
 
 
 def main(argv: list[str]) -> int:

@@ -34,40 +34,54 @@ def _without(model: type[BaseModel], name: str, drop: set[str]) -> type[BaseMode
 FinetuneOptions = _without(FinetuneJob, "FinetuneOptions", {"checkpoint", "data", "out"})
 
 
-def _export_options() -> type[BaseModel]:
-    # exporters.pipeline imports torch; the field models it composes do not.
+class FallbackOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    max_excluded_layers: int = Field(default=3, ge=0)
+    """INT8 retries leave the 1, 2, ... up to this many most sensitive layers in float."""
+    fp16: bool = True
+    """Try FP16 after the INT8 steps."""
+    fp32: bool = True
+    """Try FP32 last."""
+
+
+class ExportOptions(BaseModel):
+    """exporters.pipeline.ExportJob without its paths. Its gates, calibration and onnx sections
+    are that job's own models; they are checked by :func:`check_export_options` (the exporter
+    modules import torch, and the daemon validating a command must not)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    precision: Literal["int8", "fp16", "fp32"] = Field(
+        default="int8", json_schema_extra=flag("export-precision")
+    )
+    """First step of the export's fallback chain: int8 -> fp16 -> fp32."""
+    target: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
+    """onnxruntime here; tensorrt on a Jetson (builds an engine from the ONNX file)."""
+    calibration: dict[str, Any] = Field(default_factory=dict)
+    """exporters.calibration.CalibrationConfig fields."""
+    onnx: dict[str, Any] = Field(default_factory=dict)
+    """exporters.onnx_export.OnnxExportConfig fields."""
+    gates: dict[str, Any] = Field(default_factory=dict)
+    """exporters.gates.GateConfig fields, e.g. {max_top1_drop_pts: 1.0}."""
+    fallback: FallbackOptions = Field(default_factory=FallbackOptions)
+
+
+def check_export_options(job: DeviceJob) -> None:
+    """Validate the export sections against the exporter's models (imports torch)."""
     from exporters.calibration import CalibrationConfig
     from exporters.gates import GateConfig
     from exporters.onnx_export import OnnxExportConfig
 
-    class FallbackOptions(BaseModel):
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-        max_excluded_layers: int = Field(default=3, ge=0)
-        """INT8 retries leave the 1, 2, ... up to this many most sensitive layers in float."""
-        fp16: bool = True
-        """Try FP16 after the INT8 steps."""
-        fp32: bool = True
-        """Try FP32 last."""
-
-    class ExportOptions(BaseModel):
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-        precision: Literal["int8", "fp16", "fp32"] = Field(
-            default="int8", json_schema_extra=flag("export-precision")
-        )
-        """First step of the export's fallback chain: int8 -> fp16 -> fp32."""
-        target: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
-        """onnxruntime here; tensorrt on a Jetson (builds an engine from the ONNX file)."""
-        calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
-        onnx: OnnxExportConfig = Field(default_factory=OnnxExportConfig)
-        gates: GateConfig = Field(default_factory=GateConfig)
-        fallback: FallbackOptions = Field(default_factory=FallbackOptions)
-
-    return ExportOptions
+    e = job.export
+    for name, model, value in (("calibration", CalibrationConfig, e.calibration),
+                               ("onnx", OnnxExportConfig, e.onnx), ("gates", GateConfig, e.gates)):
+        try:
+            model.model_validate(value)
+        except ValueError as err:
+            raise ValueError(f"export.{name}: {err}") from None
 
 
-ExportOptions = _export_options()
 
 
 class HealthOptions(BaseModel):
@@ -108,7 +122,7 @@ class StepSwitches(BaseModel):
 
 
 class DeviceJob(BaseModel):
-    """One device job: pull -> finetune -> export -> stage -> health -> commit | rollback -> upload."""
+    """pull -> finetune -> export -> stage -> health -> commit | rollback -> upload."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -119,7 +133,7 @@ class DeviceJob(BaseModel):
     data: Path
     """The device's data: a folder of class sub-folders (PNG/JPEG) or an .npz with x and y."""
     finetune: FinetuneOptions = Field(default_factory=FinetuneOptions)  # type: ignore[valid-type]
-    export: ExportOptions = Field(default_factory=ExportOptions)  # type: ignore[valid-type]
+    export: ExportOptions = Field(default_factory=ExportOptions)
     health: HealthOptions = Field(default_factory=HealthOptions)
     upload: UploadOptions = Field(default_factory=UploadOptions)
     steps: StepSwitches = Field(default_factory=StepSwitches)
