@@ -4,8 +4,8 @@ One run, side by side, over loopback HTTP (the test suite's Range-capable server
 process so it does not share a GIL with the client):
 
 1. throughput: ``curl`` fetching exactly the manifest, signature and chunk URLs of a version
-   (one connection, and --parallel like our pool), vs ``agent.sync.pull`` (fetch + sha256 of
-   every chunk into the chunk store), and pull + install into an A/B slot;
+   (one connection, and --parallel like our pool), vs ``agent.storage.update.pull`` (fetch +
+   sha256 of every chunk into the chunk store), and pull + install into an A/B slot;
 2. delta: after v1 is installed, pull v2 that changes 10% of the layers; bytes on the wire
    (the server's counter) over the bytes of a full pull;
 3. resume: cut the connection at 40% of a fresh pull (clean close, then a hard reset) and count
@@ -38,14 +38,21 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from agent.slots import ChunkStore, ModelSlots  # noqa: E402
-from agent.sync import TransferConfig, parse_ref, pull, update  # noqa: E402
+from agent.storage.chunk_store import ChunkStore  # noqa: E402
+from agent.storage.slots import ModelSlots  # noqa: E402
+from agent.storage.update import pull, update  # noqa: E402
 from hpc_core.checkpoint import save_checkpoint  # noqa: E402
 from hpc_core.config import config_from_dict  # noqa: E402
-from hpc_core.manifest import DEFAULT_CHUNK_SIZE, Manifest, chunk_key  # noqa: E402
+from hpc_core.model_spec import read_checkpoint  # noqa: E402
 from hpc_core.models import build_model  # noqa: E402
-from hpc_core.publish import LocalStore, publish_checkpoint  # noqa: E402
-from hpc_core.signing import generate_keypair, load_signing_key, load_trusted_keys  # noqa: E402
+from registry.chunks import DEFAULT_CHUNK_SIZE  # noqa: E402
+from registry.manifest import Manifest  # noqa: E402
+from registry.names import chunk_key  # noqa: E402
+from registry.publish import publish_content  # noqa: E402
+from registry.refs import parse_ref  # noqa: E402
+from registry.signing import generate_keypair, load_signing_key, load_trusted_keys  # noqa: E402
+from registry.stores import LocalStore  # noqa: E402
+from registry.transfer import TransferConfig  # noqa: E402
 
 MB = 1e6
 
@@ -79,10 +86,10 @@ def make_versions(work: Path, spec: dict) -> tuple[Path, Path]:
 
 
 class Server:
-    """tests/agent/conftest.py's registry server, run as its own process."""
+    """tests/support/registry_server.py, run as its own process."""
 
     def __init__(self, root: Path) -> None:
-        script = REPO / "tests" / "agent" / "conftest.py"
+        script = REPO / "tests" / "support" / "registry_server.py"
         self.proc = subprocess.Popen([sys.executable, str(script), "--root", str(root)],
                                      stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
@@ -145,8 +152,10 @@ def main() -> None:
         priv, _ = generate_keypair(work / "keys", "bench")
         key, trusted = load_signing_key(priv), load_trusted_keys(work / "keys")
         reg = LocalStore(work / "registry")
-        m1 = publish_checkpoint(v1_ckpt, reg, name="bench", version="1", key=key).manifest
-        r2 = publish_checkpoint(v2_ckpt, reg, name="bench", version="2", key=key, parent="1")
+        m1 = publish_content(read_checkpoint(v1_ckpt), reg, name="bench", version="1",
+                             key=key).manifest
+        r2 = publish_content(read_checkpoint(v2_ckpt), reg, name="bench", version="2", key=key,
+                             parent="1")
         cfg = TransferConfig(connections=args.connections, free_disk_margin_bytes=0)
         server = Server(work / "registry")
         try:

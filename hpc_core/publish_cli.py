@@ -1,4 +1,8 @@
-"""``hpc-train keygen`` and ``hpc-train publish``: sign checkpoints into a model registry."""
+"""``hpc-train keygen`` and ``hpc-train publish``: sign checkpoints into a model registry.
+
+The command line only; the registry protocol is ``registry/``, reading a checkpoint is
+``hpc_core.model_spec``.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from hpc_core.manifest import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_BELOW, ManifestError
-from hpc_core.publish import PublishError, StoreError, open_store, publish_checkpoint
-from hpc_core.signing import KeyFileError, generate_keypair, load_signing_key
+from hpc_core.model_spec import read_checkpoint
+from registry.chunks import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_BELOW
+from registry.errors import RegistryError
+from registry.publish import publish_content
+from registry.signing import generate_keypair, load_signing_key
+from registry.stores import open_store
 
 KEYGEN_EPILOG = """\
 Writes NAME.key.pem (private, mode 0600: keep it on the publishing host or device) and
@@ -29,6 +36,7 @@ registry layout (serve the folder with any static HTTP server or CDN):
   REGISTRY/chunks/sha256/ab/abcd...        content-addressed chunks, shared by versions
   REGISTRY/NAME/VERSION/manifest.json      tensors, chunks, model spec, metrics, parent
   REGISTRY/NAME/VERSION/manifest.sig       Ed25519 signature of manifest.json
+  REGISTRY/NAME/_sequence.json             the highest sequence published (versions get the next)
 
 examples:
   hpc-train publish runs/digits --registry /srv/registry --name digits-cnn --version 1 \\
@@ -36,14 +44,15 @@ examples:
   hpc-train publish runs/digits2 --registry s3://models/edgetrain --name digits-cnn \\
       --version 2 --parent 1 --sign-key keys/upstream.key.pem --artefact exports/model.onnx
 
-exit codes: 0 published, 1 registry failure, 2 invalid input (checkpoint, key, version)
+exit codes: 0 published, 1 registry failure, 2 invalid input (checkpoint, key, version),
+3 refused (a pickle, an unsafe name)
 """
 
 
 def keygen(args: argparse.Namespace) -> int:
     try:
         priv, pub = generate_keypair(Path(args.out), args.name)
-    except (KeyFileError, OSError) as e:
+    except (RegistryError, OSError) as e:
         print(f"keygen: {e}", file=sys.stderr)
         return 2
     print(f"private key: {priv}  (mode 0600; never copy it to devices)")
@@ -55,15 +64,16 @@ def publish(args: argparse.Namespace) -> int:
     try:
         key = load_signing_key(Path(args.sign_key))
         store = open_store(args.registry)
-        report = publish_checkpoint(
-            Path(args.source), store, name=args.name, version=args.version, key=key,
-            parent=args.parent, artefacts=[Path(a) for a in args.artefact],
+        report = publish_content(
+            read_checkpoint(Path(args.source)), store, name=args.name, version=args.version,
+            key=key, parent=args.parent, artefacts=[Path(a) for a in args.artefact],
             chunk_size=int(args.chunk_size_mb * (1 << 20)), pack_below=args.pack_below_kb << 10,
         )
-    except (KeyFileError, PublishError, ManifestError) as e:
-        print(f"publish: {e}", file=sys.stderr)
-        return 2
-    except (StoreError, OSError) as e:
+    except RegistryError as e:
+        prefix = "registry failure: " if e.exit_code == 1 else ""
+        print(f"publish: {prefix}{e}", file=sys.stderr)
+        return e.exit_code
+    except OSError as e:
         print(f"publish: registry failure: {e}", file=sys.stderr)
         return 1
     print(report.summary())
@@ -101,7 +111,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="run dir or checkpoint dir")
     p.add_argument("--registry", required=True, metavar="DIR_OR_URI",
-                   help="registry folder, file:// URI or s3://BUCKET/PREFIX (needs boto3)")
+                   help="registry folder, file:// URI, s3://BUCKET/PREFIX (needs boto3) or an "
+                   "http(s) URL that takes PUT")
     p.add_argument("--name", required=True, metavar="N", help="model name, e.g. digits-cnn")
     p.add_argument("--version", required=True, metavar="V", help="new version, e.g. 3 or 2025.06.1")
     p.add_argument("--sign-key", required=True, metavar="KEY",

@@ -54,7 +54,7 @@ def resolve_checkpoint(text: str, args: argparse.Namespace) -> Path:
     if local.exists() or ("@" not in text and "://" not in text):
         return local
     from agent.storage.slots import ModelSlots
-    from registry.pull import update
+    from agent.storage.update import update
     from registry.refs import parse_ref
 
     ref = parse_ref(text, registry_of(args))

@@ -21,21 +21,13 @@ from agent.cli.common import (
     state_dir_of,
     trusted_keys_of,
 )
-from agent.slots import (
-    GcReport,
-    ModelSlots,
-    SlotError,
-    SwitchResult,
-    gc,
-    installed_models,
-)
-from agent.sync import (
-    TransferConfig,
-    parse_ref,
-    update,
-)
-from agent.upload import upload
-from hpc_core.signing import load_signing_key
+from agent.storage.gc import GcReport, gc, installed_models
+from agent.storage.slots import ModelSlots, SwitchResult
+from agent.storage.update import update
+from registry.errors import SlotError
+from registry.refs import parse_ref
+from registry.signing import load_signing_key
+from registry.transfer import TransferConfig
 
 PULL_EPILOG = f"""\
 REF is NAME@VERSION (resolved against --registry / ${REGISTRY_ENV}) or a full URL to a
@@ -45,7 +37,9 @@ s3://bucket/prefix/NAME/VERSION (needs boto3).
 The manifest and its signature are verified against --trusted-keys before any chunk moves;
 only chunks missing locally are fetched, partial ones resume with HTTP Range. The version is
 assembled into the standby slot and `current` switches atomically; the previous version stays
-for `agentctl rollback`.
+for `agentctl rollback`. A version whose signed sequence is below the highest installed here
+is refused (a rollback attack) unless --allow-downgrade is given. Every request has a total
+--deadline-s, and a body slower than --min-rate over --min-rate-window-s is dropped and retried.
 
 examples:
   agentctl pull digits-cnn@3 --registry https://models.example.com/registry
@@ -82,14 +76,22 @@ def _rate(text: str) -> int:
     return int(value)
 
 
+def _min_rate(text: str) -> int:
+    return 0 if text.strip() == "0" else _rate(text)
+
+
 def _transfer(args: argparse.Namespace) -> TransferConfig:
     return TransferConfig(
         connect_timeout_s=args.connect_timeout_s,
         read_timeout_s=args.read_timeout_s,
+        request_deadline_s=args.deadline_s,
+        min_rate_bytes_per_s=args.min_rate,
+        min_rate_window_s=args.min_rate_window_s,
         retries=args.retries,
         max_bytes_per_s=args.max_rate,
         connections=args.connections,
         allow_custom_models=getattr(args, "allow_custom_model", False),
+        allow_downgrade=getattr(args, "allow_downgrade", False),
     )
 
 
@@ -136,7 +138,7 @@ def run_pull(args: argparse.Namespace) -> int:
         print(f"{ref.name}@{ref.version} is already active (slot {result.switch.active.slot})")
         return 0
     print(
-        f"{_describe(result.switch)}; signed by {p.signer.name} ({p.signer.key_id}); fetched "
+        f"{_describe(result.switch)}; verified by {p.key.name} ({p.key.key_id}); fetched "
         f"{p.chunks_fetched} chunks ({p.bytes_fetched / 1e6:.2f} MB), reused {p.chunks_reused}; "
         f"{_gc_line(result.gc)}"
     )
@@ -173,15 +175,18 @@ def run_upload(args: argparse.Namespace) -> int:
         metrics = json.loads(Path(args.metrics).read_text())
         if not isinstance(metrics, dict):
             raise ValueError(f"{args.metrics}: expected a JSON object of metric name -> number")
+    from hpc_core.model_spec import read_checkpoint  # torch: only for this command
+    from registry.upload import upload
+
+    parent = ModelSlots(state_dir, name).installed(args.parent)
+    content = read_checkpoint(Path(args.checkpoint))
     with _progress_bar(not args.no_progress, f"upload {name}") as progress:
         report = upload(
-            Path(args.checkpoint),
-            state_dir=state_dir,
-            name=name,
+            content,
+            parent=parent.manifest,
             target=args.registry,
             key=load_signing_key(key_path),
             version=args.version,
-            parent=args.parent,
             artefacts=[Path(a) for a in args.artefact],
             metrics=metrics,
             cfg=_transfer(args),
@@ -201,8 +206,11 @@ def run_models(args: argparse.Namespace) -> int:
         active, standby = slots.active(), slots.standby()
         line = f"{name}: active {active.version if active else '-'}"
         if active is not None:
-            line += f" (slot {active.slot}, signed by {active.manifest.signer.name})"
+            # The key that verified the version at install, not the signer the manifest claims.
+            line += (f" (slot {active.slot}, sequence {active.manifest.sequence}, verified by "
+                     f"{active.verified_by})")
         line += f"; standby {standby.version if standby else '-'}"
+        line += f"; highest sequence {slots.highest_sequence()}"
         print(line)
     return 0
 
@@ -242,6 +250,27 @@ def _network(p: argparse.ArgumentParser) -> None:
         help="longest silence while reading (default: %(default)s)",
     )
     g.add_argument(
+        "--deadline-s",
+        type=float,
+        default=900.0,
+        metavar="S",
+        help="total time per request, retries included (default: %(default)s)",
+    )
+    g.add_argument(
+        "--min-rate",
+        type=_min_rate,
+        default=1024,
+        metavar="RATE",
+        help="drop and retry a transfer slower than this, e.g. 1K; 0 = off (default: 1K)",
+    )
+    g.add_argument(
+        "--min-rate-window-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="window over which --min-rate is measured (default: %(default)s)",
+    )
+    g.add_argument(
         "--retries",
         type=int,
         default=8,
@@ -262,6 +291,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("ref", metavar="REF", help="NAME@VERSION or a URL to NAME/VERSION")
     p.add_argument("--registry", metavar="URL", help=f"registry root (default: ${REGISTRY_ENV})")
+    p.add_argument(
+        "--allow-downgrade",
+        action="store_true",
+        help="install even if the version's signed sequence is below the highest installed "
+        "(logged)",
+    )
     p.add_argument(
         "--allow-custom-model",
         action="store_true",

@@ -61,8 +61,9 @@ def enable_activation_checkpointing(model: nn.Module) -> int:
 def load_upstream(path: Path) -> tuple[nn.Module, ModelConfig]:
     """An installed A/B slot (signed manifest + safetensors) or an hpc_core checkpoint/run."""
     if (path / "manifest.json").is_file():
-        from hpc_core.manifest import Manifest
         from safetensors.torch import load_file
+
+        from registry.manifest import Manifest
 
         manifest = Manifest.from_bytes((path / "manifest.json").read_bytes(), source=str(path))
         spec = ModelConfig(**manifest.model.model_dump())

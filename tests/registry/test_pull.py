@@ -18,34 +18,30 @@ from typing import Any
 import pytest
 import torch
 
-from agent.slots import ChunkStore, ModelSlots, load_active
-from agent.sync import (
+from agent.storage.chunk_store import ChunkStore
+from agent.storage.load import load_active
+from agent.storage.slots import ModelSlots
+from agent.storage.update import pull, update
+from registry.errors import (
+    BadSignatureError,
+    ChunkHashError,
     FetchFailedError,
     InsufficientDiskError,
     ManifestMismatchError,
-    RefError,
-    TransferConfig,
-    parse_ref,
-    pull,
-    update,
-)
-from hpc_core.manifest import (
-    ChunkHashError,
-    Manifest,
     PickleRefusedError,
+    RefError,
     SpecMismatchError,
     TensorHashError,
     TruncatedError,
-    UnsafeNameError,
-    chunk_key,
-)
-from hpc_core.signing import (
-    BadSignatureError,
-    SigningKey,
     UnknownKeyError,
+    UnsafeNameError,
     UnsignedManifestError,
-    load_trusted_keys,
 )
+from registry.manifest import Manifest
+from registry.names import chunk_key
+from registry.refs import parse_ref
+from registry.signing import SigningKey, load_trusted_keys
+from registry.transfer import TransferConfig
 
 
 def trusted(key: Any) -> dict:
@@ -99,7 +95,7 @@ def test_pull_installs_a_verified_model_and_moves_each_byte_once(
     result = get(registry_server, tmp_path / "state", "1", fast_transfers, upstream_key,
                  progress=lambda d, t: seen.append((d, t)))
     assert result.switch.changed and result.switch.active.slot == "a"
-    assert result.pulled.signer.name == "upstream"
+    assert result.pulled.key.name == "upstream"
     assert_active(tmp_path / "state", "1", model, upstream_key)
     assert chunk_bytes(registry_server) == man.total_bytes == result.pulled.bytes_fetched
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
@@ -476,7 +472,7 @@ def test_pull_from_s3(new_model: Any, publisher: Any, upstream_key: Any, tmp_pat
     moto = pytest.importorskip("moto", reason="S3 round trip needs moto (pip install moto boto3)")
     import boto3
 
-    from hpc_core.publish import open_store
+    from registry.stores import open_store
 
     for k, v in {"AWS_ACCESS_KEY_ID": "t", "AWS_SECRET_ACCESS_KEY": "t",
                  "AWS_DEFAULT_REGION": "us-east-1"}.items():

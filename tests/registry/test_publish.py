@@ -13,18 +13,21 @@ import torch
 
 from hpc_core.checkpoint import save_checkpoint
 from hpc_core.config import config_from_dict
-from hpc_core.manifest import Manifest, PickleRefusedError, chunk_key
+from hpc_core.model_spec import read_checkpoint
 from hpc_core.models import build_model
-from hpc_core.publish import (
-    LocalStore,
+from hpc_core.publish_cli import register_cli
+from registry.errors import (
+    PickleRefusedError,
     PublishError,
+    RefError,
     StoreError,
     VersionExistsError,
-    open_store,
-    publish_checkpoint,
 )
-from hpc_core.publish_cli import register_cli
-from hpc_core.signing import generate_keypair, load_signing_key, load_trusted_keys, verify_manifest
+from registry.manifest import Manifest
+from registry.names import chunk_key
+from registry.publish import publish_content, publish_version
+from registry.signing import generate_keypair, load_signing_key, load_trusted_keys, verify_manifest
+from registry.stores import HttpStore, LocalStore, open_store
 
 MODEL = {"name": "small_cnn", "kwargs": {"width": 8, "norm": "batch"}, "num_classes": 10,
          "in_channels": 1, "image_size": 8}
@@ -51,8 +54,8 @@ def key(tmp_path: Path) -> Any:
 
 
 def publish(src: Path, reg: Path, version: str, key: Any, **kw: Any) -> Any:
-    return publish_checkpoint(src, LocalStore(reg), name="digits", version=version, key=key,
-                              chunk_size=CHUNK, pack_below=PACK, **kw)
+    return publish_content(read_checkpoint(src), LocalStore(reg), name="digits", version=version,
+                           key=key, chunk_size=CHUNK, pack_below=PACK, **kw)
 
 
 def chunk_files(reg: Path) -> dict[Path, float]:
@@ -128,6 +131,23 @@ def test_versions_are_immutable_and_parents_must_exist(tmp_path: Path, key: Any)
         publish(tmp_path / "nothing", reg, "3", key)
 
 
+def test_sequence_increases_per_model_and_stays_above_the_parent(tmp_path: Path, key: Any) -> None:
+    src, reg = checkpoint(tmp_path / "c", state(0)), tmp_path / "reg"
+    # Version strings are labels: "10" after "9" and "1.0" after "10" still count up.
+    seqs = [publish(src, reg, v, key).manifest.sequence for v in ("9", "10", "1.0")]
+    assert seqs == [1, 2, 3]
+    assert publish(src, reg, "x", key, parent="9").manifest.sequence == 4
+    # An upload registry that never saw the counter still stays above the parent's sequence.
+    content = read_checkpoint(src)
+    child = publish_version(LocalStore(tmp_path / "uploads"), name="digits", version="x+dev",
+                            model=content.model, tensors=content.tensors, key=key, parent="x",
+                            parent_seq=4, chunk_size=CHUNK, pack_below=PACK)
+    assert child.manifest.sequence == 5
+    (reg / "digits" / "_sequence.json").write_text("[" * 1000)
+    with pytest.raises(PublishError, match="unreadable"):
+        publish(src, reg, "y", key)
+
+
 def test_pickle_posing_as_a_checkpoint_is_refused(tmp_path: Path, key: Any) -> None:
     src = checkpoint(tmp_path / "c", state(0))
     torch.save(state(0), src / "model.safetensors")  # complete marker and all: only the file lies
@@ -159,8 +179,9 @@ def test_s3_target_without_boto3_says_how_to_get_it(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "boto3", None)  # import boto3 -> ImportError
     with pytest.raises(StoreError, match=r"pip install 'edgetrain\[s3\]'"):
         open_store("s3://bucket/registry")
-    with pytest.raises(StoreError, match="serve that folder over HTTP"):
-        open_store("https://example.com/registry")
+    assert isinstance(open_store("https://example.com/registry"), HttpStore)  # one factory
+    with pytest.raises(RefError, match="unsupported registry scheme"):
+        open_store("ftp://example.com/registry")
 
 
 def test_s3_target_dedups_like_a_folder(
@@ -176,11 +197,12 @@ def test_s3_target_dedups_like_a_folder(
         boto3.client("s3").create_bucket(Bucket="models")
         store = open_store("s3://models/edgetrain")
         weights = state(0)
-        first = publish_checkpoint(checkpoint(tmp_path / "c1", weights), store, name="digits",
-                                   version="1", key=key, chunk_size=CHUNK, pack_below=PACK)
-        second = publish_checkpoint(checkpoint(tmp_path / "c2", dict(weights)), store,
-                                    name="digits", version="2", key=key, parent="1",
-                                    chunk_size=CHUNK, pack_below=PACK)
+        first = publish_content(read_checkpoint(checkpoint(tmp_path / "c1", weights)), store,
+                                name="digits", version="1", key=key, chunk_size=CHUNK,
+                                pack_below=PACK)
+        second = publish_content(read_checkpoint(checkpoint(tmp_path / "c2", dict(weights))),
+                                 store, name="digits", version="2", key=key, parent="1",
+                                 chunk_size=CHUNK, pack_below=PACK)
         keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="models")["Contents"]]
         assert first.chunks_written > 0 and second.chunks_written == 0
         assert sum(k.startswith("edgetrain/chunks/sha256/") for k in keys) == first.chunks_written

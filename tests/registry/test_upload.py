@@ -13,11 +13,28 @@ import pytest
 import torch
 
 from agent.cli import main as agentctl
-from agent.slots import NoActiveModelError, load_active
-from agent.sync import FetchFailedError, TransferConfig, parse_ref, update
-from agent.upload import upload
-from hpc_core.manifest import Manifest, PickleRefusedError
-from hpc_core.signing import UnknownKeyError, load_trusted_keys, verify_manifest
+from agent.storage.load import load_active
+from agent.storage.update import update
+from registry.errors import (
+    FetchFailedError,
+    NoActiveModelError,
+    PickleRefusedError,
+    UnknownKeyError,
+)
+from registry.manifest import Manifest
+from registry.refs import parse_ref
+from registry.signing import load_trusted_keys, verify_manifest
+from registry.transfer import TransferConfig
+from registry.upload import upload
+
+
+def device_upload(checkpoint: Path, state_dir: Path, **kw: Any) -> Any:
+    """What ``agentctl upload`` does: the installed parent, the checkpoint's content."""
+    from agent.storage.slots import ModelSlots
+    from hpc_core.model_spec import read_checkpoint
+
+    parent = ModelSlots(state_dir, "digits").installed()
+    return upload(read_checkpoint(checkpoint), parent=parent.manifest, **kw)
 
 
 @dataclass(frozen=True)
@@ -99,7 +116,7 @@ def test_upload_sends_only_changed_tensors_and_is_device_signed(
     fast_transfers: TransferConfig, tmp_path: Path,
 ) -> None:
     key, cloud_trusted = device
-    report = upload(finetune.checkpoint, state_dir=pulled, name="digits",
+    report = device_upload(finetune.checkpoint, pulled,
                     target=registry_server.url, key=key.signing, artefacts=[exports(tmp_path)],
                     metrics={"device/latency_ms": 1.7}, cfg=fast_transfers)
     child = report.manifest
@@ -116,9 +133,13 @@ def test_upload_sends_only_changed_tensors_and_is_device_signed(
     puts = [r for r in registry_server.requests if r.method == "PUT"]
     body = (registry_server.root / f"digits/{child.version}/manifest.json").read_bytes()
     sig = (registry_server.root / f"digits/{child.version}/manifest.sig").read_bytes()
+    seq = (registry_server.root / "digits/_sequence.json").read_bytes()
+    assert child.sequence == parent.sequence + 1 == 2
     assert report.bytes_written == new_chunk_bytes(child, parent)
-    assert registry_server.stats()["bytes_received"] == report.bytes_written + len(body) + len(sig)
-    assert len(puts) == report.chunks_written + 2 == 4 + 2
+    assert registry_server.stats()["bytes_received"] == (
+        report.bytes_written + len(body) + len(sig) + len(seq)
+    )
+    assert len(puts) == report.chunks_written + 3 == 4 + 3
     assert not {c.sha256 for c in parent.chunks} & {r.path.rsplit("/", 1)[-1] for r in puts}
 
     # The cloud knows which device produced it: its key verifies, upstream's alone does not.
@@ -145,23 +166,26 @@ def test_interrupted_upload_resumes_with_what_is_missing(
     cfg = fast_transfers.model_copy(update={"retries": 1})
     registry_server.allow_puts(2)  # the link dies after two chunks
     with pytest.raises(FetchFailedError, match="PUT chunks/"):
-        upload(finetune.checkpoint, state_dir=pulled, name="digits", target=registry_server.url,
+        device_upload(finetune.checkpoint, pulled, target=registry_server.url,
                key=key.signing, version="1.ft", artefacts=[exports(tmp_path)], cfg=cfg)
     assert not (registry_server.root / "digits/1.ft/manifest.json").exists()  # not half published
     first = registry_server.stats()["bytes_received"]
     assert first > 0
 
     registry_server.reset()
-    report = upload(finetune.checkpoint, state_dir=pulled, name="digits",
+    report = device_upload(finetune.checkpoint, pulled,
                     target=registry_server.url, key=key.signing, version="1.ft",
                     artefacts=[exports(tmp_path)], cfg=cfg)
     body = (registry_server.root / "digits/1.ft/manifest.json").read_bytes()
     sig = (registry_server.root / "digits/1.ft/manifest.sig").read_bytes()
     parent = Manifest.from_bytes((registry_server.root / "digits/1/manifest.json").read_bytes())
     total = new_chunk_bytes(report.manifest, parent)
+    seq = (registry_server.root / "digits/_sequence.json").read_bytes()
     # The resumed run sent exactly what the first one had not.
     assert report.bytes_written == total - first
-    assert registry_server.stats()["bytes_received"] == total - first + len(body) + len(sig)
+    assert registry_server.stats()["bytes_received"] == (
+        total - first + len(body) + len(sig) + len(seq)
+    )
 
 
 def test_upload_refusals(finetune: FineTune, pulled: Path, registry_server: Any, device: Any,
@@ -170,11 +194,11 @@ def test_upload_refusals(finetune: FineTune, pulled: Path, registry_server: Any,
     pickled = tmp_path / "weights.bin"
     torch.save(finetune.tuned.state_dict(), pickled)
     with pytest.raises(PickleRefusedError):
-        upload(finetune.checkpoint, state_dir=pulled, name="digits", target=registry_server.url,
+        device_upload(finetune.checkpoint, pulled, target=registry_server.url,
                key=key.signing, artefacts=[pickled], cfg=fast_transfers)
     assert not [r for r in registry_server.requests if r.method == "PUT"]
     with pytest.raises(NoActiveModelError, match="pull one first"):
-        upload(finetune.checkpoint, state_dir=tmp_path / "empty", name="digits",
+        device_upload(finetune.checkpoint, tmp_path / "empty",
                target=registry_server.url, key=key.signing, cfg=fast_transfers)
 
 

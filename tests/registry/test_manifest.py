@@ -15,38 +15,32 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hpc_core.manifest import (
-    ArtefactSource,
-    FileRange,
+from hpc_core.config import ModelConfig
+from hpc_core.model_spec import check_against_spec
+from hpc_core.models import build_model
+from registry.chunks import ArtefactSource, lay_out
+from registry.errors import (
+    BadSignatureError,
     InvalidManifestError,
-    Manifest,
-    ModelSpec,
+    KeyFileError,
     NotSafetensorsError,
     PickleRefusedError,
-    Signer,
     SpecMismatchError,
+    UnknownKeyError,
     UnsafeNameError,
-    check_against_spec,
-    lay_out,
+    UnsignedManifestError,
+)
+from registry.manifest import Manifest, Signer, utc_now
+from registry.safetensors_io import (
+    FileRange,
     read_safetensors_index,
     refuse_pickled_file,
     safetensors_header,
-    utc_now,
 )
-from hpc_core.models import build_model
-from hpc_core.signing import (
-    BadSignatureError,
-    KeyFileError,
-    UnknownKeyError,
-    UnsignedManifestError,
-    generate_keypair,
-    load_signing_key,
-    load_trusted_keys,
-    verify_manifest,
-)
+from registry.signing import generate_keypair, load_signing_key, load_trusted_keys, verify_manifest
 
-SPEC = ModelSpec(name="mlp", kwargs={"hidden": [64, 64]}, num_classes=10, in_channels=1,
-                 image_size=8)
+SPEC = ModelConfig(name="mlp", kwargs={"hidden": [64, 64]}, num_classes=10, in_channels=1,
+                   image_size=8)
 CHUNK, PACK = 4096, 1024
 
 
@@ -59,7 +53,7 @@ def model_state(seed: int = 0) -> dict[str, torch.Tensor]:
 def manifest_for(path: Path, state: dict[str, torch.Tensor], **extra: Any) -> tuple[Manifest, dict]:
     save_file(state, str(path))
     layout = lay_out(read_safetensors_index(path), chunk_size=CHUNK, pack_below=PACK, **extra)
-    m = Manifest(name="digits", version="1", created_at=utc_now(),
+    m = Manifest(name="digits", version="1", sequence=1, created_at=utc_now(),
                  signer=Signer(key_id="0" * 16, name="t"), model=SPEC, chunk_size=CHUNK,
                  pack_below=PACK, chunks=layout.chunks, tensors=layout.tensors,
                  artefacts=layout.artefacts)
@@ -172,6 +166,9 @@ def test_layout_refuses_unsafe_names_before_reading(tmp_path: Path) -> None:
         (lambda d: d.update(chunk_size=16), "chunk_size"),
         (lambda d: d.update(version="1/../2"), "version"),
         (lambda d: d["tensors"][0].update(dtype="PICKLE"), "dtype"),
+        (lambda d: d.pop("sequence"), "sequence"),
+        (lambda d: d.update(sequence=0), "sequence"),
+        (lambda d: d["model"].update(num_classes=None), "num_classes must be set"),
     ],
 )
 def test_inconsistent_manifests_are_refused(tmp_path: Path, edit: Any, message: str) -> None:

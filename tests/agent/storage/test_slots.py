@@ -19,20 +19,23 @@ from typing import Any
 import pytest
 import torch
 
-from agent.slots import (
-    ChunkStore,
+from agent.storage.chunk_store import ChunkStore
+from agent.storage.gc import gc
+from agent.storage.load import load_active
+from agent.storage.lock import StateLock
+from agent.storage.slots import ModelSlots
+from agent.storage.update import pull, update
+from agent.storage.verify import verify_slot
+from registry.errors import (
     CorruptSlotError,
-    ModelSlots,
     NoPreviousVersionError,
+    PickleRefusedError,
     StateBusyError,
-    StateLock,
-    gc,
-    load_active,
-    verify_slot,
+    TensorHashError,
 )
-from agent.sync import TransferConfig, parse_ref, pull, update
-from hpc_core.manifest import PickleRefusedError, TensorHashError
-from hpc_core.signing import load_trusted_keys
+from registry.refs import parse_ref
+from registry.signing import load_trusted_keys
+from registry.transfer import TransferConfig
 
 
 def trusted(key: Any) -> dict:
@@ -176,9 +179,9 @@ KILL_DRIVER = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
 
-    from agent.slots import ChunkStore, ModelSlots
-    from hpc_core.manifest import Manifest
-    from hpc_core.signing import load_trusted_keys
+    from agent.storage.chunk_store import ChunkStore
+    from agent.storage.slots import ModelSlots
+    from registry.signing import load_trusted_keys, verify_signed_manifest
 
     op, state, kill_at = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     WATCH = {"os.rename", "os.symlink", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree",
@@ -201,9 +204,9 @@ KILL_DRIVER = textwrap.dedent("""
     slots = ModelSlots(state, "digits")
     if op == "install":
         body, sig = Path(sys.argv[4]).read_bytes(), Path(sys.argv[5]).read_bytes()
-        manifest = Manifest.from_bytes(body)
+        manifest, key = verify_signed_manifest(body, sig, load_trusted_keys(Path(sys.argv[6])))
         sys.addaudithook(hook)
-        slots.install(manifest, body, sig, ChunkStore(state))
+        slots.install(manifest, body, sig, ChunkStore(state), key)
     else:
         keys = load_trusted_keys(Path(sys.argv[4]))
         sys.addaudithook(hook)
@@ -249,11 +252,11 @@ def test_sigkill_at_every_step_of_an_install_leaves_old_or_new(
     install(publisher, base, "2", upstream_key, fast_transfers)
     pulled = pull(parse_ref(f"{publisher.root.as_uri()}/digits/3"), state_dir=base,
                   trusted=trusted(upstream_key), cfg=fast_transfers)
-    (tmp_path / "m.json").write_bytes(pulled.manifest_bytes)
-    (tmp_path / "m.sig").write_bytes(pulled.signature_bytes)
+    (tmp_path / "m.json").write_bytes(pulled.verified.manifest_bytes)
+    (tmp_path / "m.sig").write_bytes(pulled.verified.signature_bytes)
+    signed = [str(tmp_path / "m.json"), str(tmp_path / "m.sig"), str(upstream_key.trusted_dir)]
     versions, completed = enumerate_kills(
-        tmp_path, subprocess_env, base, [str(tmp_path / "m.json"), str(tmp_path / "m.sig")],
-        "install", upstream_key,
+        tmp_path, subprocess_env, base, signed, "install", upstream_key,
     )
     # A kill before any of the ~20 steps (the last one is the rename of `current`) leaves the
     # old model; the completed run leaves the new one. Nothing in between is ever active.
@@ -262,8 +265,8 @@ def test_sigkill_at_every_step_of_an_install_leaves_old_or_new(
     # After any of those crashes, the next install completes (leftovers are cleaned up).
     state = tmp_path / "again"
     shutil.copytree(base, state, symlinks=True)
-    assert run_killed(tmp_path, subprocess_env, ["install", str(state), str(tmp_path / "m.json"),
-                                                 str(tmp_path / "m.sig")], 7).returncode == -9
+    killed = run_killed(tmp_path, subprocess_env, ["install", str(state), *signed], 7)
+    assert killed.returncode == -9
     install(publisher, state, "3", upstream_key, fast_transfers)
     assert active_version(state, upstream_key) == "3"
     assert not [p for p in (state / "models/digits").rglob(".*") if p.name != ".."]
@@ -433,8 +436,10 @@ def test_agentctl_models_and_gc(
     install(publisher, state, "1", upstream_key, fast_transfers)
     install(publisher, state, "2", upstream_key, fast_transfers)
     assert agentctl(["models", "--state-dir", str(state)]) == 0
+    # The key that verified the version, with its id: not the signer the manifest names.
     assert capsys.readouterr().out.strip() == (
-        "digits: active 2 (slot b, signed by upstream); standby 1"
+        f"digits: active 2 (slot b, sequence 2, verified by upstream "
+        f"({upstream_key.signing.key_id})); standby 1; highest sequence 2"
     )
     assert agentctl(["gc", "--state-dir", str(state)]) == 0
     assert "gc removed 0 chunks" in capsys.readouterr().out

@@ -5,6 +5,12 @@ Make a key pair with ``hpc-train keygen --out keys/ --name upstream``: it writes
 ``upstream.pub.pem`` (SubjectPublicKeyInfo, copied into every device's trusted-keys folder).
 A device makes its own pair the same way to sign what it uploads.
 
+A trusted key may carry a scope: ``NAME.scope`` beside ``NAME.pub.pem`` in the trusted-keys
+folder, one pattern per line (``fnmatch`` syntax, ``#`` starts a comment). A pattern
+``NAME`` matches every version of that model, ``NAME@VERSION`` one version; a device's key
+gets e.g. ``digits-cnn@*+jetson-07.*`` (only its own uploads). A key without a scope file may
+sign every model, as the upstream publisher's does.
+
 ``manifest.sig`` is a small JSON document::
 
     {"format": "edgetrain.sig/1", "algorithm": "ed25519", "key_id": "<16 hex>",
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import fnmatch
 import hashlib
 import json
 import os
@@ -30,33 +37,24 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from hpc_core.manifest import ManifestError, Signer
+from registry.errors import (
+    BadSignatureError,
+    KeyFileError,
+    KeyScopeError,
+    MalformedJsonError,
+    UnknownKeyError,
+    UnsignedManifestError,
+)
+from registry.jsonsafe import loads_strict
+from registry.manifest import Manifest, Signer
 
 SIG_FORMAT = "edgetrain.sig/1"
 _DOMAIN = b"edgetrain.manifest/1\n"
 MAX_SIGNATURE_BYTES = 4096
 PRIVATE_SUFFIX = ".key.pem"
 PUBLIC_SUFFIX = ".pub.pem"
-
-
-class KeyFileError(Exception):
-    """A key file that is missing, unreadable, of the wrong type or too open."""
-
-
-class SignatureError(ManifestError):
-    """The manifest's signature does not establish that a trusted key signed these bytes."""
-
-
-class UnsignedManifestError(SignatureError):
-    """There is no manifest.sig, or it is not a signature document."""
-
-
-class UnknownKeyError(SignatureError):
-    """Signed by a key that is not among the trusted keys."""
-
-
-class BadSignatureError(SignatureError):
-    """Signed by a trusted key id, but the bytes do not verify: tampered or corrupted."""
+SCOPE_SUFFIX = ".scope"
+ALL_MODELS = ("*",)
 
 
 def key_id(public: Ed25519PublicKey) -> str:
@@ -96,6 +94,17 @@ class TrustedKey:
     key_id: str
     public: Ed25519PublicKey
     path: Path
+    scope: tuple[str, ...] = ALL_MODELS
+    """Patterns of what this key may sign: ``NAME`` (any version) or ``NAME@VERSION``."""
+
+    def may_sign(self, name: str, version: str) -> bool:
+        for pattern in self.scope:
+            if "@" in pattern:
+                if fnmatch.fnmatchcase(f"{name}@{version}", pattern):
+                    return True
+            elif fnmatch.fnmatchcase(name, pattern):
+                return True
+        return False
 
 
 def generate_keypair(out_dir: Path, name: str) -> tuple[Path, Path]:
@@ -146,6 +155,26 @@ def load_signing_key(path: Path) -> SigningKey:
     return SigningKey(_stem(path, PRIVATE_SUFFIX), key_id(private.public_key()), private)
 
 
+def read_scope(path: Path) -> tuple[str, ...]:
+    """The patterns of a ``NAME.scope`` file; no file: every model."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return ALL_MODELS
+    except (OSError, UnicodeDecodeError) as e:
+        raise KeyFileError(f"cannot read key scope {path}: {e}") from None
+    patterns = tuple(
+        line.split("#", 1)[0].strip() for line in text.splitlines()
+        if line.split("#", 1)[0].strip()
+    )
+    if not patterns:
+        raise KeyFileError(
+            f"{path} lists no pattern: write the model names this key may sign (e.g. "
+            "'digits-cnn' or 'digits-cnn@*+jetson-07.*'), or delete it to allow every model"
+        )
+    return patterns
+
+
 def load_public_key(path: Path) -> TrustedKey:
     path = Path(path)
     try:
@@ -163,7 +192,9 @@ def load_public_key(path: Path) -> TrustedKey:
         raise KeyFileError(f"{path} is not a PEM public key: {e}") from None
     if not isinstance(public, Ed25519PublicKey):
         raise KeyFileError(f"{path} holds a {type(public).__name__}; only Ed25519 keys are used")
-    return TrustedKey(_stem(path, PUBLIC_SUFFIX), key_id(public), public, path)
+    name = _stem(path, PUBLIC_SUFFIX)
+    scope = read_scope(path.with_name(f"{name}{SCOPE_SUFFIX}"))
+    return TrustedKey(name, key_id(public), public, path, scope)
 
 
 def load_trusted_keys(where: Path) -> dict[str, TrustedKey]:
@@ -193,13 +224,15 @@ def verify_manifest(
     if signature_bytes is None:
         raise UnsignedManifestError(f"{source} has no manifest.sig: unsigned versions are refused")
     try:
-        if len(signature_bytes) > MAX_SIGNATURE_BYTES:
-            raise ValueError("too large")
-        doc = json.loads(signature_bytes)
+        doc = loads_strict(signature_bytes, "manifest.sig", max_bytes=MAX_SIGNATURE_BYTES)
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
         if doc["format"] != SIG_FORMAT or doc["algorithm"] != "ed25519":
             raise ValueError(f"format {doc['format']!r}, algorithm {doc['algorithm']!r}")
-        kid, sig = str(doc["key_id"]), base64.b64decode(doc["signature"], validate=True)
-    except (ValueError, KeyError, TypeError, binascii.Error) as e:
+        if not isinstance(doc["key_id"], str) or not isinstance(doc["signature"], str):
+            raise ValueError("key_id and signature must be strings")
+        kid, sig = doc["key_id"], base64.b64decode(doc["signature"], validate=True)
+    except (MalformedJsonError, ValueError, KeyError, TypeError, binascii.Error) as e:
         raise UnsignedManifestError(
             f"{source}: manifest.sig is not an {SIG_FORMAT} document ({e})"
         ) from None
@@ -218,3 +251,23 @@ def verify_manifest(
             "bytes: the manifest was altered after signing (or corrupted in transit)"
         ) from None
     return key
+
+
+def verify_signed_manifest(
+    manifest_bytes: bytes, signature_bytes: bytes | None, trusted: dict[str, TrustedKey],
+    source: str = "manifest",
+) -> tuple[Manifest, TrustedKey]:
+    """Signature first, then the manifest, then the key's scope over the signed name@version.
+
+    Returns the manifest and the key that verified it: that key, not the ``signer`` the
+    manifest names, is who vouches for the version.
+    """
+    key = verify_manifest(manifest_bytes, signature_bytes, trusted, source)
+    manifest = Manifest.from_bytes(manifest_bytes, source=source)
+    if not key.may_sign(manifest.name, manifest.version):
+        raise KeyScopeError(
+            f"{source}: {manifest.ref} is signed by trusted key {key.name} ({key.key_id}), whose "
+            f"scope {list(key.scope)} does not cover it (scope file: "
+            f"{key.path.with_name(key.name + SCOPE_SUFFIX)})"
+        )
+    return manifest, key

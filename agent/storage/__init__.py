@@ -1,0 +1,17 @@
+"""Device-side model storage; torch-free at import (the daemon reports the active model
+without loading torch).
+
+Layout under the state directory::
+
+    lock                               flock: one pull / install / rollback / gc at a time
+    chunks/sha256/ab/<hash>            verified chunks, content-addressed, shared by versions
+    chunks/partial/<hash>.part         downloads in progress (resumed with HTTP Range)
+    models/<name>/slots/{a,b}/         complete versions (see ``slots``)
+    models/<name>/current -> slots/a   the active slot
+    models/<name>/installed.json       the highest signed sequence installed
+
+Modules: ``lock`` (state lock), ``nofollow`` (no symlink is ever followed below the state
+root), ``chunk_store``, ``assemble`` (chunks -> slot), ``verify`` (slot re-verification),
+``slots`` (stage / commit / discard / install / rollback), ``gc``, ``update`` (pull into the
+slots, stage a local fine-tune), ``load`` (build the active model; imports torch lazily).
+"""

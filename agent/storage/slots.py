@@ -1,0 +1,372 @@
+"""A/B slots of one model and the atomic ``current`` switch: stage, commit, discard, rollback.
+
+Layout under ``state_dir/models/<name>/``::
+
+    slots/a/, slots/b/      one complete version each: model.safetensors, artefacts/,
+                            manifest.json, manifest.sig, COMPLETE (written last)
+    current -> slots/a      the active slot
+    installed.json          the highest signed sequence ever committed (rollback defence)
+
+Crash safety, instant by instant (Mender's A/B scheme, applied to a folder): :meth:`stage`
+only ever writes the slot ``current`` does not point at. The new slot is built under a
+temporary name, fsynced, renamed into place; :meth:`commit` then switches ``current`` by
+``rename(2)`` of a freshly made symlink over the old one, which is atomic. A crash before that
+rename leaves the old model active; after it, the new one; there is no instant where
+``current`` names a half-written slot. Rollback is the same single rename towards the other
+complete slot. The standby slot is also the rollback target: staging a version replaces it.
+
+The device job builds on these steps: ``stage()`` a pulled or locally fine-tuned version,
+run its gates against the staged slot, then ``commit(version)`` or ``discard_staged()``.
+``install()`` is stage + commit, what ``agentctl pull`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.storage.assemble import assemble
+from agent.storage.chunk_store import ChunkStore
+from agent.storage.lock import StateLock
+from agent.storage.nofollow import is_link, read_bytes, real_dir, real_dirs, regular_file
+from agent.storage.verify import MARKER, verify_slot
+from hpc_core.atomic import fsync_dir, fsync_file, write_json_atomic
+from registry.errors import (
+    CorruptSlotError,
+    DowngradeError,
+    MalformedJsonError,
+    NoActiveModelError,
+    NoPreviousVersionError,
+    NoStagedVersionError,
+    RefusedError,
+    UnsafeStateError,
+)
+from registry.jsonsafe import loads_strict
+from registry.manifest import Manifest
+from registry.signing import TrustedKey
+
+log = logging.getLogger("agent.storage")
+
+SLOT_NAMES = ("a", "b")
+INSTALLED = "installed.json"
+_LEFTOVER_PREFIXES = (".new-", ".trash-", ".current-", ".tmp-")
+
+
+@dataclass(frozen=True)
+class InstalledSlot:
+    slot: str
+    path: Path
+    manifest: Manifest
+    verified_by: str
+    """'name (key id)' of the trusted key that verified the version when it was staged."""
+
+    @property
+    def version(self) -> str:
+        return self.manifest.version
+
+
+@dataclass(frozen=True)
+class SwitchResult:
+    name: str
+    active: InstalledSlot
+    previous: InstalledSlot | None
+    changed: bool
+    """False when the requested version was already active."""
+
+
+def _read_marker(path: Path) -> dict[str, object] | None:
+    try:
+        doc = loads_strict(read_bytes(path / MARKER, 1 << 16), str(path / MARKER))
+    except (FileNotFoundError, NotADirectoryError, MalformedJsonError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def read_installed(path: Path, slot: str) -> InstalledSlot | None:
+    """A slot with its COMPLETE marker and a parsable manifest, or None."""
+    if is_link(path):
+        raise UnsafeStateError(f"{path} is a symbolic link where a slot folder belongs: remove it")
+    marker = _read_marker(path)
+    if marker is None:
+        return None
+    try:
+        manifest = Manifest.from_bytes(read_bytes(path / "manifest.json"), source=str(path))
+    except (OSError, RefusedError):
+        return None
+    key = f"{marker.get('key_name', '?')} ({marker.get('key_id', '?')})"
+    return InstalledSlot(slot, path, manifest, key)
+
+
+class ModelSlots:
+    """The two slots and the ``current`` pointer of one model name."""
+
+    def __init__(self, state_dir: Path, name: str) -> None:
+        self.state_dir = Path(state_dir)
+        self.name = name
+        self.root = self.state_dir / "models" / name
+        self.slots_dir = self.root / "slots"
+        self.current_link = self.root / "current"
+
+    # -- reading
+
+    def _current_slot(self) -> str | None:
+        try:
+            target = os.readlink(self.current_link)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno == errno.EINVAL:  # a regular file where the symlink should be
+                raise CorruptSlotError(f"{self.current_link} is not a symlink") from None
+            raise
+        for s in SLOT_NAMES:
+            if target == f"slots/{s}":
+                return s
+        # Never follow anything else: a link could point anywhere on the file system.
+        raise CorruptSlotError(f"{self.current_link} points at {target!r}, not slots/a or slots/b")
+
+    def active(self) -> InstalledSlot | None:
+        slot = self._current_slot()
+        if slot is None:
+            return None
+        installed = read_installed(self.slots_dir / slot, slot)
+        if installed is None:
+            raise CorruptSlotError(f"{self.current_link} points at an incomplete slot {slot}")
+        return installed
+
+    def standby(self) -> InstalledSlot | None:
+        """The other slot, when it holds a complete version (staged, or the rollback target)."""
+        current = self._current_slot()
+        other = self.standby_slot_name()
+        if current is None and not (self.slots_dir / other).exists():
+            return None
+        return read_installed(self.slots_dir / other, other)
+
+    def installed(self, version: str | None = None) -> InstalledSlot:
+        """The active version, or the named one if it is in either slot."""
+        active = self.active()
+        if active is None:
+            raise NoActiveModelError(
+                f"no model {self.name!r} is installed in {self.state_dir}: pull one first"
+            )
+        if version is None or active.version == version:
+            return active
+        standby = self.standby()
+        if standby is not None and standby.version == version:
+            return standby
+        raise NoStagedVersionError(
+            f"{self.name}@{version} is not installed in {self.state_dir} (active: "
+            f"{active.version})"
+        )
+
+    def slot_bytes(self, slot: str) -> int:
+        path = self.slots_dir / slot
+        if is_link(path) or not path.is_dir():
+            return 0
+        return sum(p.lstat().st_size for p in path.rglob("*") if stat.S_ISREG(p.lstat().st_mode))
+
+    def standby_slot_name(self) -> str:
+        current = self._current_slot()
+        return "a" if current is None else SLOT_NAMES[1 - SLOT_NAMES.index(current)]
+
+    def highest_sequence(self) -> int:
+        """The highest signed sequence ever committed for this model here (0: none)."""
+        try:
+            path = self.root / INSTALLED
+            value = loads_strict(read_bytes(path, 1 << 16), str(path))["highest_sequence"]
+        except FileNotFoundError:
+            return 0
+        except (MalformedJsonError, KeyError, TypeError) as e:
+            raise CorruptSlotError(
+                f"{self.root / INSTALLED} is unreadable ({e}): it guards against downgrades, "
+                "restore it rather than delete it"
+            ) from None
+        if not isinstance(value, int) or value < 0:
+            raise CorruptSlotError(f"{self.root / INSTALLED}: bad highest_sequence {value!r}")
+        return value
+
+    def check_sequence(self, manifest: Manifest, *, allow_downgrade: bool = False) -> None:
+        """Refuse a version signed with a sequence below the highest installed here."""
+        highest = self.highest_sequence()
+        if manifest.sequence >= highest:
+            return
+        fields = {"model": self.name, "version": manifest.version,
+                  "sequence": manifest.sequence, "highest_sequence": highest}
+        if not allow_downgrade:
+            raise DowngradeError(
+                f"{manifest.ref} has sequence {manifest.sequence}, below {highest}, the highest "
+                f"installed here: refused as a possible rollback attack (to go back on purpose, "
+                f"`agentctl rollback` or pull with --allow-downgrade)"
+            )
+        log.warning("downgrade allowed: installing %s below the highest sequence %d",
+                    manifest.ref, highest, extra={"fields": {"event": "downgrade", **fields}})
+
+    # -- stage / commit / discard
+
+    def stage(
+        self, manifest: Manifest, manifest_bytes: bytes, signature_bytes: bytes,
+        chunks: ChunkStore, key: TrustedKey, *, allow_downgrade: bool = False,
+    ) -> InstalledSlot:
+        """Assemble a verified version into the standby slot; ``current`` is not touched.
+
+        ``key`` is the trusted key that verified ``signature_bytes`` over ``manifest_bytes``
+        (``registry.signing.verify_signed_manifest``); it is recorded in the slot. Every chunk,
+        tensor and artefact hash is checked while assembling. Replaces the standby slot.
+        """
+        with StateLock(self.state_dir):
+            self.check_sequence(manifest, allow_downgrade=allow_downgrade)
+            slots_dir = real_dirs(self.state_dir, "models", self.name, "slots")
+            self.clean_leftovers()
+            target = self.standby_slot_name()
+            # The standby slot is not in use; dropping it first frees its disk for the new one.
+            self._discard(slots_dir / target)
+            build = slots_dir / f".new-{target}-{secrets.token_hex(4)}"
+            build.mkdir()
+            try:
+                assemble(manifest, chunks, build)
+                (build / "manifest.json").write_bytes(manifest_bytes)
+                (build / "manifest.sig").write_bytes(signature_bytes)
+                for f in ("manifest.json", "manifest.sig"):
+                    fsync_file(build / f)
+                marker = {
+                    "name": manifest.name, "version": manifest.version,
+                    "sequence": manifest.sequence,
+                    "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
+                    "key_name": key.name, "key_id": key.key_id,
+                }
+                (build / MARKER).write_text(json.dumps(marker) + "\n")
+                fsync_file(build / MARKER)
+                fsync_dir(build)
+            except BaseException:
+                shutil.rmtree(build, ignore_errors=True)
+                raise
+            os.rename(build, slots_dir / target)
+            fsync_dir(slots_dir)
+            staged = read_installed(slots_dir / target, target)
+            assert staged is not None
+            return staged
+
+    def commit(self, version: str, *, allow_downgrade: bool = False) -> SwitchResult:
+        """Switch ``current`` to the staged slot holding ``version`` (one atomic rename) and
+        record its sequence as the highest installed if it is."""
+        with StateLock(self.state_dir):
+            previous = self.active()
+            staged = self.standby()
+            if staged is None or staged.version != version:
+                raise NoStagedVersionError(
+                    f"{self.name}@{version} is not staged (standby: "
+                    f"{staged.version if staged else 'none'}); stage it first"
+                )
+            self.check_sequence(staged.manifest, allow_downgrade=allow_downgrade)
+            # Recorded before the switch: a crash in between leaves the record ahead of the
+            # active version (harmless), never behind it (a downgrade window).
+            if staged.manifest.sequence > self.highest_sequence():
+                write_json_atomic(self.root / INSTALLED, {
+                    "highest_sequence": staged.manifest.sequence, "version": staged.version,
+                })
+            self._point_current(staged.slot)
+            return SwitchResult(self.name, staged, previous, changed=True)
+
+    def discard_staged(self) -> None:
+        """Drop the standby slot (a staged version that failed its gates); active untouched."""
+        with StateLock(self.state_dir):
+            if self._current_slot() is None and not (self.slots_dir / "a").exists():
+                return
+            self._discard(self.slots_dir / self.standby_slot_name())
+
+    def install(
+        self, manifest: Manifest, manifest_bytes: bytes, signature_bytes: bytes,
+        chunks: ChunkStore, key: TrustedKey, *, allow_downgrade: bool = False,
+    ) -> SwitchResult:
+        """stage() then commit(); a no-op when these exact manifest bytes are already active."""
+        with StateLock(self.state_dir):
+            previous = self.active()
+            if previous is not None and _manifest_bytes(previous.path) == manifest_bytes:
+                return SwitchResult(self.name, previous, self.standby(), changed=False)
+            self.stage(manifest, manifest_bytes, signature_bytes, chunks, key,
+                       allow_downgrade=allow_downgrade)
+            return self.commit(manifest.version, allow_downgrade=allow_downgrade)
+
+    def rollback(self, trusted: dict[str, TrustedKey] | None) -> SwitchResult:
+        """Make the standby slot active again, after re-verifying it; one atomic rename.
+
+        The explicit way back: allowed below the highest sequence (logged), which stays."""
+        with StateLock(self.state_dir):
+            active = self.active()
+            if active is None:
+                raise NoActiveModelError(f"no model {self.name!r} is installed in {self.state_dir}")
+            standby = self.standby()
+            if standby is None:
+                raise NoPreviousVersionError(
+                    f"{self.name}: no previous version to roll back to (only "
+                    f"{active.version} is installed)"
+                )
+            try:
+                verify_slot(standby.path, trusted)
+            except (RefusedError, OSError) as e:
+                raise CorruptSlotError(
+                    f"{self.name}: previous version {standby.version} failed verification, not "
+                    f"rolling back: {e}"
+                ) from None
+            self._point_current(standby.slot)
+            log.warning(
+                "rolled back %s from %s to %s", self.name, active.version, standby.version,
+                extra={"fields": {
+                    "event": "rollback", "model": self.name, "from": active.version,
+                    "to": standby.version, "sequence": standby.manifest.sequence,
+                    "highest_sequence": self.highest_sequence(),
+                }},
+            )
+            return SwitchResult(self.name, standby, active, changed=True)
+
+    # -- file-system steps
+
+    def _point_current(self, slot: str) -> None:
+        root = real_dirs(self.state_dir, "models", self.name)
+        if self.current_link.exists() and not is_link(self.current_link):
+            raise CorruptSlotError(f"{self.current_link} is not a symlink")
+        tmp = root / f".current-{secrets.token_hex(4)}"
+        os.symlink(f"slots/{slot}", tmp)
+        os.replace(tmp, self.current_link)  # the switch: atomic on POSIX file systems
+        fsync_dir(root)
+
+    def _discard(self, path: Path) -> None:
+        if is_link(path):
+            raise UnsafeStateError(
+                f"{path} is a symbolic link where a slot folder belongs; refusing to delete "
+                "through it: remove it and retry"
+            )
+        if not path.exists():
+            return
+        # Rename first: a crash mid-delete must not leave a half slot under a real slot name.
+        trash = self.slots_dir / f".trash-{path.name}-{secrets.token_hex(4)}"
+        os.rename(path, trash)
+        fsync_dir(self.slots_dir)
+        shutil.rmtree(trash, ignore_errors=True)  # rmtree never follows links inside
+
+    def clean_leftovers(self) -> None:
+        for folder in (self.slots_dir, self.root):
+            real_dir(folder, create=False)
+            if not folder.is_dir():
+                continue
+            for p in folder.iterdir():
+                if p.name.startswith(_LEFTOVER_PREFIXES):
+                    if p.is_symlink() or not p.is_dir():
+                        p.unlink()
+                    else:
+                        shutil.rmtree(p, ignore_errors=True)
+
+
+def _manifest_bytes(slot: Path) -> bytes | None:
+    with contextlib.suppress(OSError, UnsafeStateError):
+        if regular_file(slot / "manifest.json"):
+            return read_bytes(slot / "manifest.json")
+    return None

@@ -1,0 +1,182 @@
+"""Bring a registry version onto the device: the steps of ``agentctl pull``, and staging a
+version the device produced itself.
+
+:func:`pull` verifies the manifest (signature, key scope, name), the tensors against the model
+spec and the sequence against the highest installed - all before a chunk moves - then checks
+free disk and fetches the missing chunks, under the state lock. :func:`update` adds install
+(stage + commit) and garbage collection. :func:`stage_local` cuts a locally fine-tuned
+checkpoint into the chunk store, signs it with the device key and stages it, so the device
+job can run its gates on it before ``ModelSlots.commit``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.storage.chunk_store import ChunkStore
+from agent.storage.gc import GcReport, gc
+from agent.storage.lock import StateLock
+from agent.storage.slots import InstalledSlot, ModelSlots, SwitchResult
+from registry.chunks import ArtefactSource
+from registry.errors import ChunkHashError, InsufficientDiskError
+from registry.manifest import ChunkRef, Manifest
+from registry.publish import VersionContent, sign_version
+from registry.pull import Progress, VerifiedManifest, download, fetch_verified_manifest
+from registry.refs import Ref
+from registry.signing import SigningKey, TrustedKey, verify_signed_manifest
+from registry.stores import open_store
+from registry.transfer import TransferConfig
+
+
+@dataclass(frozen=True)
+class PullResult:
+    ref: Ref
+    verified: VerifiedManifest
+    chunks_fetched: int
+    chunks_reused: int
+    bytes_fetched: int
+    """Chunk bytes moved over the network in this pull (resumed bytes are not counted twice)."""
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.verified.manifest
+
+    @property
+    def key(self) -> TrustedKey:
+        """The trusted key that verified the version."""
+        return self.verified.key
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    pulled: PullResult
+    switch: SwitchResult
+    gc: GcReport
+
+
+def check_disk(state_dir: Path, manifest: Manifest, missing_bytes: int,
+               cfg: TransferConfig) -> None:
+    slots = ModelSlots(state_dir, manifest.name)
+    # The standby slot is discarded before the new one is written: its space counts as free.
+    free = shutil.disk_usage(state_dir).free + slots.slot_bytes(slots.standby_slot_name())
+    slot_bytes = manifest.total_bytes + 64 * len(manifest.tensors) + (1 << 16)
+    need = missing_bytes + slot_bytes + cfg.free_disk_margin_bytes
+    if need > free:
+        mb = 1 << 20
+        raise InsufficientDiskError(
+            f"not enough disk in {state_dir} for {manifest.ref}: needs {need / mb:.0f} MiB "
+            f"({missing_bytes / mb:.0f} to download + {slot_bytes / mb:.0f} to install + "
+            f"{cfg.free_disk_margin_bytes / mb:.0f} margin), {free / mb:.0f} MiB available. Free "
+            "space (e.g. `agentctl gc`) or lower free_disk_margin_bytes"
+        )
+
+
+def pull(
+    ref: Ref,
+    *,
+    state_dir: Path,
+    trusted: dict[str, TrustedKey],
+    cfg: TransferConfig | None = None,
+    progress: Progress | None = None,
+) -> PullResult:
+    """Verify ``ref``'s manifest, then fetch the chunks the local store lacks."""
+    from hpc_core.model_spec import check_against_spec  # torch, only once a pull is under way
+
+    cfg = cfg or TransferConfig()
+    state_dir = Path(state_dir)
+    source = open_store(ref.registry, cfg)
+    with StateLock(state_dir):
+        verified = fetch_verified_manifest(source, ref, trusted, cfg)
+        manifest = verified.manifest
+        check_against_spec(manifest, allow_custom=cfg.allow_custom_models)
+        ModelSlots(state_dir, ref.name).check_sequence(
+            manifest, allow_downgrade=cfg.allow_downgrade
+        )
+        store = ChunkStore(state_dir)
+        missing = store.missing(manifest.chunks)
+        missing_bytes = sum(c.size for c in missing)
+        check_disk(state_dir, manifest, missing_bytes - store.partial_bytes(missing), cfg)
+        fetched = download(source, store, missing, cfg, total=missing_bytes, progress=progress)
+    unique = len({c.sha256 for c in manifest.chunks})
+    return PullResult(ref, verified, len(missing), unique - len(missing), fetched)
+
+
+def update(
+    ref: Ref,
+    *,
+    state_dir: Path,
+    trusted: dict[str, TrustedKey],
+    cfg: TransferConfig | None = None,
+    progress: Progress | None = None,
+) -> UpdateResult:
+    """Pull, install into the standby slot, switch ``current``, collect unreferenced chunks."""
+    cfg = cfg or TransferConfig()
+    with StateLock(state_dir):
+        pulled = pull(ref, state_dir=state_dir, trusted=trusted, cfg=cfg, progress=progress)
+        slots = ModelSlots(state_dir, ref.name)
+
+        def install(p: PullResult) -> SwitchResult:
+            v = p.verified
+            return slots.install(v.manifest, v.manifest_bytes, v.signature_bytes,
+                                 ChunkStore(state_dir), v.key,
+                                 allow_downgrade=cfg.allow_downgrade)
+
+        try:
+            switch = install(pulled)
+        except ChunkHashError:
+            # A local chunk rotted on disk since it was verified; it was dropped: fetch it again.
+            pulled = pull(ref, state_dir=state_dir, trusted=trusted, cfg=cfg, progress=progress)
+            switch = install(pulled)
+        report = gc(state_dir)
+    return UpdateResult(pulled, switch, report)
+
+
+def stage_local(
+    content: VersionContent,
+    *,
+    state_dir: Path,
+    parent: InstalledSlot,
+    version: str,
+    key: SigningKey,
+    trusted: dict[str, TrustedKey],
+    artefacts: Sequence[ArtefactSource] = (),
+) -> InstalledSlot:
+    """Stage a version the device produced (a fine-tune of ``parent``), signed with its key.
+
+    The chunks go straight into the local chunk store, cut with the parent's rule so the
+    unchanged tensors reuse the parent's chunks. The signature is then verified like any
+    pulled version: the device key must be in ``trusted`` with a scope covering
+    ``NAME@VERSION`` (e.g. ``digits-cnn@*+jetson-07.*``), or the version is refused. The
+    sequence is one above both the parent's and the highest installed. ``current`` is not
+    touched: commit with ``ModelSlots.commit(version)`` once the gates pass, or
+    ``discard_staged()``.
+    """
+    state_dir = Path(state_dir)
+    slots = ModelSlots(state_dir, parent.manifest.name)
+    store = ChunkStore(state_dir)
+
+    def keep_chunk(ref: ChunkRef, data: bytes) -> None:
+        if store.has(ref.sha256):
+            return
+        with store.append_partial(ref.sha256) as f:  # a fresh partial: dropped below if stale
+            f.truncate(0)
+            f.write(data)
+        store.commit_partial(ref.sha256)
+
+    with StateLock(state_dir):
+        sequence = max(parent.manifest.sequence, slots.highest_sequence()) + 1
+        signed = sign_version(
+            name=parent.manifest.name, version=version, sequence=sequence,
+            model=content.model, tensors=content.tensors, key=key, on_chunk=keep_chunk,
+            parent=parent.version, training=content.training, artefacts=artefacts,
+            chunk_size=parent.manifest.chunk_size, pack_below=parent.manifest.pack_below,
+        )
+        manifest, verified_by = verify_signed_manifest(
+            signed.manifest_bytes, signed.signature_bytes, trusted,
+            source=f"{parent.manifest.name}@{version}",
+        )
+        return slots.stage(manifest, signed.manifest_bytes, signed.signature_bytes, store,
+                           verified_by)

@@ -1,0 +1,108 @@
+"""The torch side of a registry version: rebuild its module, check it, read a checkpoint.
+
+``registry`` is torch-free (devices read manifests before they need torch); what needs
+torch - building the module a model spec names, comparing its state dict with a manifest's
+tensors, reading a checkpoint's publishable content - lives here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import Any
+
+from hpc_core.config import ModelConfig
+from registry.errors import PublishError, SpecMismatchError
+from registry.manifest import Manifest, TrainingInfo
+from registry.publish import VersionContent
+from registry.safetensors_io import read_safetensors_index
+
+
+def torch_dtype_name(dtype: Any) -> str:
+    import torch
+
+    names = {
+        torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16",
+        torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32", torch.float32: "F32",
+        torch.int64: "I64", torch.float64: "F64",
+        torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    }
+    if dtype not in names:
+        raise SpecMismatchError(f"dtype {dtype} has no safetensors name")
+    return names[dtype]
+
+
+def build_module(spec: ModelConfig, *, meta: bool = False, allow_custom: bool = True) -> Any:
+    """Rebuild the module a spec describes; ``meta`` builds shapes only (no memory, no init)."""
+    import torch
+
+    from hpc_core.models import build_model
+
+    if ":" in spec.name and not allow_custom:
+        raise SpecMismatchError(
+            f"model {spec.name!r} names a Python factory to import; refused unless custom models "
+            "are allowed (agentctl pull --allow-custom-model)"
+        )
+    # Meta tensors carry shape and dtype only: checking a 10 GB spec costs no memory.
+    where = torch.device("meta") if meta else contextlib.nullcontext()
+    try:
+        with where:
+            return build_model(
+                spec.name, num_classes=spec.num_classes, in_channels=spec.in_channels,
+                image_size=spec.image_size, **spec.kwargs,
+            )
+    except ValueError as e:
+        raise SpecMismatchError(f"model spec {spec.name!r} does not build: {e}") from None
+
+
+def check_against_spec(manifest: Manifest, *, allow_custom: bool = False) -> None:
+    """Tensor names, dtypes and shapes must be exactly those of the module the spec builds."""
+    module = build_module(manifest.model, meta=True, allow_custom=allow_custom)
+    want = {k: (torch_dtype_name(v.dtype), tuple(v.shape)) for k, v in module.state_dict().items()}
+    have = {t.name: (t.dtype, tuple(t.shape)) for t in manifest.tensors}
+    problems = []
+    for k in sorted(set(want) - set(have)):
+        problems.append(f"missing tensor {k} ({want[k][0]}{list(want[k][1])})")
+    for k in sorted(set(have) - set(want)):
+        problems.append(f"unexpected tensor {k}")
+    for k in sorted(set(want) & set(have)):
+        if want[k] != have[k]:
+            problems.append(
+                f"tensor {k}: manifest has {have[k][0]}{list(have[k][1])}, "
+                f"model {manifest.model.name} needs {want[k][0]}{list(want[k][1])}"
+            )
+    if problems:
+        more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+        shown = "; ".join(problems[:5]) + more
+        raise SpecMismatchError(f"{manifest.ref} does not match its model spec: {shown}")
+
+
+def read_checkpoint(source: Path) -> VersionContent:
+    """Resolve a run or checkpoint dir and read its weights' layout, spec and metrics."""
+    from hpc_core.checkpoint import CheckpointError, read_trainer_state, resolve_checkpoint
+    from hpc_core.config import ConfigError, config_from_dict
+
+    try:
+        ckpt = resolve_checkpoint(Path(source))
+        state = read_trainer_state(ckpt)
+    except (CheckpointError, OSError, ValueError) as e:
+        raise PublishError(f"cannot read checkpoint {source}: {e}") from None
+    try:
+        cfg = config_from_dict(state["config"], source=f"{ckpt}/trainer_state.json")
+    except (KeyError, ConfigError) as e:
+        raise PublishError(f"{ckpt}/trainer_state.json has no valid config: {e}") from None
+    m = cfg.model
+    if None in (m.num_classes, m.in_channels, m.image_size):
+        raise PublishError(
+            f"{ckpt}: config.model is not resolved (num_classes, in_channels, image_size are "
+            "needed to rebuild the module on a device)"
+        )
+    metrics = {
+        k: float(v) for k, v in (state.get("metrics") or {}).items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    }
+    training = TrainingInfo(config_sha256=cfg.digest(), step=state.get("step"),
+                            epoch=state.get("epoch"), metrics=metrics)
+    tensors = read_safetensors_index(ckpt / "model.safetensors")
+    return VersionContent(ckpt, m.model_copy(), training, tensors)

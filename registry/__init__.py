@@ -1,0 +1,9 @@
+"""The model registry protocol, shared by upstream, devices and the fleet; torch-free.
+
+Manifest schema and names (``manifest``, ``names``), strict JSON (``jsonsafe``), safetensors
+headers and pickle refusal (``safetensors_io``), chunk layout (``chunks``), Ed25519 signing
+and scoped trusted keys (``signing``), stores behind one ``open_store`` (``stores``), network
+behaviour and the one retry loop (``transfer``), references (``refs``), and the three
+operations: ``publish``, ``pull`` (verify + fetch chunks) and ``upload`` (device -> cloud).
+Every error is a ``registry.errors.RegistryError`` carrying its exit code.
+"""

@@ -1,0 +1,81 @@
+"""A registry in a local (or mounted) folder: what a static HTTP server or a CDN serves."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from registry.errors import StoreError, StoreNotFoundError, StoreTransientError
+from registry.stores.base import RangeReader, safe_key
+from registry.transfer import Deadline
+
+
+class _FileRange:
+    def __init__(self, path: Path, start: int) -> None:
+        self._f = open(path, "rb")  # noqa: SIM115 - handed to the caller, closed by close()
+        self.size = os.fstat(self._f.fileno()).st_size
+        self._f.seek(start)
+
+    def readinto(self, buf: memoryview) -> int:
+        return self._f.readinto(buf)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class LocalStore:
+    """A registry in a local (or mounted) folder."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.uri = self.root.resolve().as_uri()
+
+    def path(self, key: str) -> Path:
+        return self.root / safe_key(key)
+
+    def exists(self, key: str, deadline: Deadline | None = None) -> bool:
+        return self.path(key).is_file()
+
+    def get(self, key: str, max_bytes: int, deadline: Deadline | None = None) -> bytes | None:
+        p = self.path(key)
+        try:
+            with open(p, "rb") as f:
+                data = f.read(max_bytes + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreError(f"cannot read {p}: {e.strerror}") from None
+        if len(data) > max_bytes:
+            raise StoreError(f"{p} is over the {max_bytes}-byte limit for this object")
+        return data
+
+    def put(self, key: str, data: bytes, deadline: Deadline | None = None) -> None:
+        dest = self.path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".tmp-{dest.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        fd = os.open(dest.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        pass
+
+    def open_range(self, key: str, start: int, deadline: Deadline | None = None) -> RangeReader:
+        try:
+            return _FileRange(self.path(key), start)
+        except FileNotFoundError:
+            raise StoreNotFoundError(f"{self.path(key)} does not exist") from None
+        except OSError as e:
+            raise StoreTransientError(f"cannot read {self.path(key)}: {e.strerror}") from None
