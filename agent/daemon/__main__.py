@@ -1,0 +1,5 @@
+import sys
+
+from agent.daemon.main import main
+
+sys.exit(main())

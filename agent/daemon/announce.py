@@ -1,0 +1,184 @@
+"""Results and events leave the device through here: persisted in the outbox, then published.
+
+Each ``Result`` gets the next per-device ``seq`` in the same transaction that stores it and
+records what was announced (``announced`` table), so after a crash the daemon knows exactly
+which states it still owes: a job's ACCEPTED and its one terminal status are announced once
+and only once, however often the daemon restarts.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from agent.jobs.store import JobRecord, JobState
+from agent.mqtt.contract import (
+    TERMINAL_STATUSES,
+    ErrorInfo,
+    Event,
+    JobProgress,
+    Result,
+    Topics,
+    utc_now,
+)
+from agent.mqtt.outbox import Outbox, Tx
+
+log = logging.getLogger("agent.daemon")
+
+Listener = Callable[[Result], None]
+
+
+def job_status(rec: JobRecord) -> str:
+    """The contract status a stored job stands at (a job that expired in the queue is stored
+    FAILED with error code EXPIRED, and announced EXPIRED)."""
+    if rec.state is JobState.QUEUED:
+        return "ACCEPTED"
+    if rec.state is JobState.FAILED and (rec.error or {}).get("code") == "EXPIRED":
+        return "EXPIRED"
+    return rec.state.value
+
+
+def reply_of(response_topic: str | None, correlation: bytes | None) -> dict[str, Any] | None:
+    if not response_topic:
+        return None
+    out: dict[str, Any] = {"response_topic": response_topic}
+    if correlation:
+        out["correlation_data_b64"] = base64.b64encode(correlation).decode()
+    return out
+
+
+class Announcer:
+    def __init__(
+        self, outbox: Outbox, topics: Topics, device: str, flush: Callable[[], Any]
+    ) -> None:
+        self.outbox = outbox
+        self.topics = topics
+        self.device = device
+        self._flush = flush
+        self._listeners: list[Listener] = []
+        self._lock = threading.Lock()
+
+    # -- listeners (control socket clients following a command) ---------------------------
+
+    def listen(self, fn: Listener) -> None:
+        with self._lock:
+            self._listeners.append(fn)
+
+    def unlisten(self, fn: Listener) -> None:
+        with self._lock:
+            if fn in self._listeners:
+                self._listeners.remove(fn)
+
+    def _notify(self, results: list[Result]) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for r in results:
+            for fn in listeners:
+                try:
+                    fn(r)
+                except Exception:
+                    log.exception("result listener failed")
+
+    # -- results --------------------------------------------------------------------------
+
+    def put_result(
+        self, tx: Tx, id: str, status: str, *, reply: dict[str, Any] | None = None,
+        result: dict[str, Any] | None = None, error: dict[str, Any] | None = None,
+        progress: dict[str, Any] | None = None, stored_status: str | None = None,
+        record: bool = True,
+    ) -> Result:
+        """Add one result to the outbox inside ``tx`` (and to the reply topic, if any)."""
+        res = Result(
+            id=id, device=self.device, status=status,  # type: ignore[arg-type]
+            seq=tx.next_seq("res"), ts=utc_now(),
+            progress=JobProgress.model_validate(progress) if progress else None,
+            result=result, error=ErrorInfo.model_validate(error) if error else None,
+            stored_status=stored_status,  # type: ignore[arg-type]
+        )
+        payload = res.to_payload()
+        tx.put(self.topics.result(self.device), payload)
+        if reply and reply.get("response_topic"):
+            props = {k: v for k, v in reply.items() if k == "correlation_data_b64"}
+            tx.put(reply["response_topic"], payload, props=props or None)
+        if record and status != "IN_PROGRESS":
+            tx.conn.execute(
+                "INSERT OR IGNORE INTO announced (id, status) VALUES (?, ?)", (id, status)
+            )
+        return res
+
+    def send(self, build: Callable[[Tx], list[Result]]) -> list[Result]:
+        """Run ``build`` in one outbox transaction, then publish and tell the listeners."""
+        with self.outbox.tx() as tx:
+            results = build(tx)
+        self._flush()
+        self._notify(results)
+        return results
+
+    def announced(self, id: str) -> set[str]:
+        return {r[0] for r in self.outbox.query(
+            "SELECT status FROM announced WHERE id=?", (id,)
+        )}
+
+    def announce_job(
+        self, rec: JobRecord, progress: dict[str, Any] | None = None
+    ) -> Result | None:
+        """Announce where a stored job stands, unless that state was already announced;
+        a terminal status is announced at most once per job."""
+
+        def build(tx: Tx) -> list[Result]:
+            status = job_status(rec)
+            done = {r[0] for r in tx.conn.execute(
+                "SELECT status FROM announced WHERE id=?", (rec.id,)
+            ).fetchall()}
+            if done & TERMINAL_STATUSES:
+                return []
+            out = []
+            if "ACCEPTED" not in done and status != "REJECTED":
+                out.append(self.put_result(tx, rec.id, "ACCEPTED", reply=rec.reply))
+            if status == "ACCEPTED":
+                return out
+            if status == "IN_PROGRESS":
+                out.append(self.put_result(tx, rec.id, "IN_PROGRESS", reply=rec.reply,
+                                           progress=progress or _progress(rec)))
+                return out
+            out.append(self.put_result(tx, rec.id, status, reply=rec.reply, result=rec.result,
+                                       error=error_info(rec.error)))
+            return out
+
+        results = self.send(build)
+        return results[-1] if results else None
+
+    # -- events ---------------------------------------------------------------------------
+
+    def event(self, kind: str, data: dict[str, Any]) -> None:
+        def build(tx: Tx) -> list[Result]:
+            evt = Event(device=self.device, kind=kind,  # type: ignore[arg-type]
+                        seq=tx.next_seq("evt"), ts=utc_now(), data=data)
+            tx.put(self.topics.event(self.device, kind), evt.to_payload())
+            return []
+
+        self.send(build)
+
+
+def _progress(rec: JobRecord) -> dict[str, Any] | None:
+    p = rec.progress
+    if not p:
+        return None
+    try:
+        return JobProgress.model_validate({"id": rec.id, **p}).model_dump(exclude_none=True)
+    except Exception:  # a progress shape the contract does not know: keep the stage only
+        return {"id": rec.id, "stage": str(p.get("stage", "running"))}
+
+
+def error_info(err: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not err:
+        return None
+    try:
+        return ErrorInfo.model_validate(
+            {k: err[k] for k in ("code", "message", "retryable") if k in err}
+        ).model_dump()
+    except Exception:
+        return {"code": "INTERNAL", "message": str(err)[:500], "retryable": False}

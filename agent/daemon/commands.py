@@ -1,0 +1,197 @@
+"""One inbound command, from MQTT or the control socket: validate, persist, answer, hand off.
+
+Runs on paho's network thread, so it never blocks on a job: a job command is stored QUEUED
+and the runner is woken; a cheap command (ping, status, cancel, set_power_mode) is answered
+here in milliseconds. Every outcome is a :class:`~agent.mqtt.contract.Result`; nothing
+raises out of :meth:`CommandHandler.handle` (a bug becomes REJECTED INTERNAL).
+
+The ``id`` is the idempotency key across both stores: jobs live in the job store, every other
+command (and every rejection of a non-job command) in the outbox database's ``commands``
+table, so a repeat gets DUPLICATE with where the original stands.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import ValidationError
+
+from agent.daemon.announce import Announcer, error_info, job_status
+from agent.daemon.jobspec import validate_job
+from agent.jobs.store import JobStore
+from agent.mqtt.contract import (
+    JOB_TYPES,
+    CancelArgs,
+    Command,
+    CommandRejected,
+    Result,
+    SetPowerModeArgs,
+    error_from_validation,
+    parse_command,
+)
+from agent.mqtt.outbox import Tx
+
+log = logging.getLogger("agent.daemon")
+
+
+class CommandHandler:
+    def __init__(
+        self, store: JobStore, announcer: Announcer, *,
+        status: Callable[[], dict[str, Any]],
+        cancel: Callable[[str], tuple[str, dict[str, Any] | None]],
+        set_power_mode: Callable[[str], tuple[str, dict[str, Any]]],
+        wake_runner: Callable[[], None],
+    ) -> None:
+        self.store = store
+        self.ann = announcer
+        self._status = status
+        self._cancel = cancel
+        self._set_power_mode = set_power_mode
+        self._wake = wake_runner
+
+    # -- entry point ----------------------------------------------------------------------
+
+    def handle(
+        self, payload: bytes, topic_type: str, *, source: str = "mqtt",
+        reply: dict[str, Any] | None = None, wrong_target: str | None = None,
+    ) -> list[Result]:
+        try:
+            return self._handle(payload, topic_type, source, reply, wrong_target)
+        except Exception as e:  # the daemon survives its own bugs and says so
+            log.exception("command on cmd/%s failed inside the daemon", topic_type)
+            error = {"code": "INTERNAL", "message": f"{type(e).__name__}: {e}"[:500],
+                     "retryable": True}
+            return self.ann.send(lambda tx: [self.ann.put_result(
+                tx, "", "REJECTED", reply=reply, record=False, error=error)])
+
+    def _handle(
+        self, payload: bytes, topic_type: str, source: str, reply: dict[str, Any] | None,
+        wrong_target: str | None,
+    ) -> list[Result]:
+        try:
+            cmd = parse_command(payload, topic_type)
+        except CommandRejected as e:
+            return self._refuse(e, topic_type, source, reply)
+        try:
+            if wrong_target:
+                raise CommandRejected("WRONG_TARGET", wrong_target)
+            spec = validate_job(cmd.type, cmd.args) if cmd.type in JOB_TYPES else None
+        except CommandRejected as e:
+            e.command_id = cmd.id
+            return self._refuse(e, topic_type, source, reply)
+        except ValidationError as e:
+            err = error_from_validation(e)
+            return self._refuse(CommandRejected(err.code, err.message, cmd.id), topic_type,
+                                source, reply)
+        dup = self._duplicate(cmd.id, reply)
+        if dup is not None:
+            return dup
+        if spec is not None:
+            return self._submit_job(cmd, spec, source, reply)
+        return self._cheap(cmd, reply)
+
+    # -- refusals and duplicates ----------------------------------------------------------
+
+    def _refuse(
+        self, e: CommandRejected, topic_type: str, source: str, reply: dict[str, Any] | None
+    ) -> list[Result]:
+        status = "EXPIRED" if e.code == "EXPIRED" else "REJECTED"
+        error = {"code": e.code, "message": e.message, "retryable": False}
+        cid = e.command_id
+        if cid is None:  # nothing to key it on: answer, keep no record
+            return self.ann.send(lambda tx: [self.ann.put_result(
+                tx, "", status, reply=reply, error=error, record=False)])
+        dup = self._duplicate(cid, reply)
+        if dup is not None:
+            return dup
+        if topic_type in JOB_TYPES and status == "REJECTED":
+            self.store.reject(cid, topic_type, error, source=source, reply=reply)
+
+        def build(tx: Tx) -> list[Result]:
+            if not (topic_type in JOB_TYPES and status == "REJECTED"):
+                _record(tx, cid, topic_type, status, None, error)
+            return [self.ann.put_result(tx, cid, status, reply=reply, error=error)]
+
+        return self.ann.send(build)
+
+    def _duplicate(self, cid: str, reply: dict[str, Any] | None) -> list[Result] | None:
+        rec = self.store.get(cid)
+        if rec is not None:
+            announced = self.ann.announced(cid)
+            if "ACCEPTED" not in announced and rec.state.value not in ("REJECTED",) and not (
+                announced - {"ACCEPTED"}
+            ):
+                # Stored but never acknowledged: the daemon died inside on_message and the
+                # broker redelivered. This is the original, not a repeat.
+                self.ann.announce_job(rec)
+                self._wake()
+                return []
+            stored, result, error = job_status(rec), rec.result, rec.error
+        else:
+            row = self.ann.outbox.query(
+                "SELECT status, result, error FROM commands WHERE id=?", (cid,))
+            if not row:
+                return None
+            stored = row[0][0]
+            result = json.loads(row[0][1]) if row[0][1] else None
+            error = json.loads(row[0][2]) if row[0][2] else None
+        return self.ann.send(lambda tx: [self.ann.put_result(
+            tx, cid, "DUPLICATE", reply=reply, result=result, error=error_info(error),
+            stored_status=stored, record=False)])
+
+    # -- jobs -----------------------------------------------------------------------------
+
+    def _submit_job(
+        self, cmd: Command, spec: dict[str, Any], source: str, reply: dict[str, Any] | None
+    ) -> list[Result]:
+        stored_reply = dict(reply or {})
+        if cmd.expires_at is not None:
+            stored_reply["expires_at"] = cmd.expires_at.timestamp()
+        rec, created = self.store.submit(
+            cmd.id, cmd.type, spec, timeout_s=cmd.timeout_s, source=source,
+            reply=stored_reply or None,
+        )
+        if not created:  # a concurrent twin (socket and MQTT at once)
+            return self._duplicate(cmd.id, reply) or []
+        res = self.ann.announce_job(rec)
+        self._wake()
+        return [res] if res else []
+
+    # -- cheap commands -------------------------------------------------------------------
+
+    def _cheap(self, cmd: Command, reply: dict[str, Any] | None) -> list[Result]:
+        status, result, error = "SUCCEEDED", None, None
+        if cmd.type == "ping":
+            result = {"pong": True, "received_ts": time.time()}
+        elif cmd.type == "status":
+            result = self._status()
+        elif cmd.type == "cancel":
+            status, error = self._cancel(CancelArgs.model_validate(cmd.args).job_id)
+            result = None if error else {"job_id": cmd.args["job_id"]}
+        elif cmd.type == "set_power_mode":
+            status, out = self._set_power_mode(SetPowerModeArgs.model_validate(cmd.args).mode)
+            result, error = (out, None) if status == "SUCCEEDED" else (None, out)
+
+        def build(tx: Tx) -> list[Result]:
+            _record(tx, cmd.id, cmd.type, status, result, error)
+            return [self.ann.put_result(tx, cmd.id, "ACCEPTED", reply=reply),
+                    self.ann.put_result(tx, cmd.id, status, reply=reply, result=result,
+                                        error=error)]
+
+        return self.ann.send(build)
+
+
+def _record(
+    tx: Tx, cid: str, type_: str, status: str, result: dict[str, Any] | None,
+    error: dict[str, Any] | None,
+) -> None:
+    tx.conn.execute(
+        "INSERT OR IGNORE INTO commands (id, type, status, result, error, ts) "
+        "VALUES (?,?,?,?,?,?)",
+        (cid, type_, status, json.dumps(result) if result else None,
+         json.dumps(error) if error else None, time.time()),
+    )

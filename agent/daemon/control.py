@@ -1,0 +1,196 @@
+"""The control socket: ``agentctl`` talks to the running daemon with the cloud unreachable.
+
+``<state_dir>/agent.sock``, mode 0660, group ``edge-agent``. One JSON object per line each way.
+Requests (``op``):
+
+- ``{"op": "command", "command": {<contract Command>}, "follow": true}``: the same command
+  schema as MQTT; answered with ``{"result": <Result>}`` lines (with ``follow``, until the
+  command's terminal status), then ``{"end": true}``.
+- ``{"op": "jobs", "limit": 20}``: ``{"jobs": [...]}`` newest first.
+- ``{"op": "logs", "job_id": ID, "lines": 50}``: ``{"lines": [...]}`` of the worker's log.
+- ``{"op": "status"}``: ``{"status": {...}}`` (the status command's result, without MQTT).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agent.daemon.announce import Announcer
+from agent.daemon.commands import CommandHandler
+from agent.jobs.store import JobRecord, JobStore
+from agent.mqtt.contract import TERMINAL_STATUSES, Result
+
+log = logging.getLogger("agent.daemon.control")
+
+MAX_REQUEST_BYTES = 256 * 1024
+
+
+def job_summary(rec: JobRecord) -> dict[str, Any]:
+    return {"id": rec.id, "type": rec.type, "state": rec.state.value, "attempt": rec.attempt,
+            "created_at": rec.created_at, "started_at": rec.started_at,
+            "finished_at": rec.finished_at, "source": rec.source, "progress": rec.progress,
+            "error": rec.error, "result": rec.result}
+
+
+class ControlServer:
+    def __init__(
+        self, path: Path, handler: CommandHandler, announcer: Announcer, store: JobStore,
+        *, status: Callable[[], dict[str, Any]], log_dir: Path, group: str | None,
+    ) -> None:
+        self.path = path
+        self.handler = handler
+        self.ann = announcer
+        self.store = store
+        self._status = status
+        self.log_dir = log_dir
+        self.group = group
+        self._stop = threading.Event()
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.unlink(missing_ok=True)  # a stale socket from a killed daemon
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Bind under a restrictive umask so the socket never exists with wider permissions.
+        old = os.umask(0o117)
+        try:
+            sock.bind(str(self.path))
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o660)
+        if self.group:
+            try:
+                os.chown(self.path, -1, grp.getgrnam(self.group).gr_gid)
+            except (KeyError, PermissionError) as e:
+                log.info("control socket keeps its group (%s: %s)", self.group, e)
+        sock.listen(16)
+        sock.settimeout(0.5)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._accept, name="control", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2)
+        if self._sock is not None:
+            self._sock.close()
+        self.path.unlink(missing_ok=True)
+
+    def _accept(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if not self._stop.is_set():
+                    log.exception("control socket accept failed")
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="control-client",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                f = conn.makefile("rwb")
+                line = f.readline(MAX_REQUEST_BYTES + 1)
+                if not line:
+                    return
+                if len(line) > MAX_REQUEST_BYTES:
+                    _send(f, {"error": f"request over {MAX_REQUEST_BYTES} bytes"})
+                    return
+                try:
+                    req = json.loads(line)
+                    if not isinstance(req, dict):
+                        raise ValueError("a request is a JSON object")
+                except ValueError as e:
+                    _send(f, {"error": f"not a JSON request: {e}"})
+                    return
+                self._dispatch(req, f)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client went away (Ctrl-C on --follow): nothing to answer
+            except Exception as e:
+                log.exception("control request failed")
+                with contextlib.suppress(OSError):
+                    _send(f, {"error": f"{type(e).__name__}: {e}"})
+
+    def _dispatch(self, req: dict[str, Any], f: Any) -> None:
+        op = req.get("op")
+        if op == "status":
+            _send(f, {"status": self._status()})
+        elif op == "jobs":
+            limit = int(req.get("limit", 20))
+            _send(f, {"jobs": [job_summary(r) for r in self.store.list(limit=limit)]})
+        elif op == "logs":
+            _send(f, {"lines": self._logs(str(req.get("job_id", "")), int(req.get("lines", 50)))})
+        elif op == "command":
+            self._command(req, f)
+        else:
+            _send(f, {"error": f"unknown op {op!r}: use command, jobs, logs or status"})
+
+    def _logs(self, job_id: str, lines: int) -> list[str]:
+        if not job_id or "/" in job_id or job_id.startswith("."):
+            return [f"no job id {job_id!r}"]
+        path = self.log_dir / f"{job_id}.log"
+        try:
+            text = path.read_bytes()[-(lines * 400):].decode(errors="replace")
+        except OSError:
+            return [f"no log for job {job_id!r} (it has not started)"]
+        return text.splitlines()[-lines:]
+
+    def _command(self, req: dict[str, Any], f: Any) -> None:
+        cmd = req.get("command")
+        if not isinstance(cmd, dict):
+            _send(f, {"error": "op=command needs a 'command' object (the MQTT command schema)"})
+            return
+        follow = bool(req.get("follow"))
+        cid = cmd.get("id")
+        q: queue.Queue[Result] = queue.Queue()
+
+        def listener(r: Result) -> None:
+            if r.id == cid:
+                q.put(r)
+
+        self.ann.listen(listener)
+        try:
+            first = self.handler.handle(json.dumps(cmd).encode(), str(cmd.get("type", "")),
+                                        source="socket")
+            for r in first:
+                _send(f, {"result": json.loads(r.to_payload())})
+            done = any(r.status in TERMINAL_STATUSES or (
+                r.status == "DUPLICATE" and (r.stored_status in TERMINAL_STATUSES or not follow)
+            ) for r in first)
+            seen = {r.seq for r in first}
+            while follow and not done and not self._stop.is_set():
+                try:
+                    r = q.get(timeout=1.0)
+                except queue.Empty:
+                    continue
+                if r.seq in seen:
+                    continue
+                seen.add(r.seq)
+                _send(f, {"result": json.loads(r.to_payload())})
+                done = r.status in TERMINAL_STATUSES
+            if not first:
+                _send(f, {"error": "the command was not answered (see the daemon log)"})
+        finally:
+            self.ann.unlisten(listener)
+        _send(f, {"end": True})
+
+
+def _send(f: Any, obj: dict[str, Any]) -> None:
+    f.write(json.dumps(obj).encode() + b"\n")
+    f.flush()

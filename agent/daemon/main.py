@@ -1,0 +1,316 @@
+"""``edge-agent``: the on-device daemon. ``edge-agent --config /etc/edge-agent/agent.yaml``.
+
+Threads: the main loop (watchdog pings, telemetry, STATUS=), paho's network loop (commands
+in, acks), the job runner (one worker process at a time) and the control socket. Start-up
+order matters: the job store and the outbox are recovered (owed results re-queued) before
+``READY=1``; then the control socket, MQTT and the runner start. SIGTERM: ``STOPPING=1``, the
+running job checkpoints (its worker exits 75 and the job stays IN_PROGRESS), the retained
+status goes offline, exit 0 well inside systemd's 30 s.
+
+Torch is never imported here: jobs run in ``python -m agent.jobs.worker``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from agent.daemon.announce import Announcer, job_status, reply_of
+from agent.daemon.commands import CommandHandler
+from agent.daemon.config import DEFAULT_CONFIG, AgentConfig, ConfigError, load_agent_config
+from agent.daemon.control import ControlServer
+from agent.daemon.device import (
+    Sensors,
+    active_model,
+    agent_version,
+    boot_id,
+    governor_of,
+    set_power_mode,
+)
+from agent.daemon.runner import JobRunner
+from agent.daemon.sdnotify import Notifier
+from agent.jobs.store import JobState, JobStore
+from agent.mqtt.contract import (
+    TELEMETRY_EXPIRY_S,
+    TERMINAL_STATUSES,
+    JobProgress,
+    Status,
+    Telemetry,
+    utc_now,
+)
+from agent.mqtt.link import Inbound, LinkSettings, MqttLink
+from agent.mqtt.outbox import Outbox
+
+log = logging.getLogger("agent.daemon")
+
+
+class Daemon:
+    def __init__(self, cfg: AgentConfig, *, notifier: Notifier | None = None) -> None:
+        self.cfg = cfg
+        self.topics = cfg.topics
+        self.device = cfg.device_id
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        self.notifier = notifier or Notifier()
+        self.store = JobStore(cfg.state_dir)
+        self.outbox = Outbox(cfg.state_dir)
+        self.boot_id = boot_id()
+        self.version = agent_version()
+        self.conn_seq = 0
+        self.link = MqttLink(
+            _link_settings(cfg), self.outbox, before_connect=self._before_connect,
+            on_connected=self._on_connected, on_inbound=self._on_inbound,
+        )
+        self.ann = Announcer(self.outbox, self.topics, self.device, self.link.flush)
+        self.runner = JobRunner(self.store, self.ann, cfg.state_dir, cfg.limits,
+                                crashes=self._count_crash)
+        self.handler = CommandHandler(
+            self.store, self.ann, status=self.status, cancel=self.runner.cancel,
+            set_power_mode=set_power_mode, wake_runner=self.runner.wake,
+        )
+        self.control = ControlServer(
+            cfg.socket_path, self.handler, self.ann, self.store, status=self.status,
+            log_dir=self.runner.log_dir, group=cfg.socket_group,
+        )
+        self.sensors = Sensors(cfg.sensors)
+        self.stop_event = threading.Event()
+        self.telemetry_seq = 0
+        self.loop_hook: Any = None
+        """Called once per main-loop turn (tests make it hang to prove the watchdog stops)."""
+
+    # -- MQTT callbacks -----------------------------------------------------------------
+
+    def _status_msg(self, state: str) -> bytes:
+        return Status(
+            state=state, device=self.device, conn_seq=self.conn_seq,  # type: ignore[arg-type]
+            boot_id=self.boot_id, agent_version=self.version,
+            model=active_model(self.cfg.state_dir), groups=self.cfg.groups, ts=utc_now(),
+        ).to_payload()
+
+    def _before_connect(self) -> tuple[str, bytes]:
+        with self.outbox.tx() as tx:
+            self.conn_seq = tx.next_seq("conn")
+        return self.topics.status(self.device), self._status_msg("offline")
+
+    def _on_connected(self, session_present: bool) -> None:
+        subs = [self.topics.device_commands(self.device)]
+        subs += [self.topics.group_commands(g) for g in self.cfg.groups]
+        # Resubscribing when the session survived is harmless and covers changed groups.
+        self.link.subscribe(subs)
+        self.link.publish_now(self.topics.status(self.device), self._status_msg("online"),
+                              qos=1, retain=True)
+        self.notifier.status(self._status_line())
+
+    def _on_inbound(self, msg: Inbound) -> None:
+        try:
+            kind, target, sub = self.topics.parse(msg.topic)
+        except ValueError:
+            log.warning("message on a foreign topic %s ignored", msg.topic)
+            return
+        if kind not in ("cmd", "group_cmd") or sub is None:
+            return
+        wrong = None
+        if kind == "cmd" and target != self.device:
+            wrong = f"addressed to device {target!r}; this is {self.device!r}"
+        elif kind == "group_cmd" and target not in self.cfg.groups:
+            wrong = f"addressed to group {target!r}; this device is in {self.cfg.groups}"
+        self.handler.handle(msg.payload, sub, source="mqtt",
+                            reply=reply_of(msg.response_topic, msg.correlation_data),
+                            wrong_target=wrong)
+
+    # -- state ----------------------------------------------------------------------------
+
+    def _count_crash(self, job_id: str) -> int:
+        with self.outbox.tx() as tx:
+            return tx.next_seq(f"crash:{job_id}") + 1
+
+    def status(self) -> dict[str, Any]:
+        model = active_model(self.cfg.state_dir)
+        queued = self.store.list(limit=1000, states=[JobState.QUEUED])
+        return {
+            "device": self.device, "connected": self.link.connected, "conn_seq": self.conn_seq,
+            "boot_id": self.boot_id, "agent_version": self.version, "groups": self.cfg.groups,
+            "model": model.model_dump(exclude_none=True) if model else None,
+            "job": self.runner.progress(), "queued": [r.id for r in reversed(queued)],
+            "outbox": self.outbox.count(),
+        }
+
+    def _status_line(self) -> str:
+        job = self.runner.progress()
+        link = f"connected (conn_seq {self.conn_seq})" if self.link.connected else "offline"
+        return f"MQTT {link}; " + (f"job {job['id']} {job.get('stage')}" if job else "idle")
+
+    def recover(self) -> int:
+        """Re-queue what the device owes from before a crash: a job's ACCEPTED that never
+        went out, and terminal results the worker persisted while the daemon was down."""
+        owed = 0
+        for rec in self.store.list(limit=self.cfg.limits.job_history):
+            done = self.ann.announced(rec.id)
+            status = job_status(rec)
+            if (status in TERMINAL_STATUSES and not (done & TERMINAL_STATUSES)) or (
+                "ACCEPTED" not in done and status != "REJECTED"
+            ):
+                self.ann.announce_job(rec)
+                owed += 1
+        return owed
+
+    # -- main loop ------------------------------------------------------------------------
+
+    def telemetry(self) -> None:
+        reading = self.sensors.read()
+        progress = self.runner.progress()
+        job = None
+        if progress:
+            try:
+                job = JobProgress.model_validate(progress)
+            except Exception:
+                job = JobProgress(id=progress["id"], stage=str(progress.get("stage", "?")))
+        msg = Telemetry(ts=utc_now(), seq=self.telemetry_seq, governor=governor_of(progress),
+                        job=job, **reading)
+        self.telemetry_seq += 1
+        self.link.publish_now(self.topics.telemetry(self.device), msg.to_payload(), qos=0,
+                              props={"expiry_s": TELEMETRY_EXPIRY_S})
+
+    def run(self) -> int:
+        owed = self.recover()
+        self.control.start()
+        self.link.start()
+        self.runner.start()
+        self.notifier.ready(f"job store recovered ({owed} results re-queued); connecting")
+        log.info("edge-agent %s up as %s (state %s)", self.version, self.device,
+                 self.cfg.state_dir)
+        wd = self.notifier.watchdog_interval_s
+        now = time.monotonic()
+        next_wd, next_tel, next_status = now, now + 1.0, now
+        while not self.stop_event.is_set():
+            if self.loop_hook is not None:
+                self.loop_hook()
+            now = time.monotonic()
+            if wd is not None and now >= next_wd:
+                self.notifier.watchdog()
+                next_wd = now + wd
+            if self.cfg.telemetry_s > 0 and now >= next_tel:
+                try:
+                    self.telemetry()
+                except Exception:
+                    log.exception("telemetry failed")
+                next_tel = now + self.cfg.telemetry_s
+            if now >= next_status:
+                self.notifier.status(self._status_line())
+                next_status = now + 5.0
+            wake = min(next_wd if wd else now + 1.0, next_tel, next_status, now + 1.0)
+            self.stop_event.wait(max(0.01, wake - time.monotonic()))
+        return self.shutdown()
+
+    def shutdown(self) -> int:
+        t0 = time.monotonic()
+        self.notifier.stopping("stopping: checkpointing the running job")
+        self.runner.stop()
+        self.control.stop()
+        self.link.stop(final=(self.topics.status(self.device), self._status_msg("offline")))
+        self.sensors.close()
+        self.outbox.close()
+        log.info("edge-agent stopped in %.1fs", time.monotonic() - t0)
+        return 0
+
+
+def _link_settings(cfg: AgentConfig) -> LinkSettings:
+    m = cfg.mqtt
+    password = None
+    if m.password_file is not None:
+        password = m.password_file.read_text().strip()
+    username = m.username or (cfg.device_id if password is not None else None)
+    return LinkSettings(
+        client_id=cfg.device_id, host=m.host, port=m.port, keepalive_s=m.keepalive_s,
+        session_expiry_s=m.session_expiry_s, username=username, password=password,
+        ca=m.tls.ca if m.tls else None, cert=m.tls.cert if m.tls else None,
+        key=m.tls.key if m.tls else None, tls=m.tls is not None,
+        reconnect_min_s=m.reconnect_min_s, reconnect_max_s=m.reconnect_max_s,
+    )
+
+
+# -- command line ---------------------------------------------------------------------------
+
+EPILOG = """\
+examples:
+  edge-agent --config /etc/edge-agent/agent.yaml
+  edge-agent validate /etc/edge-agent/agent.yaml
+  EDGE_AGENT_MQTT__HOST=broker.lan edge-agent --config agent.yaml --set telemetry_s=5
+
+exit codes: 0 stopped cleanly, 2 invalid config or arguments
+"""
+
+
+def _config_path(arg: Path | None) -> Path | None:
+    if arg is not None:
+        return arg
+    env = os.environ.get("EDGE_AGENT_CONFIG")
+    if env:
+        return Path(env)
+    return DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
+
+
+def validate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="edge-agent validate",
+                                description="Check an agent config (and EDGE_AGENT_* overrides).")
+    p.add_argument("config", type=Path)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    a = p.parse_args(argv)
+    try:
+        cfg = load_agent_config(a.config, overrides=a.overrides)
+        if cfg.mqtt.password_file is not None and not cfg.mqtt.password_file.is_file():
+            raise ConfigError(str(a.config), [
+                f"  mqtt.password_file: {cfg.mqtt.password_file} does not exist"])
+        if cfg.mqtt.tls is not None:
+            missing = [f"  mqtt.tls.{k}: {v} does not exist" for k, v in
+                       (("ca", cfg.mqtt.tls.ca), ("cert", cfg.mqtt.tls.cert),
+                        ("key", cfg.mqtt.tls.key)) if v is not None and not Path(v).is_file()]
+            if missing:
+                raise ConfigError(str(a.config), missing)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    import yaml
+
+    print(f"# {a.config}: valid")
+    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["validate"]:
+        return validate(argv[1:])
+    p = argparse.ArgumentParser(prog="edge-agent", description=__doc__.splitlines()[0],
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, help=f"agent YAML (default {DEFAULT_CONFIG})")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--log-format", choices=("auto", "text", "json"), default="auto")
+    a = p.parse_args(argv)
+    from hpc_core.logs import setup_logging
+
+    setup_logging(a.log_format)
+    try:
+        cfg = load_agent_config(_config_path(a.config), overrides=a.overrides)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    daemon = Daemon(cfg)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("signal %s: stopping", signal.Signals(signum).name)
+        daemon.stop_event.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return daemon.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

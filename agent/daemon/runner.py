@@ -1,0 +1,260 @@
+"""The job queue's one consumer: one job at a time, each in its own worker process.
+
+The job store is the queue. This thread resumes IN_PROGRESS jobs first (a crash or reboot
+interrupted them), then takes the oldest QUEUED one, runs ``python -m agent.jobs.worker`` for
+it (torch lives only there, so a crash or OOM kill takes the worker, not the daemon), and
+announces what the store says: IN_PROGRESS with throttled progress, then the one terminal
+status the worker persisted. The daemon's own decisions (expired in the queue, timed out,
+canceled while queued, crashed too often) are persisted here before they are announced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.daemon.announce import Announcer
+from agent.daemon.config import LimitsConfig
+from agent.jobs.store import JobRecord, JobState, JobStore, JobStoreError
+
+log = logging.getLogger("agent.daemon.runner")
+
+EX_TEMPFAIL = 75
+"""The worker's "suspended, resume me later" exit code (SIGTERM during a job)."""
+
+
+def _err(code: str, message: str, retryable: bool = False) -> dict[str, Any]:
+    return {"code": code, "message": message, "retryable": retryable}
+
+
+@dataclass
+class Running:
+    rec: JobRecord
+    proc: subprocess.Popen[bytes]
+    deadline: float | None
+    last_progress: dict[str, Any] | None = None
+    last_progress_at: float = 0.0
+    kill_at: float | None = None
+    """When a cancel or timeout was asked of the worker: SIGKILL after the grace."""
+    why: str | None = None
+    """'timeout' or 'cancel' once the daemon decided to stop the worker."""
+
+
+class JobRunner:
+    def __init__(
+        self, store: JobStore, announcer: Announcer, state_dir: Path, limits: LimitsConfig,
+        *, worker_argv: Callable[[str], list[str]] | None = None,
+        crashes: Callable[[str], int] | None = None,
+    ) -> None:
+        self.store = store
+        self.ann = announcer
+        self.state_dir = state_dir
+        self.limits = limits
+        self._worker_argv = worker_argv or self._default_argv
+        self._count_crash = crashes or (lambda job_id: 1)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.current: Running | None = None
+        self._thread = threading.Thread(target=self._loop, name="jobs", daemon=True)
+        self.log_dir = state_dir / "logs"
+
+    def _default_argv(self, job_id: str) -> list[str]:
+        return [sys.executable, "-m", "agent.jobs.worker", "--state-dir", str(self.state_dir),
+                "--job-id", job_id]
+
+    # -- control ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Ask the running worker to checkpoint (SIGTERM; it exits 75 and the job stays
+        IN_PROGRESS), kill it after the grace, and end the thread."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(self.limits.stop_grace_s + 5)
+
+    def progress(self) -> dict[str, Any] | None:
+        cur = self.current
+        return dict(cur.last_progress, id=cur.rec.id) if cur and cur.last_progress else (
+            {"id": cur.rec.id, "stage": "starting"} if cur else None
+        )
+
+    def cancel(self, job_id: str) -> tuple[str, dict[str, Any] | None]:
+        """The cancel command's own outcome: (status, error)."""
+        with self._lock:
+            rec = self.store.get(job_id)
+            if rec is None:
+                return "FAILED", _err("NOT_FOUND", f"no job {job_id!r} on this device")
+            if rec.terminal:
+                return "FAILED", _err(
+                    "NOT_CANCELABLE", f"job {job_id!r} already ended {rec.state.value}")
+            self.store.request_cancel(job_id)
+            running = self.current is not None and self.current.rec.id == job_id
+            if rec.state is JobState.QUEUED and not running:
+                rec = self.store.transition(job_id, JobState.CANCELED, error=_err(
+                    "CANCELED", "canceled while queued"))
+                self.ann.announce_job(rec)
+            elif running and self.current is not None and self.current.kill_at is None:
+                # The worker checks the flag at each step and optimizer step; one that does
+                # not stop within the grace is killed.
+                self.current.kill_at = time.monotonic() + self.limits.cancel_grace_s
+                self.current.why = "cancel"
+            return "SUCCEEDED", None
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                rec = self._next()
+                if rec is None:
+                    self._wake.wait(1.0)
+                    self._wake.clear()
+                    continue
+                self._run(rec)
+            except Exception:
+                log.exception("job runner iteration failed; retrying in 1 s")
+                self._stop.wait(1.0)
+
+    def _next(self) -> JobRecord | None:
+        unfinished = self.store.unfinished()
+        if unfinished:
+            return unfinished[0]
+        with self._lock:
+            rec = self.store.next_queued()
+            if rec is None:
+                return None
+            expires = (rec.reply or {}).get("expires_at")
+            if expires is not None and time.time() > float(expires):
+                rec = self.store.transition(rec.id, JobState.FAILED, error=_err(
+                    "EXPIRED", "expired in the queue before it could start"))
+                self.ann.announce_job(rec)
+                return None
+            if rec.cancel_requested:
+                rec = self.store.transition(rec.id, JobState.CANCELED,
+                                            error=_err("CANCELED", "canceled while queued"))
+                self.ann.announce_job(rec)
+                return None
+            return rec
+
+    def _spawn(self, rec: JobRecord) -> subprocess.Popen[bytes]:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{rec.id}.log"
+        with open(log_path, "ab") as out:
+            return subprocess.Popen(
+                self._worker_argv(rec.id), stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+
+    def _run(self, rec: JobRecord) -> None:
+        timeout = rec.timeout_s or self.limits.default_job_timeout_s
+        with self._lock:
+            proc = self._spawn(rec)
+            deadline = None
+            if timeout:
+                started = rec.started_at or time.time()
+                deadline = time.monotonic() + max(0.0, started + timeout - time.time())
+            self.current = Running(rec, proc, deadline)
+        log.info("job %s (%s) started in worker pid %d (attempt %d)", rec.id, rec.type,
+                 proc.pid, rec.attempt + 1)
+        try:
+            code = self._watch(self.current)
+        finally:
+            with self._lock:
+                cur, self.current = self.current, None
+        self._finish(cur, code)
+
+    def _watch(self, cur: Running) -> int | None:
+        """Poll the worker and the store until the worker exits; None when the daemon is
+        stopping and the worker had to be killed."""
+        term_sent_at: float | None = None
+        announced_running = False
+        while True:
+            code = cur.proc.poll()
+            if code is not None:
+                return code
+            now = time.monotonic()
+            if self._stop.is_set() and term_sent_at is None:
+                self._signal(cur.proc, signal.SIGTERM)
+                term_sent_at = now
+            if term_sent_at is not None and now - term_sent_at > self.limits.stop_grace_s:
+                self._signal(cur.proc, signal.SIGKILL)
+                cur.proc.wait()
+                return None
+            if cur.deadline is not None and now > cur.deadline and cur.why is None:
+                log.warning("job %s passed its timeout: stopping its worker", cur.rec.id)
+                cur.why, cur.kill_at = "timeout", now + self.limits.cancel_grace_s
+                self._signal(cur.proc, signal.SIGTERM)
+            if cur.kill_at is not None and now > cur.kill_at:
+                self._signal(cur.proc, signal.SIGKILL)
+            rec = self.store.get(cur.rec.id)
+            if rec is not None and rec.state is JobState.IN_PROGRESS:
+                due = now - cur.last_progress_at >= self.limits.progress_interval_s
+                if not announced_running or (due and rec.progress != cur.last_progress):
+                    self.ann.announce_job(rec)
+                    announced_running = True
+                    cur.last_progress, cur.last_progress_at = rec.progress, now
+            self._stop.wait(0.1)
+
+    def _finish(self, cur: Running, code: int | None) -> None:
+        rec = self.store.get(cur.rec.id)
+        assert rec is not None
+        if rec.terminal:
+            self.ann.announce_job(rec)
+            log.info("job %s ended %s", rec.id, rec.state.value)
+            return
+        if code is None or (code == EX_TEMPFAIL and self._stop.is_set()):
+            log.info("job %s suspended; it resumes on the next start", rec.id)
+            return
+        if cur.why == "timeout":
+            self._end(rec, JobState.TIMED_OUT, _err(
+                "TIMED_OUT", f"timeout_s={rec.timeout_s or self.limits.default_job_timeout_s} "
+                "passed", retryable=True))
+            return
+        if cur.why == "cancel":
+            self._end(rec, JobState.CANCELED, _err("CANCELED", "canceled while running"))
+            return
+        crashes = self._count_crash(rec.id)
+        tail = self._log_tail(rec.id)
+        if crashes >= self.limits.max_job_attempts:
+            self._end(rec, JobState.FAILED, _err(
+                "INTERNAL", f"the worker crashed {crashes} times (last exit {code}): {tail}"))
+        else:
+            log.warning("job %s worker exited %s (crash %d of %d); resuming: %s", rec.id, code,
+                        crashes, self.limits.max_job_attempts, tail)
+            self._stop.wait(min(5.0, 0.5 * crashes))
+
+    def _end(self, rec: JobRecord, state: JobState, error: dict[str, Any]) -> None:
+        try:
+            rec = self.store.transition(rec.id, state, error=error)
+        except JobStoreError as e:
+            log.warning("job %s: %s", rec.id, e)
+            rec = self.store.get(rec.id) or rec
+        self.ann.announce_job(rec)
+
+    def _log_tail(self, job_id: str, n: int = 400) -> str:
+        try:
+            data = (self.log_dir / f"{job_id}.log").read_bytes()[-n:]
+        except OSError:
+            return "(no worker log)"
+        return data.decode(errors="replace").strip().replace("\n", " | ")
+
+    @staticmethod
+    def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, sig)

@@ -1,0 +1,133 @@
+"""The on-disk outbox: every QoS 1 message the device owes the fleet, until the broker acks it.
+
+paho keeps unacknowledged QoS 1 messages in memory only, so a result produced while the broker
+is down, or just before a kill -9, would die with the process. Here a message is a row of
+``<state_dir>/agent.db`` first (``synchronous=FULL``); the link publishes it and deletes the row
+on PUBACK; a new process publishes whatever rows are left. Delivery is therefore at least once:
+a crash between the broker's PUBACK and the delete resends the row with its original ``seq``,
+which is how the fleet tells a repeat from a new message.
+
+The same database keeps the daemon's counters (result/event ``seq``, ``conn_seq``) and its
+ledger (see ``agent.daemon.ledger``), so a result and the fact that it was announced commit in
+one transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DB_NAME = "agent.db"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS outbox (
+    rowid INTEGER PRIMARY KEY AUTOINCREMENT,
+    topic TEXT NOT NULL, payload BLOB NOT NULL, qos INTEGER NOT NULL,
+    retain INTEGER NOT NULL, props TEXT
+);
+CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS commands (
+    id TEXT PRIMARY KEY, type TEXT NOT NULL, status TEXT NOT NULL, result TEXT, error TEXT,
+    ts REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS announced (
+    id TEXT NOT NULL, status TEXT NOT NULL, PRIMARY KEY (id, status)
+);
+"""
+
+
+@dataclass(frozen=True)
+class OutMessage:
+    rowid: int
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    props: dict[str, Any] | None
+    """Publish properties: ``response_topic``, ``correlation_data_b64``, ``expiry_s``."""
+
+
+class Tx:
+    """One write transaction on the outbox database (see :meth:`Outbox.tx`)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self.added: list[int] = []
+
+    def next_seq(self, name: str) -> int:
+        self.conn.execute(
+            "INSERT INTO counters (name, value) VALUES (?, 0) "
+            "ON CONFLICT(name) DO UPDATE SET value=value+1", (name,)
+        )
+        return int(self.conn.execute(
+            "SELECT value FROM counters WHERE name=?", (name,)
+        ).fetchone()[0])
+
+    def put(
+        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
+        props: dict[str, Any] | None = None,
+    ) -> int:
+        cur = self.conn.execute(
+            "INSERT INTO outbox (topic, payload, qos, retain, props) VALUES (?,?,?,?,?)",
+            (topic, payload, qos, int(retain), json.dumps(props) if props else None),
+        )
+        rowid = int(cur.lastrowid or 0)
+        self.added.append(rowid)
+        return rowid
+
+
+class Outbox:
+    """Thread-safe: one connection behind a lock (writes are milliseconds; the daemon's
+    threads are few)."""
+
+    def __init__(self, state_dir: Path) -> None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.path = state_dir / DB_NAME
+        self._lock = threading.RLock()
+        self._conn = sqlite3.connect(
+            self.path, timeout=30, isolation_level=None, check_same_thread=False
+        )
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.executescript(_SCHEMA)
+
+    @contextmanager
+    def tx(self) -> Iterator[Tx]:
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            tx = Tx(self._conn)
+            try:
+                yield tx
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return self._conn.execute(sql, args).fetchall()
+
+    def pending(self, after: int = 0) -> list[OutMessage]:
+        rows = self.query(
+            "SELECT rowid, topic, payload, qos, retain, props FROM outbox WHERE rowid>? "
+            "ORDER BY rowid", (after,),
+        )
+        return [OutMessage(r[0], r[1], bytes(r[2]), r[3], bool(r[4]),
+                           json.loads(r[5]) if r[5] else None) for r in rows]
+
+    def done(self, rowid: int) -> None:
+        with self._lock:
+            self._conn.execute("DELETE FROM outbox WHERE rowid=?", (rowid,))
+
+    def count(self) -> int:
+        return int(self.query("SELECT COUNT(*) FROM outbox")[0][0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
