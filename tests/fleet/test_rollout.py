@@ -243,3 +243,46 @@ def test_watch_follows_status_and_events(sim_fleet: Callable[..., SimFleet], fle
     assert r.returncode == 0 and len(lines) == 3
     assert {x["device"] for x in lines} == {"sim-0000", "sim-0001", "sim-0002"}
     assert {x["kind"] for x in lines} == {"status"} and lines[0]["state"] == "online"
+
+
+def test_device_gate_rollbacks_count_as_failures(sim_fleet: Callable[..., SimFleet],
+                                                 fleetctl: Run, tmp_path: Path) -> None:
+    # The devices' own gates refuse the model (JobOutcome.outcome = rolled_back): the job
+    # "succeeded" but the fleet got nothing; the share of such devices aborts the rollout.
+    sim_fleet(devices=10, behavior={"job_duration_s": 0.05, "gate_rollback": True})
+    r = fleetctl("rollout", "create", "--name", "gates", "--group", "sim", "--job",
+                 "finetune", "--waves", "2,100%", "--min-completed", "2")
+    assert r.returncode == 1, r.stdout + r.stderr
+    rep = report(tmp_path, "gates")
+    assert rep["state"] == "aborted" and rep["reason"].startswith("failure rate 2/2")
+    assert rep["waves"][0]["failed"] == 2 and rep["rolled_back"] == 0  # nothing committed
+
+
+def test_abort_cancels_queued_lets_running_finish_then_rolls_back(
+    sim_fleet: Callable[..., SimFleet], fleetctl: Run, broker: Any, tmp_path: Path,
+    subprocess_env: dict[str, str],
+) -> None:
+    fleet = sim_fleet(devices=4, behavior={"job_duration_s": 1.5})
+    # sim-0001 is busy with another job: the rollout's job waits in its queue (ACCEPTED).
+    assert fleetctl("send", "sim-0001", "finetune").returncode == 0
+    db = tmp_path / "fleet.db"
+    assert fleetctl("rollout", "create", "--detach", "--name", "stop", "--group", "sim",
+                    "--job", "deploy", "--args", '{"version": "v2"}').returncode == 0
+    ctl = subprocess.Popen([*fleetctl_argv(broker, tmp_path), "controller"],
+                           env=subprocess_env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE)
+    try:
+        _until(lambda: _db_count(db, "kind = 'job' AND status = 'IN_PROGRESS'") == 3
+               and _db_count(db, "kind = 'job' AND status = 'ACCEPTED'") == 1)
+        assert fleetctl("rollout", "abort", "stop").returncode == 0
+        _, err = ctl.communicate(timeout=60)
+    finally:
+        ctl.kill()
+    rep = report(tmp_path, "stop")
+    status = {e["device"]: e["status"] for e in rep["executions"] if e["kind"] == "job"}
+    assert status == {"sim-0000": "SUCCEEDED", "sim-0001": "CANCELED",
+                      "sim-0002": "SUCCEEDED", "sim-0003": "SUCCEEDED"}, err
+    assert "stop.sim-0001.1" not in fleet.devices["sim-0001"].executed  # never started
+    assert rep["state"] == "aborted" and rep["rolled_back"] == 3
+    versions = {d.id: d.model.version for d in fleet.devices.values()}
+    assert versions == {"sim-0000": "v1", "sim-0001": "v1+ft", "sim-0002": "v1", "sim-0003": "v1"}
