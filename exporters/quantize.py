@@ -90,6 +90,24 @@ def quantizable_nodes(model_path: Path) -> list[str]:
     ]
 
 
+def float_parameter_nodes(model_path: Path) -> list[str]:
+    """Nodes other than Conv/Gemm/MatMul that take a float constant: the affine gamma/beta
+    of a normalization (GroupNorm exports as InstanceNormalization + Mul + Add), scalar
+    Mul/Add constants. ONNX Runtime would quantize those constants per tensor, which the
+    symmetric per-channel recipe (and ``exporters.qdq_check``) rejects, and an INT8 gamma
+    saves nothing: TensorRT fuses these ops into the float epilogue. They stay in float."""
+    model = onnx.load(str(model_path))
+    floats = {
+        i.name for i in model.graph.initializer
+        if i.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+    }
+    return [
+        n.name
+        for n in model.graph.node
+        if n.op_type not in WEIGHTED_OPS and any(x in floats for x in n.input)
+    ]
+
+
 def quantize_int8(
     fp32_path: Path,
     out_path: Path,
@@ -121,7 +139,7 @@ def quantize_int8(
             weight_type=QuantType.QInt8,
             per_channel=True,
             calibrate_method=ort_calibration_method(cfg.method),
-            nodes_to_exclude=list(nodes_to_exclude),
+            nodes_to_exclude=[*nodes_to_exclude, *float_parameter_nodes(fp32_path)],
             nodes_to_quantize=list(nodes_to_quantize) if nodes_to_quantize is not None else None,
             extra_options={**QDQ_OPTIONS, **ort_calibration_options(cfg)},
             **cache,  # type: ignore[arg-type]

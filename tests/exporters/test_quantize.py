@@ -8,8 +8,9 @@ import onnx
 import pytest
 import torch
 
-from exporters.calibration import CalibrationConfig, representative_inputs
+from exporters.calibration import representative_inputs
 from exporters.gates import top1
+from exporters.job import CalibrationConfig
 from exporters.onnx_export import export_onnx
 from exporters.onnx_weights import weight_refs
 from exporters.quantize import (
@@ -96,3 +97,28 @@ def test_cached_ranges_replace_a_second_calibration(
                              input_name="input", cfg=cfg)
     a, b, c = (first.path.read_bytes(), second.path.read_bytes(), uncached.path.read_bytes())
     assert a == b and a != c
+
+
+def test_group_norm_affine_parameters_stay_in_float(tmp_path: Path) -> None:
+    """GroupNorm exports as InstanceNormalization + Mul + Add with float gamma/beta constants;
+    quantizing those per tensor failed the per-channel structure check and sent INT8 to the
+    FP16 fallback. They stay in float, every layer weight is int8, the structure passes."""
+    from exporters.qdq_check import check_qdq
+    from hpc_core.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("small_cnn", num_classes=10, in_channels=1, image_size=16, width=8,
+                        norm="group").eval()
+    fp32 = export_onnx(model, tmp_path / "fp32.onnx", (1, 16, 16))
+    prepared = prepare_for_quantization(fp32.path, tmp_path / "prep.onnx")
+    ops = {n.op_type for n in onnx.load(str(prepared)).graph.node}
+    assert "InstanceNormalization" in ops  # the export this test is about
+    calib = np.random.default_rng(0).random((64, 1, 16, 16), dtype=np.float32)
+    out = quantize_int8(prepared, tmp_path / "int8.onnx", calib_inputs=calib,
+                        input_name=fp32.input_name, cfg=CalibrationConfig(samples=64))
+    assert check_qdq(out.path) == []
+    refs = weight_refs(out.path)
+    assert len(refs) == len(quantizable_nodes(prepared))
+    assert all(r.array.dtype == np.int8 for r in refs)
+    ref = model(torch.from_numpy(calib)).detach().numpy()
+    assert np.mean(predict(OrtRunner(out.path), calib).argmax(1) == ref.argmax(1)) > 0.9
