@@ -9,7 +9,11 @@ process so it does not share a GIL with the client):
 2. delta: after v1 is installed, pull v2 that changes 10% of the layers; bytes on the wire
    (the server's counter) over the bytes of a full pull;
 3. resume: cut the connection at 40% of a fresh pull (clean close, then a hard reset) and count
-   the bytes the server had to send again.
+   the bytes the server had to send again;
+4. slow retrieval: how long a server that drips 1 byte per second holds ``agentctl pull``
+   (target: the configured --deadline-s + 10%);
+5. memory: peak RSS of an ``agentctl pull`` process of the whole checkpoint, beside the same
+   process doing nothing but importing what a pull imports (target: <= 128 MB).
 
     python benchmarks/sync.py                 # 256 MB checkpoint
     python benchmarks/sync.py --size-mb 32    # quicker
@@ -18,6 +22,7 @@ process so it does not share a GIL with the client):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -46,6 +51,7 @@ from hpc_core.config import config_from_dict  # noqa: E402
 from hpc_core.model_spec import read_checkpoint  # noqa: E402
 from hpc_core.models import build_model  # noqa: E402
 from registry.chunks import DEFAULT_CHUNK_SIZE  # noqa: E402
+from registry.errors import FetchFailedError  # noqa: E402
 from registry.manifest import Manifest  # noqa: E402
 from registry.names import chunk_key  # noqa: E402
 from registry.publish import publish_content  # noqa: E402
@@ -134,6 +140,47 @@ def curl_fetch(server: Server, manifest: Manifest, dest: Path, parallel: int) ->
     return time.perf_counter() - start
 
 
+def agentctl_pull(url: str, ref: str, state: Path, trusted: Path, *extra: str) -> tuple[float, int,
+                                                                                       int]:
+    """Run ``agentctl pull`` as its own process: (wall seconds, exit code, peak RSS bytes)."""
+    cmd = [sys.executable, "-m", "agent.cli", "pull", ref, "--registry", url, "--state-dir",
+           str(state), "--trusted-keys", str(trusted), "--no-progress", *extra]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return time.perf_counter() - start, proc.returncode, usage.ru_maxrss * 1024  # KiB on Linux
+
+
+def imports_rss() -> int:
+    """Peak RSS of a process that only imports what ``agentctl pull`` imports (torch included:
+    the spec check builds the module on the meta device)."""
+    code = ("import agent.cli, agent.storage.update, hpc_core.model_spec, torch, resource; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         check=True)
+    return int(out.stdout) * 1024
+
+
+def slow_server_hold(registry: Path, trusted: Path, work: Path, deadline_s: float) -> tuple[
+        float, float, int]:
+    """(seconds in-process pull() is held, seconds the agentctl process is held, its exit code)
+    by an in-process server that drips 1 byte per second."""
+    from tests.support.registry_server import RegistryServer
+
+    with RegistryServer(registry) as slow:
+        slow.drip_bytes_per_s = 1.0
+        cfg = TransferConfig(request_deadline_s=deadline_s, free_disk_margin_bytes=0)
+        t0 = time.perf_counter()
+        with contextlib.suppress(FetchFailedError):  # the expected outcome; timed below
+            pull(parse_ref("bench@1", slow.url), state_dir=work / "slow-a",
+                 trusted=load_trusted_keys(trusted), cfg=cfg)
+        held = time.perf_counter() - t0
+        wall, code, _ = agentctl_pull(slow.url, "bench@1", work / "slow-b", trusted,
+                                      "--deadline-s", str(deadline_s))
+    return held, wall, code
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -141,6 +188,8 @@ def main() -> None:
     ap.add_argument("--size-mb", type=float, default=256, help="checkpoint size (default: 256)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per variant (median)")
     ap.add_argument("--connections", type=int, default=4, help="pull connections (default: 4)")
+    ap.add_argument("--slow-deadline-s", type=float, default=10.0,
+                    help="request deadline for the 1 B/s server (default: 10)")
     args = ap.parse_args()
     if shutil.which("curl") is None:
         sys.exit("curl is missing: apt-get install -y curl")
@@ -198,8 +247,17 @@ def main() -> None:
                 update(ref1, state_dir=state, trusted=trusted, cfg=cfg)
                 removed[mode] = server.served() - full
             assert not any(ChunkStore(state).partial_dir.iterdir())
+
+            # 5. Peak RSS of a whole pull in its own process, beside its imports alone.
+            fresh()
+            _, code, pull_rss = agentctl_pull(server.url, "bench@1", state, work / "keys")
+            assert code == 0, "agentctl pull failed"
+            base_rss = imports_rss()
         finally:
             server.stop()
+        # 4. Slow retrieval.
+        held, held_cli, held_code = slow_server_hold(work / "registry", work / "keys", work,
+                                                     args.slow_deadline_s)
 
     size = m1.total_bytes
     rate = {k: size / v / MB for k, v in med.items()}
@@ -214,7 +272,7 @@ def main() -> None:
     print(f"  {'pull + install into A/B slot':34s} {med['update']:8.3f} {rate['update']:8.0f}")
     best_curl = min(med["curl"], med["curl_par"])
     ratio = med["curl"] / med["pull"]
-    print(f"  throughput pull / curl (1 conn):   {ratio:.2f}x  (target >= 0.8x)")
+    print(f"  throughput pull / curl (1 conn):   {ratio:.2f}x  (target >= 1.0x)")
     print(f"  throughput pull / best curl:       {best_curl / med['pull']:.2f}x")
     print(f"  delta v1 -> v2 (10% of layers):    {delta / MB:.1f} MB of {full / MB:.1f} MB = "
           f"{100 * delta / full:.1f}% of a full pull  (target <= 12%)")
@@ -223,6 +281,14 @@ def main() -> None:
     for mode, label in (("fin", "clean close"), ("rst", "hard reset")):
         print(f"  re-moved after a cut at 40% ({label}): {removed[mode]:,} bytes "
               f"= {removed[mode] / DEFAULT_CHUNK_SIZE:.2f} chunk  (target <= 1 chunk)")
+    d = args.slow_deadline_s
+    print(f"  1 B/s server holds pull():         {held:.2f} s with a {d:g} s deadline = "
+          f"{held / d:.2f}x  (target <= 1.10x)")
+    print(f"  ... and an agentctl pull process:  {held_cli:.2f} s = {held_cli / d:.2f}x, exit "
+          f"{held_code} (interpreter start and imports included)")
+    print(f"  peak RSS, agentctl pull of {size / MB:.0f} MB:  {pull_rss / MB:.0f} MB  "
+          f"(target <= 128 MB); its imports alone: {base_rss / MB:.0f} MB; the pull adds "
+          f"{(pull_rss - base_rss) / MB:.0f} MB")
 
 
 if __name__ == "__main__":
