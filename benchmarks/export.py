@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from exporters.pipeline import ExportJob, held_out, run_export
+from exporters.job import ExportJob
+from exporters.pipeline import held_out, run_export
 from exporters.runtime import OrtRunner, TorchRunner, batch_of, predict
 from hpc_core.checkpoint import load_model, resolve_checkpoint
 from hpc_core.config import config_from_dict

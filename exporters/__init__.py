@@ -3,6 +3,7 @@
 Used by the edge agent and callable alone (``python -m exporters``). The modules, in the
 order a job uses them: ``prune`` / ``channel_prune`` -> ``recovery`` -> ``onnx_export`` ->
 ``calibration`` + ``quantize`` (checked by ``qdq_check``) -> ``tensorrt_build`` ->
-``gates``; ``pipeline`` runs the whole job with its fallback chain, ``report`` writes what
+``gates``; ``job`` holds the job's models (torch-free: the daemon and agentctl's parsers
+load them), ``pipeline`` runs the whole job with its fallback chain, ``report`` writes what
 happened, ``cli`` parses the command line.
 """

@@ -9,39 +9,19 @@ Optimizer examples use 500-1000 images).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
 
 import numpy as np
 import torch
 from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod
-from pydantic import BaseModel, ConfigDict, Field
 from torch.utils.data import Dataset
 
-from hpc_core.job_args import flag
-
-CalibMethod = Literal["minmax", "percentile", "entropy"]
+from exporters.job import CalibMethod, CalibrationConfig
 
 _ORT_METHODS = {
     "minmax": CalibrationMethod.MinMax,
     "percentile": CalibrationMethod.Percentile,
     "entropy": CalibrationMethod.Entropy,
 }
-
-
-class CalibrationConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    samples: int = Field(default=512, ge=1, json_schema_extra=flag("calib"))
-    """Training samples drawn (without replacement) to set the activation ranges."""
-    method: CalibMethod = Field(default="minmax", json_schema_extra=flag("calib-method"))
-    """minmax: observed range; percentile: clip at `percentile` of |x| (robust to outliers);
-    entropy: KL-divergence-optimal threshold (TensorRT's classic calibrator)."""
-    percentile: float = Field(default=99.999, gt=90.0, le=100.0)
-    """percentile method only."""
-    batch_size: int = Field(default=64, ge=1)
-    """Samples per calibration batch fed to the calibrator."""
-    seed: int = 0
-    """Seed of the sample draw: the same job calibrates on the same samples."""
 
 
 def ort_calibration_method(method: CalibMethod) -> CalibrationMethod:

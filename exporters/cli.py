@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from exporters.job import ExportJob
 from hpc_core.config import ConfigError
 from hpc_core.job_args import add_job_arguments, validate_job
 from hpc_core.job_args import job_tree as flags_tree
@@ -39,7 +40,7 @@ examples:
   %(prog)s --checkpoint runs/digits --out exports/slim --prune channels:0.5 \\
       --batch 32 --max-p50-ms 5 --max-p99-ms 8
 
-  # a full job from YAML (the fields of exporters.pipeline.ExportJob); flags and --set override it
+  # a full job from YAML (the fields of exporters.job.ExportJob); flags and --set override it
   %(prog)s --config export.yaml --out exports/from-yaml --set gates.latency_warmup=2
 
 --data takes: digits | a folder of class sub-folders (PNG/JPEG) | a .npz file (x, y).
@@ -62,8 +63,6 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
     """The export job's flags: derived from ``ExportJob`` (one flag per field, see
     ``hpc_core.job_args``), plus the ``--data`` shorthand and ``--json``."""
-    from exporters.pipeline import ExportJob
-
     add_job_arguments(p, ExportJob)
     io = p.add_argument_group("input and output")
     io.add_argument("--data", metavar="SPEC",
@@ -92,7 +91,7 @@ def job_tree(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    from exporters.pipeline import ExportJob, run_export
+    from exporters.pipeline import run_export  # torch, ONNX: only to run a job
     from exporters.report import render_table
     from hpc_core.checkpoint import CheckpointError
 

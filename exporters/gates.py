@@ -19,54 +19,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
+from exporters.job import GateConfig
 from exporters.runtime import Latency, batch_of, measure_latency, predict
-from hpc_core.job_args import flag
-
-
-class GateConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    max_top1_drop_pts: float | None = Field(
-        default=1.0, ge=0.0, json_schema_extra=flag("max-top1-drop")
-    )
-    """Largest allowed top-1 accuracy drop vs the FP32 reference, in percentage points."""
-    max_abs_logit_delta: float | None = Field(
-        default=None, ge=0.0, json_schema_extra=flag("max-logit-delta")
-    )
-    """Largest allowed |logit - reference logit| over the held-out split."""
-    max_p50_ms_b1: float | None = Field(
-        default=None, gt=0.0, json_schema_extra=flag("max-p50-ms-b1")
-    )
-    """Median latency at batch 1, milliseconds."""
-    max_p99_ms_b1: float | None = Field(
-        default=None, gt=0.0, json_schema_extra=flag("max-p99-ms-b1")
-    )
-    """99th-percentile latency at batch 1, milliseconds."""
-    max_p50_ms_batch: float | None = Field(
-        default=None, gt=0.0, json_schema_extra=flag("max-p50-ms")
-    )
-    """Median latency at `batch_size`, milliseconds."""
-    max_p99_ms_batch: float | None = Field(
-        default=None, gt=0.0, json_schema_extra=flag("max-p99-ms")
-    )
-    """99th-percentile latency at `batch_size`, milliseconds."""
-    max_size_mb: float | None = Field(
-        default=None, gt=0.0, json_schema_extra=flag("max-size-mb")
-    )
-    """Largest artefact file, megabytes (1e6 bytes)."""
-    batch_size: int = Field(default=32, ge=1, json_schema_extra=flag("batch"))
-    """The job's serving batch, timed besides batch 1."""
-    latency_warmup: int = Field(default=5, ge=0)
-    """Untimed runs before timing (allocations, kernel selection)."""
-    latency_iters: int = Field(default=50, ge=2, json_schema_extra=flag("latency-iters"))
-    """Timed runs per batch size; p99 is only meaningful from ~100."""
-    threads: int = Field(default=1, ge=0, json_schema_extra=flag("threads"))
-    """ONNX Runtime intra-op threads while gating (0 = all cores). One thread keeps the
-    figures stable on a machine that is also fine-tuning."""
-    eval_samples: int | None = Field(default=None, ge=1, json_schema_extra=flag("eval-samples"))
-    """Held-out samples scored (null = the whole validation split)."""
 
 
 @dataclass

@@ -14,43 +14,16 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import onnx
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from exporters.artifacts import atomic_output
-from hpc_core.job_args import flag
+from exporters.job import OnnxExportConfig
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"
-
-
-class OnnxExportConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    opset: int = Field(default=18, ge=17, json_schema_extra=flag("opset"))
-    """ONNX opset; >= 13 is needed for per-channel Q/DQ, 17 is the floor here."""
-    exporter: Literal["dynamo", "torchscript"] = Field(
-        default="dynamo", json_schema_extra=flag("exporter")
-    )
-    """dynamo: torch.export-based (PyTorch's default since 2.9, needs onnxscript, opset >= 18);
-    torchscript: the legacy tracer, for opset 17 or models torch.export cannot capture."""
-    dynamic_batch: bool = True
-    """Leave the batch dimension symbolic so one file serves batch 1 and the job's batch."""
-    simplify: Literal["auto", "onnxslim", "onnxsim", "off"] = "auto"
-    """Graph simplification: auto uses onnxslim or onnxsim when installed, else skips."""
-
-    @model_validator(mode="after")
-    def _check(self) -> OnnxExportConfig:
-        if self.exporter == "dynamo" and self.opset < 18:
-            raise ValueError(
-                f"onnx.opset={self.opset}: the dynamo exporter emits opset 18 or newer; set "
-                "onnx.exporter=torchscript for opset 17"
-            )
-        return self
 
 
 @dataclass

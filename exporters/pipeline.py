@@ -22,29 +22,27 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import onnx
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 from torch.utils.data import Dataset
 
 from exporters.artifacts import atomic_output
-from exporters.calibration import CalibrationConfig, representative_inputs
+from exporters.calibration import representative_inputs
 from exporters.flops import count_flops
-from exporters.gates import GateConfig, GateResult, judge, measure
-from exporters.onnx_export import OnnxExport, OnnxExportConfig, export_onnx
+from exporters.gates import GateResult, judge, measure
+from exporters.job import ExportJob, Precision
+from exporters.onnx_export import OnnxExport, export_onnx
 from exporters.onnx_weights import check_semi_structured
-from exporters.prune import PruneResult, PruneSpec, prune_model
+from exporters.prune import PruneResult, prune_model
 from exporters.qdq_check import check_qdq
 from exporters.quantize import prepare_for_quantization, quantizable_nodes, quantize_int8
-from exporters.recovery import RecoveryConfig, recover
+from exporters.recovery import recover
 from exporters.report import Attempt, ExportReport, versions, write_report
 from exporters.runtime import OrtRunner, Runner, TorchRunner, predict
 from exporters.tensorrt_build import (
-    TensorRTConfig,
     TensorRTRunner,
     build_engine,
     require_tensorrt,
@@ -52,65 +50,8 @@ from exporters.tensorrt_build import (
 from hpc_core.checkpoint import load_model, resolve_checkpoint
 from hpc_core.config import DataConfig, TrainConfig
 from hpc_core.data import build_datasets
-from hpc_core.job_args import flag
 
-Precision = Literal["int8", "fp16", "fp32"]
 INSTALLED = ("model.onnx", "model.engine", "model.engine.json", "report.json")
-
-
-class FallbackConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    enabled: bool = Field(default=True, json_schema_extra=flag("fallback"))
-    """On a failed gate, retry at the next step instead of failing the job."""
-    max_excluded_layers: int = Field(default=3, ge=0, json_schema_extra=flag("max-excluded-layers"))
-    """INT8 retries leave the 1, 2, ... up to this many most sensitive layers in float."""
-    fp16: bool = True
-    """Try FP16 after the INT8 steps."""
-    fp32: bool = True
-    """Try FP32 last."""
-    sensitivity_samples: int = Field(default=256, ge=1)
-    """Calibration samples used to rank the layers' sensitivity."""
-
-
-class ExportJob(BaseModel):
-    """Everything one export needs; ``agentctl export`` and ``python -m exporters`` build it
-    from their flags (or a YAML file), the agent from a job message."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    checkpoint: Path
-    """A checkpoint directory (with COMPLETE) or a run directory (its final/ or latest)."""
-    out_dir: Path = Field(json_schema_extra=flag("out"))
-    """Where model.onnx / model.engine, model.fp32.onnx and report.json are written."""
-    data: DataConfig | None = None
-    """Calibration, recovery and held-out data (null = the checkpoint's own data config).
-    Images are resized to the model's input size."""
-    prune: PruneSpec | None = Field(default=None, json_schema_extra=flag(text=True))
-    """2:4, unstructured:AMOUNT[:global] or channels:AMOUNT (null = no pruning)."""
-    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
-    """Fine-tune after pruning (masks kept); not run without pruning."""
-    precision: Precision = Field(default="fp32", json_schema_extra=flag(each_choice=True))
-    """First step of the fallback chain: int8 -> fp16 -> fp32."""
-    target: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
-    """onnxruntime: the ONNX file is the artefact; tensorrt: an engine built from it."""
-    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
-    onnx: OnnxExportConfig = Field(default_factory=OnnxExportConfig)
-    gates: GateConfig = Field(default_factory=GateConfig)
-    fallback: FallbackConfig = Field(default_factory=FallbackConfig)
-    tensorrt: TensorRTConfig = Field(default_factory=TensorRTConfig)
-    keep_intermediates: bool = False
-    """Keep <out>/work (every attempt's artefact, the calibration cache)."""
-
-    @model_validator(mode="after")
-    def _check(self) -> ExportJob:
-        if self.target == "tensorrt" and self.gates.batch_size > self.tensorrt.max_batch:
-            raise ValueError(
-                f"gates.batch_size={self.gates.batch_size} exceeds tensorrt.max_batch="
-                f"{self.tensorrt.max_batch}: the engine could not run the gated batch; raise "
-                "tensorrt.max_batch or lower gates.batch_size"
-            )
-        return self
 
 
 @dataclass

@@ -10,73 +10,15 @@ instead removes channels and returns a smaller dense model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-PruneMethod = Literal["unstructured", "semi_structured", "channels"]
+from exporters.job import PruneSpec
+
 Masks = dict[str, torch.Tensor]
 """Parameter name -> bool tensor of its shape, True where the weight is kept."""
-
-PRUNE_FORMS = "2:4 | unstructured:AMOUNT[:global|:layer] | channels:AMOUNT (AMOUNT in (0, 1))"
-
-
-class PruneSpec(BaseModel):
-    """What to prune. Written on the command line as ``2:4``, ``unstructured:0.5``,
-    ``unstructured:0.5:global`` or ``channels:0.5``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    method: PruneMethod
-    """unstructured: smallest |w| anywhere; semi_structured: 2 of every 4 weights along the
-    input dimension (sparse tensor cores); channels: whole output channels removed."""
-    amount: float = Field(gt=0.0, lt=1.0)
-    """Share of weights (unstructured), or of output channels per layer (channels), removed.
-    Always 0.5 for 2:4."""
-    scope: Literal["layer", "global"] = "layer"
-    """unstructured only: the same share in every layer, or one magnitude threshold for all."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_text(cls, data: Any) -> Any:
-        return parse_prune_text(data) if isinstance(data, str) else data
-
-    @model_validator(mode="after")
-    def _check(self) -> PruneSpec:
-        if self.method == "semi_structured" and self.amount != 0.5:
-            raise ValueError("semi_structured pruning is 2:4, amount must be 0.5")
-        if self.method != "unstructured" and self.scope != "layer":
-            raise ValueError("scope=global applies to unstructured pruning only")
-        return self
-
-    @property
-    def label(self) -> str:
-        if self.method == "semi_structured":
-            return "2:4"
-        suffix = ":global" if self.scope == "global" else ""
-        return f"{self.method}:{self.amount:g}{suffix}"
-
-
-def parse_prune_text(text: str) -> dict[str, Any]:
-    """``"unstructured:0.5:global"`` -> the fields of a :class:`PruneSpec`."""
-    parts = text.strip().lower().split(":")
-    if parts == ["2", "4"]:
-        return {"method": "semi_structured", "amount": 0.5}
-    if len(parts) in (2, 3) and parts[0] in ("unstructured", "channels"):
-        try:
-            amount = float(parts[1])
-        except ValueError:
-            raise ValueError(f"prune {text!r}: amount {parts[1]!r} is not a number; use "
-                             f"{PRUNE_FORMS}") from None
-        spec: dict[str, Any] = {"method": parts[0], "amount": amount}
-        if len(parts) == 3:
-            if parts[0] != "unstructured" or parts[2] not in ("global", "layer"):
-                raise ValueError(f"prune {text!r}: use {PRUNE_FORMS}")
-            spec["scope"] = parts[2]
-        return spec
-    raise ValueError(f"prune {text!r} is not understood: use {PRUNE_FORMS}")
 
 
 @dataclass

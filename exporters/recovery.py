@@ -12,33 +12,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.utils.data import Dataset
 
+from exporters.job import RecoveryConfig
 from exporters.prune import Masks
 from hpc_core.config import TrainConfig, config_from_dict
 from hpc_core.trainer import Trainer
-
-
-class RecoveryConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    steps: int = Field(default=120, ge=0)
-    """Optimizer steps of the fine-tune after pruning (0 = no fine-tune)."""
-    lr: float | None = Field(default=None, gt=0.0)
-    """Peak AdamW learning rate, cosine decay after a short warm-up (null = the checkpoint's
-    own optimizer.lr: channel pruning has to re-learn features, and a tenth of the training
-    LR recovers markedly less in the same steps)."""
-    batch_size: int = Field(default=64, ge=1)
-    """Samples per optimizer step."""
-    weight_decay: float = Field(default=0.0, ge=0.0)
-    """AdamW weight decay; 0 leaves the surviving weights' scale alone."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
 
 
 class MaskKeeper:

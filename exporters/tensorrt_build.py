@@ -17,36 +17,16 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
 from exporters.artifacts import atomic_output, write_json_atomic
-from hpc_core.job_args import flag
-
-Precision = Literal["int8", "fp16", "fp32"]
+from exporters.job import Precision, TensorRTConfig
 
 
 class TensorRTUnavailable(RuntimeError):
     """TensorRT (or a CUDA device) is not available on this machine."""
-
-
-class TensorRTConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    workspace_mb: int = Field(default=1024, ge=16, json_schema_extra=flag("trt-workspace-mb"))
-    """Builder scratch memory limit; take it from the device profile (Orin Nano: a few
-    hundred MB, as the GPU shares RAM with everything else)."""
-    timing_cache: Path | None = Field(default=None, json_schema_extra=flag("trt-timing-cache"))
-    """Kernel timing cache file, read if present and written back after the build
-    (null = <out>/tensorrt.timing_cache)."""
-    fp16: bool = True
-    """Allow FP16 for layers that stay in float next to the INT8 ones."""
-    max_batch: int = Field(default=32, ge=1)
-    """Largest batch of the optimization profile (the profile runs from 1 to this)."""
-    opt_batch: int | None = Field(default=None, ge=1)
-    """Batch the kernels are tuned for (null = max_batch)."""
 
 
 def require_tensorrt() -> ModuleType:

@@ -26,6 +26,13 @@ DEST_PREFIX = "job:"
 OFF = ("off", "none", "null")
 
 
+class _Off:
+    """What ``--flag off`` parses to: argparse's None already means "flag not given"."""
+
+
+_OFF = _Off()
+
+
 def flag(
     name: str | None = None, *, each_choice: bool = False, skip: bool = False, text: bool = False
 ) -> dict[str, Any]:
@@ -76,7 +83,7 @@ def _converter(ann: Any, optional: bool) -> Any:
 
     def convert(text: str) -> Any:
         if optional and text.lower() in OFF:
-            return None
+            return _OFF
         try:
             return base(text)
         except ValueError:
@@ -158,7 +165,7 @@ def job_tree(args: argparse.Namespace) -> dict[str, Any]:
     tree: dict[str, Any] = read_yaml(args.config) if args.config is not None else {}
     for dest, value in vars(args).items():
         if dest.startswith(DEST_PREFIX) and value is not None:
-            _set(tree, dest.removeprefix(DEST_PREFIX).split("."), value)
+            _set(tree, dest.removeprefix(DEST_PREFIX).split("."), None if value is _OFF else value)
     return apply_overrides(tree, list(args.overrides))
 
 

@@ -8,11 +8,11 @@ from pydantic import ValidationError
 
 from exporters.calibration import (
     BatchReader,
-    CalibrationConfig,
     ort_calibration_method,
     ort_calibration_options,
     representative_inputs,
 )
+from exporters.job import CalibrationConfig
 from hpc_core.data import TensorImageDataset
 
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from exporters.gates import GateConfig, GateMeasurement, judge, measure, top1
+from exporters.gates import GateMeasurement, judge, measure, top1
+from exporters.job import GateConfig
 from exporters.runtime import Latency, OrtRunner, TorchRunner, predict
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from exporters.onnx_export import OnnxExportConfig, export_onnx, opset_of
+from exporters.job import OnnxExportConfig
+from exporters.onnx_export import export_onnx, opset_of
 from exporters.runtime import OrtRunner
 
 

@@ -8,9 +8,10 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from exporters.job import PruneSpec
 from exporters.onnx_export import export_onnx
 from exporters.onnx_weights import check_semi_structured, semi_structured_violations, weight_refs
-from exporters.prune import PruneSpec, prune_model
+from exporters.prune import prune_model
 
 
 def test_counts_groups_with_more_than_two_nonzeros() -> None:

@@ -8,8 +8,9 @@ import onnx
 import pytest
 from pydantic import ValidationError
 
+from exporters.job import ExportJob
 from exporters.onnx_weights import check_semi_structured, weight_refs
-from exporters.pipeline import ExportJob, load_source, run_export
+from exporters.pipeline import load_source, run_export
 from exporters.qdq_check import check_qdq
 
 FAST_GATES = {"latency_iters": 3, "latency_warmup": 1, "batch_size": 8}

@@ -5,9 +5,9 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
+from exporters.job import PruneSpec
 from exporters.onnx_weights import semi_structured_violations
 from exporters.prune import (
-    PruneSpec,
     apply_masks,
     layer_stats,
     magnitude_masks,

@@ -9,7 +9,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
-from exporters.calibration import BatchReader, CalibrationConfig, representative_inputs
+from exporters.calibration import BatchReader, representative_inputs
+from exporters.job import CalibrationConfig
 from exporters.qdq_check import check_qdq
 from exporters.quantize import QDQ_OPTIONS, prepare_for_quantization, quantize_int8
 

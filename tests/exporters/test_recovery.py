@@ -5,8 +5,9 @@ from typing import Any
 
 import torch
 
-from exporters.prune import PruneSpec, prune_model
-from exporters.recovery import MaskKeeper, RecoveryConfig, recover, recovery_train_config
+from exporters.job import PruneSpec, RecoveryConfig
+from exporters.prune import prune_model
+from exporters.recovery import MaskKeeper, recover, recovery_train_config
 from hpc_core.checkpoint import load_model
 from hpc_core.trainer import Trainer
 

@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from exporters.calibration import CalibrationConfig, representative_inputs
+from exporters.calibration import representative_inputs
 from exporters.gates import top1
-from exporters.pipeline import ExportJob, run_export
+from exporters.job import CalibrationConfig, ExportJob
+from exporters.pipeline import run_export
 from exporters.quantize import prepare_for_quantization, quantize_int8
 from exporters.runtime import OrtRunner, predict
 from exporters.tensorrt_build import (
