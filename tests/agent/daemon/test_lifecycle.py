@@ -4,6 +4,7 @@ outage (results wait in the on-disk outbox), SIGTERM (STOPPING=1, offline, exit 
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -43,7 +44,7 @@ def test_sd_notify_ready_watchdog_and_hung_loop(
     try:
         notify.wait_for("READY=1", 10)
         pings = _pings(notify, 2.0)
-        gaps = [b - a for a, b in zip(pings, pings[1:])]
+        gaps = [b - a for a, b in itertools.pairwise(pings)]
         assert 7 <= len(pings) <= 12, pings
         assert max(gaps) < 0.35 and min(gaps) > 0.1, gaps
         # A main loop stuck (here: in a hook, as in a hung sensor read) stops the pings.
