@@ -19,8 +19,8 @@ import onnx
 import torch
 from torch import nn
 
-from exporters.artifacts import atomic_output
 from exporters.job import OnnxExportConfig
+from hpc_core.atomic import atomic_output
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"

@@ -29,7 +29,6 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from exporters.artifacts import atomic_output
 from exporters.calibration import representative_inputs
 from exporters.flops import count_flops
 from exporters.gates import GateResult, judge, measure
@@ -47,6 +46,7 @@ from exporters.tensorrt_build import (
     build_engine,
     require_tensorrt,
 )
+from hpc_core.atomic import atomic_output
 from hpc_core.checkpoint import load_model, resolve_checkpoint
 from hpc_core.config import DataConfig, TrainConfig
 from hpc_core.data import build_datasets

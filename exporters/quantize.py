@@ -29,7 +29,6 @@ import onnx
 from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
-from exporters.artifacts import atomic_output
 from exporters.calibration import (
     BatchReader,
     CalibrationConfig,
@@ -37,6 +36,7 @@ from exporters.calibration import (
     ort_calibration_options,
 )
 from exporters.onnx_weights import WEIGHTED_OPS
+from hpc_core.atomic import atomic_output
 
 # The symmetric-int8 recipe; the structural checker (exporters.qdq_check) verifies its output.
 QDQ_OPTIONS: dict[str, object] = {

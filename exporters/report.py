@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from exporters.artifacts import write_json_atomic
 from exporters.gates import GateMeasurement
+from hpc_core.atomic import write_json_atomic
 
 FORMAT = "edgetrain.export-report/1"
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from exporters.artifacts import atomic_output, write_json_atomic
 from exporters.job import Precision, TensorRTConfig
+from hpc_core.atomic import atomic_output, write_json_atomic
 
 
 class TensorRTUnavailable(RuntimeError):

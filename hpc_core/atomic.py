@@ -5,8 +5,10 @@ Torch-free on purpose: the device's sync and slot code use it without importing 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,3 +54,25 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_output(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success fsync it and rename it into place.
+
+    For tools that insist on writing to a path themselves (``torch.onnx.export``,
+    ``quantize_static``, TensorRT's serializer). On an exception the temporary file goes and
+    the old ``path``, if any, stays: a device that loses power mid-export installs what it
+    finds, so a half-written model must never carry the final name.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Keep the suffix: some writers pick the format from it.
+    tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
+    try:
+        yield tmp
+        fsync_file(tmp)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)

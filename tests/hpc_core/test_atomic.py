@@ -4,7 +4,9 @@ import json
 import os
 from pathlib import Path
 
-from hpc_core.atomic import write_json_atomic
+import pytest
+
+from hpc_core.atomic import atomic_output, write_json_atomic
 
 
 def test_write_json_atomic_replaces_and_leaves_no_temp_file(tmp_path: Path) -> None:
@@ -13,3 +15,23 @@ def test_write_json_atomic_replaces_and_leaves_no_temp_file(tmp_path: Path) -> N
     write_json_atomic(target, {"a": 2})
     assert json.loads(target.read_text()) == {"a": 2}
     assert os.listdir(tmp_path) == ["x.json"]
+
+
+def test_atomic_output_renames_on_success_keeping_the_suffix(tmp_path: Path) -> None:
+    target = tmp_path / "sub" / "model.onnx"  # the folder is created
+    with atomic_output(target) as tmp:
+        assert tmp.parent == target.parent and tmp.suffix == ".onnx" and tmp != target
+        tmp.write_bytes(b"new")
+        assert not target.exists()  # nothing under the final name until the writer is done
+    assert target.read_bytes() == b"new"
+    assert os.listdir(target.parent) == ["model.onnx"]
+
+
+def test_atomic_output_keeps_the_old_file_when_the_writer_fails(tmp_path: Path) -> None:
+    target = tmp_path / "model.onnx"
+    target.write_bytes(b"old")
+    with pytest.raises(RuntimeError, match="writer crashed"), atomic_output(target) as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError("writer crashed")
+    assert target.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["model.onnx"]  # the partial temp file is gone
