@@ -140,26 +140,37 @@ def curl_fetch(server: Server, manifest: Manifest, dest: Path, parallel: int) ->
     return time.perf_counter() - start
 
 
+# ru_maxrss would report the benchmark's own high-water mark (Linux keeps it across fork and
+# exec), so the child reads its own VmHWM, which starts afresh with the new address space.
+_PEAK = (
+    "import sys\n"
+    "from agent.cli import main\n"
+    "code = main(sys.argv[2:]) if sys.argv[1] == 'pull' else 0\n"
+    "if sys.argv[1] == 'imports':\n"
+    "    import agent.storage.update, hpc_core.model_spec, torch\n"
+    "hwm = [line for line in open('/proc/self/status') if line.startswith('VmHWM')][0]\n"
+    "print(int(hwm.split()[1]) * 1024, flush=True)\n"
+    "sys.exit(code)\n"
+)
+
+
 def agentctl_pull(url: str, ref: str, state: Path, trusted: Path, *extra: str) -> tuple[float, int,
                                                                                        int]:
-    """Run ``agentctl pull`` as its own process: (wall seconds, exit code, peak RSS bytes)."""
-    cmd = [sys.executable, "-m", "agent.cli", "pull", ref, "--registry", url, "--state-dir",
+    """Run ``agentctl pull`` in its own process: (wall seconds, exit code, peak RSS bytes)."""
+    cmd = [sys.executable, "-c", _PEAK, "pull", "pull", ref, "--registry", url, "--state-dir",
            str(state), "--trusted-keys", str(trusted), "--no-progress", *extra]
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return time.perf_counter() - start, proc.returncode, usage.ru_maxrss * 1024  # KiB on Linux
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    return wall, done.returncode, int(done.stdout.split()[-1])
 
 
 def imports_rss() -> int:
     """Peak RSS of a process that only imports what ``agentctl pull`` imports (torch included:
     the spec check builds the module on the meta device)."""
-    code = ("import agent.cli, agent.storage.update, hpc_core.model_spec, torch, resource; "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         check=True)
-    return int(out.stdout) * 1024
+    done = subprocess.run([sys.executable, "-c", _PEAK, "imports"], cwd=REPO,
+                          capture_output=True, text=True, check=True)
+    return int(done.stdout.split()[-1])
 
 
 def slow_server_hold(registry: Path, trusted: Path, work: Path, deadline_s: float) -> tuple[
