@@ -109,9 +109,9 @@ class Announcer:
             )
         return res
 
-    def send(self, build: Callable[[Tx], list[Result]]) -> list[Result]:
+    def send(self, build: Callable[[Tx], list[Result]], durable: bool = True) -> list[Result]:
         """Run ``build`` in one outbox transaction, then publish and tell the listeners."""
-        with self.outbox.tx() as tx:
+        with self.outbox.tx(durable) as tx:
             results = build(tx)
         self._flush()
         self._notify(results)
