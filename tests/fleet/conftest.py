@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from fleet.mqtt import BrokerConfig
 from fleet.sim import SimConfig, SimFleet
 from tests.support.mosquitto import Broker
+from tests.support.registry_fixtures import upstream_key  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -57,3 +64,83 @@ def fleetctl_argv(broker: BrokerConfig, tmp_path: Path) -> list[str]:
     return [sys.executable, "-m", "fleet.cli", "--port", str(broker.port),
             "--db", str(tmp_path / "fleet.db"), "--report-dir", str(tmp_path / "reports"),
             "--settle-s", "0.3"]
+
+
+def have_daemon() -> bool:
+    return importlib.util.find_spec("agent.daemon.main") is not None
+
+
+@dataclass
+class RealAgent:
+    device_id: str
+    state_dir: Path
+    proc: subprocess.Popen[bytes]
+
+    def jobs(self) -> list[tuple[str, str, str]]:
+        """(id, type, state) of every job in the daemon's own job store."""
+        with sqlite3.connect(self.state_dir / "jobs.db", timeout=10) as c:
+            return [(str(a), str(b), str(s)) for a, b, s in
+                    c.execute("SELECT id, type, state FROM jobs ORDER BY seq")]
+
+
+@pytest.fixture
+def real_agents(
+    broker: BrokerConfig, tmp_path: Path, subprocess_env: dict[str, str],
+    upstream_key: Any,  # noqa: F811 (the shared fixture, imported above)
+) -> Iterator[Callable[..., list[RealAgent]]]:
+    """real_agents(ids, groups): real ``edge-agent`` daemons, each with digits@1 pulled from a
+    signed registry folder, its own device key, and the device data to fine-tune on."""
+    if not have_daemon():
+        pytest.skip("agent.daemon is not built yet")
+    from registry.signing import generate_keypair
+    from tests.support.registry_fixtures import Publisher, _build_test_model
+
+    started: list[RealAgent] = []
+
+    def start(ids: list[str], groups: list[str]) -> list[RealAgent]:
+        reg = tmp_path / "registry"
+        (tmp_path / "ck").mkdir()
+        Publisher(reg, tmp_path / "ck", upstream_key).publish(_build_test_model(0), "1")
+        data = tmp_path / "device.npz"
+        py = [sys.executable]
+        subprocess.run([*py, str(REPO / "scripts/make_device_data.py"), "--distortion", "noise",
+                        "--out", str(data)], check=True, env=subprocess_env, capture_output=True)
+        pulls = []
+        for dev in ids:
+            state = tmp_path / dev
+            trusted = state / "trusted_keys"
+            trusted.mkdir(parents=True)
+            for pub in upstream_key.trusted_dir.iterdir():
+                (trusted / pub.name).write_bytes(pub.read_bytes())
+            _, pub = generate_keypair(state, "device")
+            (trusted / pub.name).write_bytes(pub.read_bytes())
+            pulls.append(subprocess.Popen(
+                [*py, "-m", "agent.cli", "pull", "digits@1", "--registry", str(reg),
+                 "--state-dir", str(state), "--no-progress"],
+                env=subprocess_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        for p in pulls:
+            assert p.wait(120) == 0, p.stderr.read() if p.stderr else ""
+        for dev in ids:
+            state = tmp_path / dev
+            cfg = state / "agent.yaml"
+            cfg.write_text(yaml.safe_dump({
+                "device_id": dev, "groups": groups, "state_dir": str(state),
+                "mqtt": {"host": broker.host, "port": broker.port, "prefix": broker.prefix},
+                "sensors": "none", "telemetry_s": 0, "socket_group": None,
+                "profile": "generic-x86",
+            }))
+            log = open(state / "daemon.log", "wb")  # noqa: SIM115
+            proc = subprocess.Popen([*py, "-m", "agent.daemon", "--config", str(cfg)],
+                                    env=subprocess_env, stdout=log, stderr=log)
+            log.close()
+            started.append(RealAgent(dev, state, proc))
+        return started
+
+    yield start
+    for a in started:
+        a.proc.terminate()
+    for a in started:
+        try:
+            a.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            a.proc.kill()
