@@ -14,6 +14,7 @@ import sys
 COMMAND_MODULES = (
     "agent.cli.models",
     "agent.cli.finetune",
+    "agent.cli.jobs",
     "agent.cli.export",
     "agent.cli.sensors",
 )

@@ -1,131 +1,151 @@
-"""``agentctl finetune``: one fine-tune job in the foreground, flags derived from FinetuneJob."""
+"""``agentctl finetune``: the whole device job in the foreground (no daemon needed).
+
+pull -> fine-tune -> export -> stage -> health -> commit | rollback -> upload, the same state
+machine and job store the daemon uses (``agent.jobs``), with one progress display across the
+stages and a summary at the end. Flags are derived from :class:`agent.jobs.spec.DeviceJob`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
+import re
+import signal
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from agent.cli.common import add_state_args, fail, registry_of, state_dir_of, trusted_keys_of
-from agent.finetune.job import FinetuneJob
+from agent.cli.common import add_state_args, fail, state_dir_of
+from agent.jobs.spec import DeviceJob
 from hpc_core.config import ConfigError
 from hpc_core.job_args import add_job_arguments, job_tree, validate_job
 
+EX_TEMPFAIL = 75
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
 EPILOG = """\
-The job plans its micro-batch from the memory budget before the first step (two short probe
-runs), accumulates gradients up to --effective-batch, and is paced by the thermal/power
-governor reading --sensors. It writes OUT/report.json and OUT/report.png and prints a summary.
+The job fine-tunes the installed model on this device's data inside the memory budget (the
+whole process tree: probes, training child and this process), paced by the governor reading
+--sensors, exports and gates it (INT8 first), stages it in the standby slot, checks it on
+held-out device data against the active model, and commits it only if it is at least as good.
+Progress goes to stderr (a live line at a terminal, JSON lines otherwise); the summary last.
 
 examples:
-  agentctl finetune --checkpoint runs/digits --data device.npz --out jobs/j1 --profile sim \\
-      --sensors sim --trainable all --epochs 3
-  agentctl finetune --checkpoint runs/digits --data /data/cam0 --out jobs/j2 --budget-mb 1500
-  agentctl finetune ... --resume          # continue jobs/j2 from its last checkpoint
-  agentctl finetune --config job.yaml --set lr=3e-4   # fields of FinetuneJob; flags override
+  agentctl finetune --model digits --data device.npz --state-dir runs/device \\
+      --profile generic-x86 --sensors sim --trainable all --steps 60 --budget-mb 450
+  agentctl finetune --model digits --version 2 --registry http://reg:8080 --data /data/cam0
+  agentctl finetune --config job.yaml --set finetune.lr=3e-3 --job-id nightly-7
+  agentctl finetune --job-id nightly-7 --resume     # continue it after a reboot or SIGTERM
+  agentctl jobs; agentctl job nightly-7             # history, and one job's steps
 
-exit codes: 0 done, 1 the job failed, 2 invalid arguments, 3 the model could not be pulled
+exit codes: 0 committed, 1 the job failed or rolled back (the summary says why), 2 invalid
+arguments (nothing created), 75 suspended by SIGTERM (resume with --resume)
 """
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "finetune",
-        help="fine-tune a checkpoint on local data within the board's limits",
-        description="Fine-tune an upstream checkpoint on this device's data inside a memory "
-        "budget, paced by the thermal/power governor. --checkpoint also takes a registry ref "
-        "(NAME@VERSION with --registry, or a URL), pulled and verified first.",
+        help="run the device job: fine-tune, export, gate, stage, check, commit (or roll back)",
+        description="Fine-tune the installed model on this device's data and install the "
+        "result only once it passed its gates and its health check.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_job_arguments(p, FinetuneJob)
-    p.add_argument(
-        "--registry", help="registry for NAME@VERSION refs (default: $EDGETRAIN_REGISTRY)"
-    )
-    p.add_argument("--resume", action="store_true", help="continue from the job's last checkpoint")
-    add_state_args(p)
+    add_job_arguments(p, DeviceJob)
+    p.add_argument("--job-id", metavar="NAME",
+                   help="job name in the store and its folder STATE_DIR/jobs/NAME "
+                   "(default: ft-UTCSTAMP)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the job --job-id where it stopped (its spec is the stored one)")
+    p.add_argument("--timeout-s", type=float, metavar="S", help="fail the job after S seconds")
+    p.add_argument("--progress", choices=("auto", "live", "json", "plain"), default="auto",
+                   help="progress display: live line at a terminal, JSON lines otherwise")
+    add_state_args(p, trusted=False)
     p.set_defaults(func=run)
 
 
-def resolve_checkpoint(text: str, args: argparse.Namespace) -> Path:
-    """A local path as is; a registry ref is pulled, verified and installed, then its slot used."""
-    local = Path(text)
-    if local.exists() or ("@" not in text and "://" not in text):
-        return local
-    from agent.storage.slots import ModelSlots
-    from agent.storage.update import update
-    from registry.refs import parse_ref
-
-    ref = parse_ref(text, registry_of(args))
-    state_dir = state_dir_of(args)
-    update(ref, state_dir=state_dir, trusted=trusted_keys_of(args))
-    active = ModelSlots(state_dir, ref.name).active()
-    assert active is not None  # update() just switched to it
-    return active.path
-
-
 def run(args: argparse.Namespace) -> int:
-    from agent.cli.common import exit_code_of
-    from agent.finetune.memory_plan import BudgetTooSmall
-    from agent.finetune.recipe import resolve_profile, run_paced
-    from device_profiles import ProfileError
-    from hpc_core.logs import setup_logging
+    term = {"seen": False}
 
-    setup_logging("auto")
+    def on_term(signum: int, frame: Any) -> None:  # start-up: remember, stop at the next check
+        term["seen"] = True
+
+    previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        tree: dict[str, Any] = job_tree(args)
-    except ConfigError as e:
-        return fail(2, f"finetune: {e}")
-    if isinstance(tree.get("checkpoint"), str):
+        return _run(args, term)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace, term: dict[str, bool]) -> int:
+    from agent.jobs.store import JobStore
+
+    state_dir = state_dir_of(args)
+    job_id = args.job_id or "ft-" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    if not JOB_ID_RE.match(job_id):
+        return fail(2, f"finetune: --job-id {job_id!r}: letters, digits, . _ - (max 64)")
+    db = state_dir / "jobs.db"
+    existing = JobStore(state_dir).get(job_id) if db.is_file() else None
+    folder = state_dir / "jobs" / job_id
+    if args.resume:
+        if existing is None:
+            return fail(2, f"finetune: --resume: no job {job_id!r} in {db}")
+        if existing.type != "finetune":
+            return fail(2, f"finetune: --resume: job {job_id!r} is a {existing.type} job")
+    else:
+        if existing is not None or folder.exists():
+            where = existing.state.value if existing is not None else str(folder)
+            return fail(2, f"finetune: job {job_id!r} exists ({where}): pass --resume to "
+                        "continue it or another --job-id")
         try:
-            tree["checkpoint"] = str(resolve_checkpoint(tree["checkpoint"], args))
-        except Exception as e:
-            if exit_code_of(e) is None:
-                raise
-            return fail(3, f"finetune: --checkpoint {tree['checkpoint']}: {e}")
-    try:
-        job = validate_job(FinetuneJob, tree, "fine-tune job")
-        resolve_profile(job.profile)
-    except ConfigError as e:
-        return fail(2, f"finetune: {e}")
-    except ProfileError as e:
-        return fail(2, f"finetune: --profile: {e}")
-    try:
-        result = run_paced(job, resume=args.resume)
-    except (BudgetTooSmall, ValueError) as e:
-        return fail(1, f"finetune: {e}")
-    _print_summary(result.report, result.target_c)
-    print(json.dumps({"report": str(job.out / "report.json"),
-                      "checkpoint": result.report["checkpoint"]}))
-    return 0
+            spec = validate_job(DeviceJob, job_tree(args), "device job")
+        except ConfigError as e:
+            return fail(2, f"finetune: {_one_line(e)}")
+        from agent.jobs.spec import check_inputs
+
+        try:
+            check_inputs(spec, state_dir)
+        except ValueError as e:
+            return fail(2, f"finetune: {e}")
+        if term["seen"]:
+            return fail(128 + signal.SIGTERM, "finetune: SIGTERM during start-up: nothing done")
+        JobStore(state_dir).submit(job_id, "finetune", spec.model_dump(mode="json"),
+                                   timeout_s=args.timeout_s, source="cli")
+    if term["seen"]:  # the job is stored (QUEUED): --resume picks it up
+        return fail(EX_TEMPFAIL, f"finetune: SIGTERM: job {job_id} not started; continue it "
+                    "with --resume")
+    return _execute(state_dir, job_id, args.progress, term)
 
 
-def _print_summary(r: dict, target_c: float) -> None:
-    def pct(v: float | None) -> str:
-        return "n/a" if v is None else f"{100 * v:.1f}%"
+def _execute(state_dir: Path, job_id: str, progress: str, term: dict[str, bool]) -> int:
+    from agent.jobs import steps
+    from agent.jobs.display import ProgressDisplay, print_rows, summary_rows
+    from agent.jobs.store import JobState, JobStore
+    from agent.jobs.worker import EX_TEMPFAIL, run_job
 
-    plan = r.get("memory_plan") or {}
-    gov = r.get("governor") or {}
-    max_t = gov.get("max_temp_c")
-    rows = [
-        (
-            "accuracy (held-out device data)",
-            f"{pct(r['accuracy_before'])} -> {pct(r['accuracy_after'])}",
-        ),
-        (
-            "micro-batch x accumulation",
-            f"{r['micro_batch_size']} x {plan.get('accumulation_steps', 1)}"
-            + (f" (planned: {plan['method']})" if plan else " (given)"),
-        ),
-        ("peak memory vs budget", f"{r['peak_rss_mb']:.0f} MB / {r['budget_mb']:.0f} MB"),
-        (
-            "max temperature vs target",
-            "n/a" if max_t is None else f"{max_t:.1f} C / {target_c:.1f} C",
-        ),
-        ("steps, stop reason", f"{r['steps']}, {r['stopped_reason']}"),
-        ("precision, device, profile", f"{r['precision']}, {r['device']}, {r['profile']}"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}", file=sys.stderr)
+    def on_term(signum: int, frame: Any) -> None:
+        steps.SIGTERM_SEEN["flag"] = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    if term["seen"]:
+        steps.SIGTERM_SEEN["flag"] = True
+    store = JobStore(state_dir)
+    mode = None if progress == "auto" else progress
+    with ProgressDisplay(store, job_id, mode) as display:  # type: ignore[arg-type]
+        code = run_job(state_dir, job_id, on_event=display.on_event)
+    rec = store.get(job_id)
+    assert rec is not None
+    if code == EX_TEMPFAIL:
+        return fail(EX_TEMPFAIL, f"finetune: suspended by SIGTERM; continue with --job-id "
+                    f"{job_id} --resume")
+    print_rows(summary_rows(rec, store.steps(job_id)))
+    print(json.dumps({"job": job_id, "state": rec.state.value, "result": rec.result,
+                      "error": rec.error}, sort_keys=True))
+    return 0 if rec.state is JobState.SUCCEEDED else 1
+
+
+def _one_line(e: ConfigError) -> str:
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return text if len(text) < 400 else text[:400] + " ..."
+

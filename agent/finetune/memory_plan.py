@@ -100,7 +100,7 @@ def plan_micro_batch(
         probes = {m: _probe_cuda(cfg, init_checkpoint, trainable, m) for m in sizes}
         method = "cuda max_memory_allocated"
     else:
-        probes = {m: _probe_subprocess(cfg, init_checkpoint, trainable, m) for m in sizes}
+        probes = {m: probe_subprocess(cfg, init_checkpoint, trainable, m) for m in sizes}
         method = "probe subprocess peak RSS"
     plan = fit_plan(budget_mb, effective, probes, method)
     log.info(
@@ -125,7 +125,7 @@ def probe_config(cfg: TrainConfig, out: Path, micro: int) -> TrainConfig:
     return config_from_dict(tree)
 
 
-def _probe_subprocess(cfg: TrainConfig, init_checkpoint: Path, trainable: str, micro: int) -> float:
+def probe_subprocess(cfg: TrainConfig, init_checkpoint: Path, trainable: str, micro: int) -> float:
     out = cfg.run.output_dir / "probes" / f"m{micro}"
     out.mkdir(parents=True, exist_ok=True)
     spec = {

@@ -145,10 +145,13 @@ class PacedResult:
     """The profile's thermal target, for the summary line."""
 
 
-def run_paced(job: FinetuneJob, resume: bool = False) -> PacedResult:
+def run_paced(
+    job: FinetuneJob, resume: bool = False, hooks: list[TrainerHook] | None = None
+) -> PacedResult:
     """The whole device recipe: the job paced by the governor reading ``job.sensors``, then one
     report per job (OUT/report.json + report.png): the fine-tune's figures under "job", pacing
-    over time beside them."""
+    over time beside them. ``hooks`` run before the governor's (the device job's progress
+    and cancel hook)."""
     from agent.pacing.governor import Governor, GovernorConfig
     from agent.pacing.hook import GovernorHook
     from agent.pacing.report import Limits, build_report, write_report
@@ -166,7 +169,8 @@ def run_paced(job: FinetuneJob, resume: bool = False) -> PacedResult:
             hook = GovernorHook(
                 Governor(GovernorConfig.from_profile(profile), profile=profile), sensors
             )
-        result = run_finetune(job, hooks=[hook] if hook else [], resume=resume)
+        result = run_finetune(job, hooks=[*(hooks or []), *([hook] if hook else [])],
+                              resume=resume)
     report = result.report
     t = profile.thermal
     if hook is not None:

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from agent.finetune.memory_plan import HEADROOM, BudgetTooSmall, _probe_subprocess
+from agent.finetune.memory_plan import HEADROOM, BudgetTooSmall, probe_subprocess
 from agent.jobs.proctree import rss_mb
 from hpc_core.config import config_from_dict
 
@@ -49,7 +49,7 @@ def plan_for_tree(
         update={"output_dir": probes_dir})})
     points: dict[int, list[float]] = {}
     for m in probe_points(effective):
-        points[m] = [_probe_subprocess(train_cfg, init, trainable, m) for _ in range(REPEATS)]
+        points[m] = [probe_subprocess(train_cfg, init, trainable, m) for _ in range(REPEATS)]
     base, per_sample, margin = fit(points)
     worker = rss_mb(os.getpid())
     limit = budget_mb * HEADROOM - worker - margin

@@ -74,31 +74,46 @@ class StoreHook:
             "id": self.job_id, "stage": "finetune", "step": step, "total": trainer.total_steps,
             "pct": round(100 * step / max(trainer.total_steps, 1), 1),
             "detail": {"loss": metrics.get("train/loss"),
-                       "micro_batch": trainer.state.micro_batch_size},
+                       "micro_batch": trainer.state.micro_batch_size, **_governor(trainer)},
         })
 
 
+def _governor(trainer: Any) -> dict[str, Any]:
+    """The governor's last decision, when one paces this run (its hook keeps ``last``)."""
+    for h in getattr(trainer, "hooks", []):
+        d = getattr(h, "last", None)
+        if d is not None and hasattr(d, "duty"):
+            state = getattr(d.state, "value", d.state)
+            return {"governor": str(state), "duty": round(float(d.duty), 2),
+                    "temp_c": d.temp_c, "limit": d.limit}
+    return {}
+
+
 def step_finetune(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
-    from agent.finetune.recipe import run_finetune
+    """The fine-tune, paced by the thermal/power governor (finetune.sensors), resumed from
+    its last checkpoint; its report (report.json/.png) goes to JOB_DIR/finetune."""
+    from agent.finetune.recipe import run_paced
 
     job = _finetune_job(ctx, ctx["plan"]["micro_batch_size"] if ctx.get("plan") else None)
     hook = StoreHook(Path(ctx["state_dir"]), ctx["job_id"])
-    result = run_finetune(job, hooks=[hook], resume=True)
+    result = run_paced(job, resume=True, hooks=[hook])
     r = result.report
+    gov = r.get("governor") or {}
     return {
         "checkpoint": r["checkpoint"], "stopped_reason": r["stopped_reason"], "steps": r["steps"],
-        "accuracy_after": r["accuracy_after"], "micro_batch_size": r["micro_batch_size"],
-        "peak_rss_mb": r["peak_rss_mb"], "precision": r["precision"],
+        "accuracy_before": r["accuracy_before"], "accuracy_after": r["accuracy_after"],
+        "micro_batch_size": r["micro_batch_size"], "peak_rss_mb": r["peak_rss_mb"],
+        "precision": r["precision"], "max_temp_c": gov.get("max_temp_c"),
+        "target_c": result.target_c, "governor": gov or None,
     }
 
 
 def step_export(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
-    from exporters.pipeline import ExportJob, FallbackConfig, run_export
+    from exporters.job import ExportJob
+    from exporters.pipeline import run_export
 
-    opts = dict(ctx["spec"]["export"])
-    fallback = FallbackConfig(**opts.pop("fallback"))
     job = ExportJob.model_validate({
-        **opts, "fallback": fallback.model_dump(), "checkpoint": ctx["finetuned"],
+        **ctx["spec"]["export"], "checkpoint": ctx["finetuned"],
         "out_dir": str(job_dir / "export"),
     })
     report = run_export(job)
@@ -118,6 +133,23 @@ def step_export(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _data_config(ctx: dict[str, Any]) -> dict[str, Any] | None:
+    """The held-out split's data config: the fine-tune's own, or (a deploy) one built the
+    fine-tune's way from the job's data; None when a deploy has no data."""
+    if ctx.get("train_config"):
+        return dict(ctx["train_config"]["data"])
+    if not ctx["spec"].get("data"):
+        return None
+    from agent.finetune.job import FinetuneJob
+    from agent.finetune.model import load_upstream
+    from agent.finetune.recipe import build_config
+
+    _, upstream = load_upstream(Path(ctx["staged_path"]))
+    job = FinetuneJob(checkpoint=Path(ctx["staged_path"]), data=ctx["spec"]["data"],
+                      out=Path(ctx["job_dir"]) / "health")
+    return build_config(job, upstream, "fp32", None).data.model_dump(mode="json")
+
+
 def _held_out(ctx: dict[str, Any], samples: int | None) -> tuple[Any, Any]:
     import numpy as np
 
@@ -125,7 +157,14 @@ def _held_out(ctx: dict[str, Any], samples: int | None) -> tuple[Any, Any]:
     from hpc_core.config import DataConfig
     from hpc_core.data import build_datasets
 
-    cfg = ctx["train_config"]["data"]
+    cfg = _data_config(ctx)
+    if cfg is None:  # no data: a fixed random batch checks the model loads and stays finite
+        from agent.finetune.model import load_upstream
+
+        _, m = load_upstream(Path(ctx["staged_path"]))
+        rng = np.random.default_rng(0)
+        shape = (32, m.in_channels, m.image_size, m.image_size)
+        return rng.random(shape, dtype=np.float32), None
     _, val, _ = build_datasets(DataConfig.model_validate(cfg))
     x, y = held_out(val, samples)
     return np.ascontiguousarray(x), y
@@ -150,14 +189,21 @@ def step_health(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
 
     opts = ctx["spec"]["health"]
     x, y = _held_out(ctx, opts["samples"])
-    out: dict[str, Any] = {"samples": len(y), "tensorrt": "skipped: no TensorRT on this host"}
-    for role in ("active", "staged"):
+    out: dict[str, Any] = {"samples": len(x), "tensorrt": "skipped: no TensorRT on this host"}
+    roles = ("active", "staged") if ctx.get("active_path") else ("staged",)
+    failures = []
+    for role in roles:
         runner, runtime = _runner(Path(ctx[f"{role}_path"]))
-        acc = float((predict(runner, x).argmax(1) == y).mean())
+        logits = predict(runner, x)
+        acc = float((logits.argmax(1) == y).mean()) if y is not None else None
         lat = measure_latency(runner, batch_of(x, 1), warmup=5, iters=50)
         out[role] = {"accuracy": acc, "p50_ms_b1": lat.p50_ms, "runtime": runtime}
+        if role == "staged" and not np.isfinite(logits).all():
+            failures.append("the staged model gives non-finite outputs")
+    if y is None or "active" not in out:
+        out["passed"], out["failures"] = not failures, failures
+        return out
     a, s = out["active"], out["staged"]
-    failures = []
     drop = 100 * (a["accuracy"] - s["accuracy"])
     if drop > opts["max_accuracy_drop_pts"]:
         failures.append(f"accuracy {100 * s['accuracy']:.1f}% is {drop:.1f} points below the "
@@ -178,16 +224,19 @@ def step_health(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
 def step_stage(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
     """Sign the fine-tuned model with the device key and assemble it into the standby slot
     (``current`` is not touched); verified against the trusted keys like any pulled version."""
-    from agent.storage.slots import ModelSlots
+    from agent.storage.slots import read_installed
     from agent.storage.update import stage_local
     from hpc_core.model_spec import read_checkpoint
     from registry.publish import collect_artefacts
     from registry.signing import load_signing_key, load_trusted_keys
     from registry.upload import default_version
 
-    spec, state_dir = ctx["spec"], Path(ctx["state_dir"])
+    state_dir = Path(ctx["state_dir"])
     key = load_signing_key(Path(ctx["signing_key"]))
-    parent = ModelSlots(state_dir, spec["model"]).installed(ctx["upstream_version"])
+    # The upstream as pull left it (a slot, or the job's copy of a fetched version).
+    parent = read_installed(Path(ctx["upstream_path"]), "upstream")
+    if parent is None:
+        raise RuntimeError(f"the upstream {ctx['upstream_path']} is incomplete")
     # The version name is fixed once, so a restarted stage rebuilds the very same version.
     vfile = job_dir / "stage_version.txt"
     if not vfile.is_file():
@@ -202,8 +251,44 @@ def step_stage(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
             "sequence": staged.manifest.sequence, "signer": key.name}
 
 
-STEPS = {"config": step_config, "finetune": step_finetune, "export": step_export,
-         "stage": step_stage, "health": step_health}
+def step_fetch(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
+    """Pull a registry version (manifest verified before any chunk, every chunk hashed) and
+    stage it into the standby slot; the active model is not touched. A fine-tune keeps a copy
+    in JOB_DIR/upstream, which outlives the standby slot's next content."""
+    import shutil
+
+    from agent.storage.chunk_store import ChunkStore
+    from agent.storage.slots import ModelSlots, read_installed
+    from agent.storage.update import pull
+    from registry.refs import Ref
+    from registry.signing import load_trusted_keys
+
+    spec, state_dir = ctx["spec"], Path(ctx["state_dir"])
+    ref = Ref(spec["model"], spec["version"], spec["registry"])
+    pulled = pull(ref, state_dir=state_dir, trusted=load_trusted_keys(Path(ctx["trusted_keys"])))
+    v, slots = pulled.verified, ModelSlots(state_dir, ref.name)
+    active = slots.active()
+    if active is not None and active.version == ref.version:
+        staged = active
+    else:
+        staged = slots.stage(v.manifest, v.manifest_bytes, v.signature_bytes,
+                             ChunkStore(state_dir), v.key)
+    path = staged.path
+    if "finetune" in spec:
+        copy, tmp = job_dir / "upstream", job_dir / "upstream.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(staged.path, tmp)
+        shutil.rmtree(copy, ignore_errors=True)
+        tmp.rename(copy)
+        assert read_installed(copy, "upstream") is not None
+        path = copy
+    return {"version": staged.version, "path": str(path), "slot": staged.slot,
+            "sequence": staged.manifest.sequence, "fetched": True,
+            "chunks_fetched": pulled.chunks_fetched, "bytes_fetched": pulled.bytes_fetched}
+
+
+STEPS = {"fetch": step_fetch, "config": step_config, "finetune": step_finetune,
+         "export": step_export, "stage": step_stage, "health": step_health}
 
 
 def main(argv: list[str]) -> int:

@@ -12,13 +12,16 @@ checkpoint, the others are idempotent). The active model changes only in ``commi
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.jobs.spec import DeviceJob
+from pydantic import BaseModel
+
 from agent.jobs.store import JobRecord, JobState, JobStore
 
 log = logging.getLogger(__name__)
@@ -49,12 +52,15 @@ class JobContext:
     store: JobStore
     job_id: str
     state_dir: Path
-    spec: DeviceJob
+    spec: Any
+    """DeviceJob, DeployJob or RollbackJob (agent.jobs.spec.SPECS)."""
     outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
     deadline: float | None = None
     """time.time() after which the job is TIMED_OUT."""
     on_event: Callable[[str, dict[str, Any]], None] | None = None
     """The progress display's feed: (stage, detail)."""
+    current: str = ""
+    """The step now running."""
 
     @property
     def job_dir(self) -> Path:
@@ -65,13 +71,23 @@ class JobContext:
             self.on_event(stage, detail)
 
 
+CRASH_ENV = "EDGETRAIN_JOB_CRASH_AT"
+"""Fault injection for the restart tests and drills: ``after:STEP`` SIGKILLs the job process
+right after STEP is recorded done; ``inside:STEP`` while STEP's child runs (see steps.py)."""
+
+
+def crash_point(point: str) -> None:
+    if point in os.environ.get(CRASH_ENV, "").split(","):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def job_dir_of(state_dir: Path, job_id: str) -> Path:
     return Path(state_dir) / "jobs" / job_id
 
 
-def next_step(spec: DeviceJob, outputs: dict[str, dict[str, Any]]) -> str | None:
+def next_step(spec: BaseModel, outputs: dict[str, dict[str, Any]]) -> str | None:
     """The named transition out of the last finished step (None: the job is over)."""
-    order = spec.planned_steps()
+    order = spec.planned_steps()  # type: ignore[attr-defined]
     for name in order:
         if name == "commit" and not outputs.get("health", {}).get("passed", False):
             return None if "rollback" in outputs else "rollback"
@@ -93,6 +109,7 @@ def run(ctx: JobContext, steps: dict[str, Callable[[JobContext], dict[str, Any]]
             if ctx.deadline is not None and time.time() > ctx.deadline:
                 raise TimedOut(f"timeout_s passed before {name}")
             store.step_started(jid, name)
+            ctx.current = name
             ctx.event(name, status="started")
             try:
                 out = steps[name](ctx)
@@ -102,6 +119,7 @@ def run(ctx: JobContext, steps: dict[str, Callable[[JobContext], dict[str, Any]]
                 raise
             store.step_finished(jid, name, out)
             ctx.outputs[name] = out
+            crash_point(f"after:{name}")
             ctx.event(name, status="done", outputs=out)
     except Canceled as e:
         _discard_staged(ctx, steps)
@@ -129,6 +147,18 @@ def _discard_staged(ctx: JobContext, steps: dict[str, Callable[[JobContext], dic
         ctx.outputs["rollback"] = out
 
 
+def model_name(ctx: JobContext) -> str:
+    spec = ctx.spec
+    name = getattr(spec, "model", None) or getattr(spec, "name", None)
+    if name is None:  # a rollback of "the only installed model"
+        models = sorted(p.name for p in (ctx.state_dir / "models").glob("*") if p.is_dir())
+        if len(models) != 1:
+            raise StepFailed("switch", f"name is needed: installed models are {models}",
+                             code="BAD_ARGS")
+        name = models[0]
+    return str(name)
+
+
 def _err(code: str, message: str, retryable: bool = False) -> dict[str, Any]:
     return {"code": code, "message": message, "retryable": retryable}
 
@@ -146,18 +176,25 @@ def outcome(ctx: JobContext) -> dict[str, Any]:
         reason = "; ".join(health.get("failures", [])) or o["rollback"].get("why")
     else:
         kind, reason = "unchanged", None
+    if "switch" in o:  # a rollback job
+        kind, reason = "rolled_back", ctx.spec.reason or "rollback requested"
+    name = model_name(ctx)
     res: dict[str, Any] = {"outcome": kind, "reason": reason, "metrics_before": before,
                            "metrics_after": after}
     pull = o.get("pull")
     if pull:
-        res["previous_model"] = {"name": ctx.spec.model, "version": pull["version"]}
+        res["previous_model"] = {"name": name, "version": pull["active"] or pull["version"]}
     if "commit" in o:
-        res["model"] = {"name": ctx.spec.model, "version": o["commit"]["version"],
+        res["model"] = {"name": name, "version": o["commit"]["version"],
                         "slot": o["commit"]["slot"]}
+    elif "switch" in o:
+        res["model"] = {"name": name, "version": o["switch"]["version"],
+                        "slot": o["switch"]["slot"]}
+        res["previous_model"] = {"name": name, "version": o["switch"]["previous"]}
     elif pull:
         res["model"] = res["previous_model"]
     if "upload" in o:
-        res["uploaded"] = {"name": ctx.spec.model, "version": o["upload"]["version"],
+        res["uploaded"] = {"name": name, "version": o["upload"]["version"],
                            "parent": o["upload"]["parent"]}
     # Extra figures for the summary (JobOutcome allows extra keys).
     res["export"] = {k: o["export"].get(k) for k in ("winner", "int8_drop_pts", "p50_ms_b1")} \

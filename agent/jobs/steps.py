@@ -18,8 +18,18 @@ from typing import Any
 
 from agent.jobs.budget import plan_for_tree
 from agent.jobs.child import CONTEXT
-from agent.jobs.machine import Canceled, JobContext, StepFailed, Suspended, TimedOut
+from agent.jobs.machine import (
+    CRASH_ENV,
+    Canceled,
+    JobContext,
+    StepFailed,
+    Suspended,
+    TimedOut,
+    crash_point,
+    model_name,
+)
 from agent.jobs.proctree import TreePeak
+from agent.jobs.spec import DeployJob
 from hpc_core.atomic import write_json_atomic
 
 SIGTERM_SEEN = {"flag": False}
@@ -31,7 +41,7 @@ def trusted_dir(ctx: JobContext) -> Path:
 
 
 def signing_key_path(ctx: JobContext) -> Path:
-    return ctx.spec.signing_key or ctx.state_dir / "device.key.pem"
+    return getattr(ctx.spec, "signing_key", None) or ctx.state_dir / "device.key.pem"
 
 
 def _write_context(ctx: JobContext, **extra: Any) -> None:
@@ -51,6 +61,29 @@ def _write_context(ctx: JobContext, **extra: Any) -> None:
     write_json_atomic(ctx.job_dir / CONTEXT, data)
 
 
+HEARTBEAT_S = 5.0
+"""A running child step is reported this often, with the last line of its log."""
+
+
+def _last_line(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 400))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1][-160:] if lines else ""
+
+
+def _child_under_way(ctx: JobContext, step: str, elapsed: float) -> bool:
+    """Fault injection: the child is well inside its work (the fine-tune past a checkpoint)."""
+    if step == "finetune":
+        prog = ctx.store.get(ctx.job_id).progress or {}  # type: ignore[union-attr]
+        every = ctx.spec.finetune.checkpoint_every
+        return prog.get("stage") == "finetune" and prog.get("step", 0) >= every + every // 2
+    return elapsed >= 1.5
+
+
 def _read(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -64,8 +97,15 @@ def run_child(ctx: JobContext, step: str, *, cancel_inside: bool = False) -> dic
     try:
         p = subprocess.Popen([sys.executable, "-m", "agent.jobs.child", step, str(ctx.job_dir)],
                              stdout=log, stderr=log, env=env)
-        forwarded = False
+        forwarded, t0, beat = False, time.monotonic(), time.monotonic()
+        inside = f"inside:{ctx.current}" in os.environ.get(CRASH_ENV, "").split(",")
         while p.poll() is None:
+            if inside and _child_under_way(ctx, step, time.monotonic() - t0):
+                crash_point(f"inside:{ctx.current}")
+            if time.monotonic() - beat >= HEARTBEAT_S:  # long exports: never minutes of silence
+                beat = time.monotonic()
+                ctx.event(step, status="running", elapsed_s=round(beat - t0),
+                          last=_last_line(ctx.job_dir / f"{step}.log"))
             if SIGTERM_SEEN["flag"] and not forwarded:
                 p.send_signal(signal.SIGTERM)  # the trainer checkpoints at its next step
                 forwarded = True
@@ -89,19 +129,43 @@ def run_child(ctx: JobContext, step: str, *, cancel_inside: bool = False) -> dic
 
 
 def pull(ctx: JobContext) -> dict[str, Any]:
-    """Verify the upstream version: signature against the trusted keys, every tensor's hash."""
+    """The upstream version, verified: signature against the trusted keys, every tensor's hash.
+
+    Installed: re-verified in place. Not on the device: fetched from the job's registry in a
+    child (``fetch``), verified and staged into the standby slot (the active model stays),
+    and copied into the job folder, where the later steps read it even after the standby
+    slot receives the fine-tuned version."""
     from agent.storage.slots import ModelSlots
     from agent.storage.verify import verify_slot
+    from registry.errors import RegistryError
     from registry.signing import load_trusted_keys
 
     slots = ModelSlots(ctx.state_dir, ctx.spec.model)
+    active = slots.active()
     try:
-        base = slots.installed(ctx.spec.version)
+        base = slots.installed(ctx.spec.version) if active is not None else None
+    except RegistryError:
+        base = None
+    if base is None or (isinstance(ctx.spec, DeployJob) and base.slot != getattr(active, "slot",
+                                                                                None)):
+        if ctx.spec.version is None:
+            raise StepFailed("pull", f"no model {ctx.spec.model!r} is installed: give --version "
+                             "and --registry to fetch one", code="NOT_FOUND")
+        if not ctx.spec.registry:
+            raise StepFailed("pull", f"{ctx.spec.model}@{ctx.spec.version} is not on this "
+                             "device and the job has no registry to fetch it from: set "
+                             "--registry", code="NOT_FOUND")
+        _write_context(ctx)
+        out = run_child(ctx, "fetch")
+        out["active"] = active.version if active else None
+        return out
+    try:
         verify_slot(base.path, load_trusted_keys(trusted_dir(ctx)))
     except Exception as e:
         raise StepFailed("pull", str(e)) from None
     return {"version": base.version, "path": str(base.path), "slot": base.slot,
-            "sequence": base.manifest.sequence}
+            "sequence": base.manifest.sequence, "fetched": False,
+            "active": active.version if active else None}
 
 
 def finetune(ctx: JobContext) -> dict[str, Any]:
@@ -139,8 +203,15 @@ def export(ctx: JobContext) -> dict[str, Any]:
 
 
 def stage(ctx: JobContext) -> dict[str, Any]:
-    """Sign the fine-tuned model with the device key and assemble it into the standby slot."""
+    """Sign the fine-tuned model with the device key and assemble it into the standby slot;
+    a deploy stages the pulled registry version (already there when pull fetched it)."""
     _write_context(ctx)
+    if isinstance(ctx.spec, DeployJob):
+        pulled = ctx.outputs["pull"]
+        if pulled.get("fetched"):
+            return {"version": pulled["version"], "slot": pulled["slot"],
+                    "sequence": pulled["sequence"]}
+        return run_child(ctx, "fetch")  # the version is active already: nothing new to stage
     return run_child(ctx, "stage")
 
 
@@ -149,9 +220,12 @@ def health(ctx: JobContext) -> dict[str, Any]:
 
     slots = ModelSlots(ctx.state_dir, ctx.spec.model)
     active, staged = slots.active(), slots.standby()
-    if active is None or staged is None or staged.version != ctx.outputs["stage"]["version"]:
+    if staged is None or staged.version != ctx.outputs["stage"]["version"]:
         raise StepFailed("health", "the staged version is not in the standby slot")
-    _write_context(ctx, active_path=str(active.path), staged_path=str(staged.path))
+    # A device with no active model yet compares against the upstream it started from.
+    reference = active.path if active is not None else ctx.outputs["pull"].get("path")
+    _write_context(ctx, active_path=str(reference) if reference else None,
+                   staged_path=str(staged.path))
     return run_child(ctx, "health")
 
 
@@ -182,22 +256,77 @@ def rollback(ctx: JobContext) -> dict[str, Any]:
 
 
 def upload(ctx: JobContext) -> dict[str, Any]:
+    """Publish the committed model, signed by this device, as a child of the upstream.
+
+    Idempotent: a re-run after a crash that finds the version in the registry accepts it when
+    it is signed by this device's key, has the same parent and the very same tensors (the
+    upload finished before the crash); anything else there is a conflict."""
+    from agent.storage.slots import read_installed
+    from hpc_core.model_spec import read_checkpoint
+    from registry.errors import VersionExistsError
     from registry.signing import load_signing_key
     from registry.upload import upload as publish
 
-    target = ctx.spec.upload.registry or ctx.spec.registry
+    target = str(ctx.spec.upload.registry or ctx.spec.registry)
+    pulled = ctx.outputs["pull"]
+    parent = read_installed(Path(pulled["path"]), pulled["slot"])
+    if parent is None:
+        raise StepFailed("upload", f"the upstream {pulled['path']} is gone")
+    key = load_signing_key(signing_key_path(ctx))
+    version = ctx.spec.upload.version or ctx.outputs["stage"]["version"]
     artefacts = [Path(a) for a in [ctx.outputs.get("export", {}).get("artefact")] if a]
-    health_out = ctx.outputs["health"]
-    report = publish(
-        Path(ctx.outputs["finetune"]["checkpoint"]), state_dir=ctx.state_dir,
-        name=ctx.spec.model, target=str(target), key=load_signing_key(signing_key_path(ctx)),
-        version=ctx.spec.upload.version or ctx.outputs["stage"]["version"],
-        parent=ctx.outputs["pull"]["version"], artefacts=artefacts,
-        metrics={"device/acc": health_out["staged"]["accuracy"]},
-    )
-    m = report.manifest
-    return {"version": m.version, "parent": m.parent, "sequence": m.sequence, "uri": report.uri}
+    content = read_checkpoint(Path(ctx.outputs["finetune"]["checkpoint"]))
+    try:
+        report = publish(
+            content, parent=parent.manifest, target=target, key=key, version=version,
+            artefacts=artefacts,
+            metrics={"device/acc": ctx.outputs["health"]["staged"]["accuracy"]},
+        )
+        m, uri = report.manifest, report.uri
+    except VersionExistsError:
+        m, uri = _uploaded_before(ctx, target, version, parent.version, content, key), target
+    return {"version": m.version, "parent": m.parent, "sequence": m.sequence, "uri": str(uri),
+            "signer": m.signer.name}
+
+
+def _uploaded_before(ctx: JobContext, target: str, version: str, parent: str,
+                     content: Any, key: Any) -> Any:
+    from registry.pull import fetch_verified_manifest
+    from registry.refs import Ref
+    from registry.signing import load_trusted_keys
+    from registry.stores import open_store
+    from registry.transfer import TransferConfig
+
+    cfg = TransferConfig()
+    ref = Ref(ctx.spec.model, version, target)
+    got = fetch_verified_manifest(open_store(target, cfg), ref,
+                                  load_trusted_keys(trusted_dir(ctx)), cfg).manifest
+    ours = {t.name: t.sha256 for t in content.tensors}
+    theirs = {t.name: t.sha256 for t in got.tensors}
+    if got.parent != parent or theirs != ours or got.signer.key_id != key.key_id:
+        raise StepFailed("upload", f"{ctx.spec.model}@{version} is already in {target} with "
+                         f"other content (parent {got.parent}, signer {got.signer.name}): set "
+                         "upload.version to a new name", code="JOB_FAILED")
+    return got
+
+
+def switch(ctx: JobContext) -> dict[str, Any]:
+    """The rollback job: the verified standby version becomes active again."""
+    from agent.storage.slots import ModelSlots
+    from registry.errors import RegistryError
+    from registry.signing import load_trusted_keys
+
+    name = model_name(ctx)
+    keys = ctx.spec.trusted_keys or ctx.state_dir / "trusted_keys"
+    slots = ModelSlots(ctx.state_dir, name)
+    try:
+        res = slots.rollback(load_trusted_keys(keys))
+    except RegistryError as e:
+        raise StepFailed("switch", str(e), code="NOT_FOUND") from None
+    return {"version": res.active.version, "slot": res.active.slot,
+            "previous": res.previous.version if res.previous else None}
 
 
 STEPS = {"pull": pull, "finetune": finetune, "export": export, "stage": stage,
-         "health": health, "commit": commit, "rollback": rollback, "upload": upload}
+         "health": health, "commit": commit, "rollback": rollback, "upload": upload,
+         "switch": switch}

@@ -41,7 +41,7 @@ def run_job(
     """Run (or resume) ``job_id`` in this process; returns the worker exit code."""
     from agent.jobs import steps
     from agent.jobs.machine import JobContext, Suspended, run
-    from agent.jobs.spec import DeviceJob
+    from agent.jobs.spec import SPECS
 
     store = JobStore(state_dir)
     rec = store.get(job_id)
@@ -50,8 +50,13 @@ def run_job(
         return 2
     if rec.terminal:
         return 0
+    if rec.type not in SPECS:
+        store.transition(job_id, JobState.FAILED, error={
+            "code": "UNAVAILABLE", "message": f"job type {rec.type!r} is not one of "
+            f"{sorted(SPECS)}", "retryable": False})
+        return 0
     rec = store.transition(job_id, JobState.IN_PROGRESS)
-    spec = DeviceJob.model_validate(rec.spec)
+    spec = SPECS[rec.type].model_validate(rec.spec)
     deadline = rec.started_at + rec.timeout_s if rec.timeout_s and rec.started_at else None
     ctx = JobContext(store, job_id, Path(state_dir), spec, deadline=deadline, on_event=on_event)
     ctx.job_dir.mkdir(parents=True, exist_ok=True)
