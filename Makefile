@@ -22,13 +22,21 @@ $(STAMP): pyproject.toml | $(PY)
 
 setup: $(STAMP)
 
-# Real services the tests talk to (mosquitto for MQTT).
+# Real services the tests talk to (mosquitto for MQTT, PostgreSQL, Slurm).
 services:
 	@if ! command -v mosquitto >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto mosquitto-clients >/dev/null; \
 	  else \
 	    echo "mosquitto is missing: run 'sudo apt-get install -y mosquitto mosquitto-clients' (MQTT tests will skip)"; \
+	  fi; \
+	fi
+	@# PostgreSQL (shared Optuna study), Slurm + munge (sbatch launch tests); the tests start them.
+	@if ! command -v slurmctld >/dev/null 2>&1 || ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql slurm-wlm munge >/dev/null; \
+	  else \
+	    echo "run 'sudo apt-get install -y postgresql slurm-wlm munge' (PostgreSQL and Slurm tests will skip)"; \
 	  fi; \
 	fi
 
