@@ -58,7 +58,7 @@ def _broker(a: argparse.Namespace) -> BrokerConfig:
 def _connect(a: argparse.Namespace, client_id: str, subs: list[str],
              persistent: bool = False) -> FleetConnection:
     conn = FleetConnection(_broker(a), client_id, subs, persistent=persistent)
-    conn.start()
+    conn.start(a.connect_timeout_s)
     return conn
 
 
@@ -359,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tls-ca", type=Path, default=_env("TLS_CA"))
     g.add_argument("--tls-cert", type=Path, default=_env("TLS_CERT"))
     g.add_argument("--tls-key", type=Path, default=_env("TLS_KEY"))
+    g.add_argument("--connect-timeout-s", type=float, default=10.0,
+                   help="give up when no CONNACK arrives in this time (a refused TLS "
+                        "handshake shows only as silence)")
     ap.add_argument("--db", default=_env("DB", "fleet.db"), help="controller state (SQLite)")
     ap.add_argument("--report-dir", default=_env("REPORT_DIR", "fleet-reports"))
     ap.add_argument("--settle-s", type=float, default=0.5,

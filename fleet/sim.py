@@ -79,6 +79,8 @@ class SimConfig(BaseModel):
 
     devices: int = Field(default=10, ge=1, le=100_000)
     id_prefix: str = "sim"
+    first_index: int = Field(default=0, ge=0)
+    """Numbering starts here, so several processes (or certificates) share one id space."""
     groups: list[str] = Field(default_factory=lambda: ["sim"])
     model_name: str = "digits"
     model_version: str = "v1"
@@ -92,8 +94,9 @@ class SimConfig(BaseModel):
     """Telemetry period (0: none)."""
 
     def device_ids(self) -> list[str]:
-        width = max(4, len(str(self.devices - 1)))
-        return [f"{self.id_prefix}-{i:0{width}d}" for i in range(self.devices)]
+        last = self.first_index + self.devices
+        width = max(4, len(str(last - 1)))
+        return [f"{self.id_prefix}-{i:0{width}d}" for i in range(self.first_index, last)]
 
     def behavior_of(self, index: int, device: str) -> Behavior:
         if device in self.overrides:
@@ -357,7 +360,8 @@ class SimFleet:
         self.sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._calls: deque[Callable[[], None]] = deque()
         self.devices = {
-            d: SimDevice(self, d, cfg.behavior_of(i, d)) for i, d in enumerate(cfg.device_ids())
+            d: SimDevice(self, d, cfg.behavior_of(cfg.first_index + i, d))
+            for i, d in enumerate(cfg.device_ids())
         }
         self.connected_count = 0
         self.errors: list[str] = []
@@ -508,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", type=Path, help="SimConfig as JSON (flags below override)")
     ap.add_argument("--devices", type=int)
     ap.add_argument("--id-prefix")
+    ap.add_argument("--first-index", type=int)
     ap.add_argument("--group", action="append", help="group of every device (repeatable)")
     ap.add_argument("--job-duration-s", type=float)
     ap.add_argument("--fail-share", type=float)
@@ -515,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summary", type=Path, help="write executed jobs per device here at exit")
     a = ap.parse_args(argv)
     data: dict[str, Any] = json.loads(a.config.read_text()) if a.config else {}
-    for key in ("devices", "id_prefix", "fail_share"):
+    for key in ("devices", "id_prefix", "first_index", "fail_share"):
         if getattr(a, key) is not None:
             data[key] = getattr(a, key)
     if a.group:

@@ -8,6 +8,7 @@ import os
 import signal
 import sqlite3
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -315,3 +316,38 @@ def test_real_agents_in_a_100_device_rollout(
         assert e["wave"] == 3 and e["outcome"] == "committed" and e["metric_before"] is not None
         assert a.jobs() == [(f"mixed.{a.device_id}.1", "finetune", "SUCCEEDED")]
     assert all(len(d.executed) == 1 for d in fleet.devices.values())
+
+
+def test_fleetctl_over_mutual_tls(mosquitto: Callable[..., Any], tmp_path: Path,
+                                  subprocess_env: dict[str, str]) -> None:
+    from fleet.mqtt import BrokerConfig
+    from fleet.sim import SimConfig
+    from tests.support.pki import make_pki
+
+    pki = make_pki(tmp_path / "pki", ["sim-0000", "sim-0001", "ops"])
+    b = mosquitto(tls=pki, require_certificate=True)
+    fleets = []
+    for i, dev in enumerate(("sim-0000", "sim-0001")):  # each device its own certificate
+        cert, key = pki.client(dev)
+        cfg = BrokerConfig(host=b.host, port=b.port, tls_ca=pki.ca_cert, tls_cert=cert,
+                           tls_key=key)
+        fleets.append(SimFleet(SimConfig(devices=1, first_index=i), cfg).start())
+    try:
+        cert, key = pki.client("ops")
+        tls = ["--host", b.host, "--port", str(b.port), "--tls-ca", str(pki.ca_cert),
+               "--tls-cert", str(cert), "--tls-key", str(key), "--settle-s", "0.3"]
+        r = subprocess.run([sys.executable, "-m", "fleet.cli", *tls, "send", "--group", "sim",
+                            "ping", "--wait", "--json"], capture_output=True, text=True,
+                           env=subprocess_env, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert [x["device"] for x in json.loads(r.stdout)["results"]] == ["sim-0000", "sim-0001"]
+        # No client certificate: the broker refuses the handshake; fleetctl says so, exit 1.
+        r = subprocess.run([sys.executable, "-m", "fleet.cli", "--host", b.host, "--port",
+                            str(b.port), "--tls-ca", str(pki.ca_cert), "--connect-timeout-s",
+                            "2", "devices"],
+                           capture_output=True, text=True, env=subprocess_env, timeout=60)
+        assert r.returncode == 1
+        assert "unreachable" in r.stderr or "no CONNACK" in r.stderr, r.stderr
+    finally:
+        for f in fleets:
+            f.stop()
