@@ -9,6 +9,7 @@ from pathlib import Path
 
 from hpc_core.batch_find import add_batch_find_args, run_batch_find
 from hpc_core.config import ConfigError, load_config, reference_markdown, summarize
+from hpc_core.estimate import add_estimate_args, run_estimate
 from hpc_core.lr_find import add_lr_find_args, run_lr_find
 from hpc_core.train import add_train_args, run
 from hpc_core.tune import add_tune_args, run_tune
@@ -102,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_batch_find_args(bf)
     bf.set_defaults(func=run_batch_find)
+    es = sub.add_parser(
+        "estimate",
+        help="time and cost of a run on N nodes of a GPU model, from a short probe",
+        description="Probe a few training steps, an evaluation and a save on this machine; "
+        "print epoch time, total time and cost with the assumption behind each number.",
+    )
+    add_estimate_args(es)
+    es.set_defaults(func=run_estimate)
     # Publishing lives in its own module; it is optional until that module exists.
     try:
         publish_cli = importlib.import_module("hpc_core.publish_cli")
