@@ -60,7 +60,7 @@ class Probe:
     device: str
     steps: int
     step_s: float
-    """Median seconds per optimizer step after warm-up."""
+    """Mean seconds per optimizer step after warm-up."""
     samples_per_s: float
     eval_s: float
     save_s: float
@@ -123,7 +123,8 @@ def run_probe(cfg: TrainConfig, steps: int = 20, warmup: int = 3) -> tuple[Probe
             trainer.logger.close()
     from hpc_core.metrics import peak_device_mb, peak_rss_mb
 
-    step_s = sorted(times)[len(times) // 2]
+    # The mean, not the median: a run's wall time pays for the slow steps too (GC, page faults).
+    step_s = sum(times) / len(times)
     per_rank = cfg.training.global_batch_size // trainer.dist.world_size
     device = trainer.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -158,7 +159,7 @@ def estimate(
     target = prices.gpus[gpu]
     probe, trainer = run_probe(cfg, steps=probe_steps)
     notes = [
-        f"probe: {probe.steps} timed steps on {probe.device} (median {probe.step_s * 1e3:.1f} ms "
+        f"probe: {probe.steps} timed steps on {probe.device} (mean {probe.step_s * 1e3:.1f} ms "
         f"per step of {cfg.training.global_batch_size} samples), one evaluation "
         f"({probe.eval_s:.3f} s), one checkpoint save ({probe.save_s:.3f} s)",
     ]
@@ -190,11 +191,12 @@ def estimate(
     every = cfg.training.eval_every_steps
     evals = math.ceil(total_steps / spe) if every is None else math.ceil(total_steps / every)
     eval_save_s = (probe.eval_s / speed) + probe.save_s
-    total_s = total_steps * step_s + evals * eval_save_s
+    final_save_s = probe.save_s if cfg.checkpoint.save_final else 0.0
+    total_s = total_steps * step_s + evals * eval_save_s + final_save_s
     epoch_s = spe * step_s + (eval_save_s if every is None else spe / every * eval_save_s)
     notes.append(
         f"{evals} evaluations, each followed by a checkpoint save (the best-checkpoint upper "
-        "bound); start-up (imports, data loading) is not included"
+        "bound), and the final save; start-up (imports, data loading) is not included"
     )
     gpu_hours = total_s / 3600 * devices
     notes.append(
