@@ -108,6 +108,13 @@ def _run(args: argparse.Namespace, term: dict[str, bool]) -> int:
             check_inputs(spec, state_dir)
         except ValueError as e:
             return fail(2, f"finetune: {e}")
+        if spec.finetune.profile != "auto":  # type: ignore[attr-defined]
+            from device_profiles import ProfileError, load_profile
+
+            try:
+                load_profile(spec.finetune.profile)  # type: ignore[attr-defined]
+            except ProfileError as e:
+                return fail(2, f"finetune: --profile: {e}")
         if term["seen"]:
             return fail(128 + signal.SIGTERM, "finetune: SIGTERM during start-up: nothing done")
         JobStore(state_dir).submit(job_id, "finetune", spec.model_dump(mode="json"),

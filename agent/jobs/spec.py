@@ -133,6 +133,11 @@ class DeviceJob(BaseModel):
                 f"finetune.micro_batch={ft.micro_batch} exceeds finetune.effective_batch="  # type: ignore[attr-defined]
                 f"{ft.effective_batch}: lower --micro-batch or raise --effective-batch"  # type: ignore[attr-defined]
             )
+        try:  # FinetuneJob's own field and cross-field checks (e.g. trainable)
+            FinetuneJob.model_validate({**ft.model_dump(), "checkpoint": ".", "data": ".",
+                                        "out": "."})
+        except ValueError as e:
+            raise ValueError(f"finetune: {e}") from None
         try:  # ExportJob's own cross-field checks (e.g. tensorrt.max_batch vs gates.batch)
             ExportJob.model_validate({**self.export.model_dump(), "checkpoint": ".",  # type: ignore[attr-defined]
                                       "out_dir": "."})

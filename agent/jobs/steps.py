@@ -284,13 +284,13 @@ def upload(ctx: JobContext) -> dict[str, Any]:
         )
         m, uri = report.manifest, report.uri
     except VersionExistsError:
-        m, uri = _uploaded_before(ctx, target, version, parent.version, content, key), target
+        m, uri = _uploaded_before(ctx, target, version, parent.version, key), target
     return {"version": m.version, "parent": m.parent, "sequence": m.sequence, "uri": str(uri),
             "signer": m.signer.name}
 
 
 def _uploaded_before(ctx: JobContext, target: str, version: str, parent: str,
-                     content: Any, key: Any) -> Any:
+                     key: Any) -> Any:
     from registry.pull import fetch_verified_manifest
     from registry.refs import Ref
     from registry.signing import load_trusted_keys
@@ -301,7 +301,12 @@ def _uploaded_before(ctx: JobContext, target: str, version: str, parent: str,
     ref = Ref(ctx.spec.model, version, target)
     got = fetch_verified_manifest(open_store(target, cfg), ref,
                                   load_trusted_keys(trusted_dir(ctx)), cfg).manifest
-    ours = {t.name: t.sha256 for t in content.tensors}
+    from agent.storage.slots import ModelSlots
+
+    # The committed version was signed from the very same checkpoint: its tensor hashes are
+    # the upload's.
+    staged = ModelSlots(ctx.state_dir, ctx.spec.model).installed(ctx.outputs["stage"]["version"])
+    ours = {t.name: t.sha256 for t in staged.manifest.tensors}
     theirs = {t.name: t.sha256 for t in got.tensors}
     if got.parent != parent or theirs != ours or got.signer.key_id != key.key_id:
         raise StepFailed("upload", f"{ctx.spec.model}@{version} is already in {target} with "

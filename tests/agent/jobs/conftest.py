@@ -1,0 +1,109 @@
+"""A device for the job tests: an upstream small_cnn (GroupNorm) trained once on clean digits,
+published signed to a registry served over loopback HTTP, device data with the documented
+distortion (scripts/make_device_data.py: inverted + noisy), and device keys."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.registry_server import RegistryServer
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@dataclass
+class Device:
+    root: Path
+    registry: RegistryServer
+    data: Path
+    upstream: Path
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state"
+
+    def spec(self, **over: Any) -> dict[str, Any]:
+        """The job the tests run: 60 steps, micro-batch given (no probes) unless overridden."""
+        spec: dict[str, Any] = {
+            "model": "digits", "version": "v1", "registry": self.registry.url,
+            "data": str(self.data),
+            "finetune": {"profile": "generic-x86", "sensors": "none", "trainable": "all",
+                         "steps": 60, "effective_batch": 64, "micro_batch": 64, "lr": 0.01,
+                         "checkpoint_every": 10},
+            "export": {"gates": {"latency_iters": 10, "eval_samples": 200},
+                       "calibration": {"samples": 128},
+                       "fallback": {"sensitivity_samples": 64}},
+        }
+        for k, v in over.items():
+            if isinstance(v, dict) and isinstance(spec.get(k), dict):
+                spec[k] = {**spec[k], **v}
+            else:
+                spec[k] = v
+        return spec
+
+    def install(self) -> None:
+        """agentctl pull digits@v1: the upstream becomes the active model."""
+        from agent.storage.update import update
+        from registry.refs import parse_ref
+        from registry.signing import load_trusted_keys
+
+        update(parse_ref("digits@v1", self.registry.url), state_dir=self.state,
+               trusted=load_trusted_keys(self.state / "trusted_keys"))
+
+
+@pytest.fixture(scope="session")
+def device_template(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    root = tmp_path_factory.mktemp("device")
+    code = f"""
+import sys
+sys.path.insert(0, {str(REPO / 'scripts')!r})
+from pathlib import Path
+from hpc_core.config import load_config
+from hpc_core.trainer import Trainer
+from make_device_data import make_device_data
+root = Path({str(root)!r})
+cfg = load_config(Path({str(REPO / 'configs/digits.yaml')!r}), [f"run.output_dir={{root/'up'}}",
+      "training.epochs=4", "logging.progress=off", "model.kwargs={{width: 8, norm: group}}",
+      "checkpoint.best_metric=null"])
+Trainer(cfg).train()
+make_device_data(root / "device.npz", ["invert", "noise"], image_size=16)
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+    from registry.signing import generate_keypair, load_signing_key
+
+    up_priv, up_pub = generate_keypair(root / "keys", "upstream")
+    state = root / "state"
+    (state / "trusted_keys").mkdir(parents=True)
+    _, dev_pub = generate_keypair(state, "device")
+    for p in (up_pub, dev_pub):
+        (state / "trusted_keys" / p.name).write_bytes(p.read_bytes())
+    assert load_signing_key(up_priv) is not None
+    (root / "upstream.key").write_text(str(up_priv))
+    yield root
+
+
+@pytest.fixture
+def device(device_template: Path, tmp_path: Path) -> Iterator[Device]:
+    """A fresh device (nothing installed) and a registry holding digits@v1."""
+    from hpc_core.model_spec import read_checkpoint
+    from registry.publish import publish_content
+    from registry.signing import load_signing_key
+    from registry.stores import LocalStore
+
+    root = tmp_path / "dev"
+    shutil.copytree(device_template / "state", root / "state")
+    reg = tmp_path / "registry"
+    reg.mkdir()
+    key = load_signing_key(Path((device_template / "upstream.key").read_text()))
+    publish_content(read_checkpoint(device_template / "up"), LocalStore(reg), name="digits",
+                    version="v1", key=key)
+    with RegistryServer(reg) as server:
+        yield Device(root, server, device_template / "device.npz", device_template / "up")
