@@ -55,6 +55,7 @@ bench: setup
 	$(PY) benchmarks/finetune.py
 	$(PY) benchmarks/sync.py
 	$(PY) benchmarks/export.py
+	$(PY) benchmarks/upstream.py
 	$(PY) benchmarks/fleet.py
 
 lint: setup
