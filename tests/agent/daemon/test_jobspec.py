@@ -1,0 +1,38 @@
+"""The daemon validates job commands with the device job's own spec models (agent.jobs.spec)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from agent.daemon.jobspec import validate_job
+from agent.jobs.spec import SPECS
+from agent.mqtt.contract import JOB_TYPES, error_from_validation
+
+
+def test_every_contract_job_type_has_the_jobs_spec() -> None:
+    assert set(SPECS) == set(JOB_TYPES)
+    ft = validate_job("finetune", {"model": "digits", "data": "/d/device.npz",
+                                   "finetune": {"steps": 3}})
+    # The stored spec is the spec model's full dump: the worker re-validates it unchanged.
+    assert SPECS["finetune"].model_validate(ft).model_dump(mode="json") == ft
+    assert ft["finetune"]["steps"] == 3 and ft["steps"]["export"] is True
+    dep = validate_job("deploy", {"model": "digits", "version": "2", "registry": "/r"})
+    assert dep["version"] == "2" and dep["health"]["max_accuracy_drop_pts"] == 0.0
+    assert validate_job("rollback", {"name": "digits", "reason": "drill"})["reason"] == "drill"
+
+
+@pytest.mark.parametrize(("type_", "args", "field"), [
+    ("deploy", {"model": "digits", "registry": "/r"}, "args.version"),
+    ("finetune", {"model": "digits", "data": "/d", "finetune": {"stepz": 3}},
+     "args.finetune.stepz"),
+    ("finetune", {"model": "digits", "data": "/d", "finetune": {"micro_batch": 64,
+                                                                "effective_batch": 16}},
+     "micro_batch"),
+    ("rollback", {"name": "digits", "bogus": 1}, "args.bogus"),
+])
+def test_bad_job_args_name_the_field(type_: str, args: dict, field: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        validate_job(type_, args)
+    err = error_from_validation(e.value)
+    assert err.code == "BAD_ARGS" and field in err.message, err.message
