@@ -344,7 +344,7 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     for name, f in RolloutPlan.model_fields.items():
         flag = "--" + name.replace("_", "-")
         p.add_argument(flag, dest=f"plan_{name}", metavar="VALUE",
-                       help=(f.description or "").split("\n")[0])
+                       help=(f.description or "").split("\n")[0].replace("%", "%%"))
 
 
 def build_parser() -> argparse.ArgumentParser:

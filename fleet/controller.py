@@ -95,7 +95,7 @@ class Controller:
         self.runs: dict[str, RolloutRun] = {}
         self.by_exec: dict[str, RolloutRun] = {}
         self.dirty: dict[str, Execution] = {}
-        self.outbox: list[tuple[RolloutRun, Execution, str | None]] = []
+        self.outbox: list[tuple[RolloutRun, Execution]] = []
         self.on_progress = on_progress
 
     # --- loading and resuming ---------------------------------------------------------
@@ -113,7 +113,7 @@ class Controller:
         # device answers DUPLICATE (it has it) or runs it (it never arrived) — never twice.
         for e in run.execs.values():
             if e.open and e.status != "PLANNED":
-                self.outbox.append((run, e, None))
+                self.outbox.append((run, e))
         log.info("rollout loaded", extra={"rollout": rid, "state": r.state,
                                            "resent": len(self.outbox)})
         return run
@@ -187,7 +187,7 @@ class Controller:
     def _queue_send(self, run: RolloutRun, e: Execution, now: float) -> None:
         e.status, e.sent_at = "SENT", now
         self.dirty[e.id] = e
-        self.outbox.append((run, e, None))
+        self.outbox.append((run, e))
         run.sends.append(now)
 
     def _command(self, run: RolloutRun, e: Execution) -> tuple[str, bytes]:
@@ -222,7 +222,7 @@ class Controller:
         if self.dirty:
             self.store.save_executions(self.dirty.values())
             self.dirty.clear()
-        for run, e, _ in self.outbox:
+        for run, e in self.outbox:
             topic, payload = self._command(run, e)
             self.conn.publish(topic, payload)
         self.outbox.clear()
@@ -445,8 +445,8 @@ def summarize(run: RolloutRun) -> dict[str, Any]:
         es = [latest[d] for d in devs if d in latest]
         waves.append({
             "wave": w.idx, "state": w.state, "devices": len(devs),
-            "sent": sum(e.status != "PLANNED" for e in es),
-            "running": sum(e.open and e.status != "PLANNED" for e in es),
+            "sent": sum(e.sent_at is not None for e in es),
+            "running": sum(e.open and e.sent_at is not None for e in es),
             "succeeded": sum(e.status == "SUCCEEDED" and not run.failed(e) for e in es),
             "failed": sum(run.failed(e) and run.final(e) for e in es),
             "canceled": sum(e.status == "CANCELED" for e in es),

@@ -108,7 +108,6 @@ class FleetConnection:
         self.client.on_message = self._on_message
         self.client.on_disconnect = self._on_disconnect
         self.client.reconnect_delay_set(0.5, 10)
-        self.published = 0
 
     def _on_connect(self, client: mqtt.Client, ud: Any, flags: Any, rc: Any, props: Any) -> None:
         if rc.is_failure:
@@ -150,7 +149,6 @@ class FleetConnection:
         # Queued in paho's memory while disconnected; the controller's store, not paho, is
         # what makes a send survive a crash (it is re-sent with the same id on restart).
         self.client.publish(topic, payload, qos=qos, retain=retain)
-        self.published += 1
 
     def drain(self, timeout_s: float, max_n: int = 5000) -> list[mqtt.MQTTMessage]:
         """Messages that arrived, waiting up to ``timeout_s`` for the first."""

@@ -365,7 +365,6 @@ class SimFleet:
         }
         self.connected_count = 0
         self.errors: list[str] = []
-        self.published = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -400,7 +399,6 @@ class SimFleet:
         # QoS 1 while disconnected stays in paho's memory and goes out after reconnect.
         if dev.client is not None:
             dev.client.publish(topic, payload, qos=1)
-            self.published += 1
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self.timers, (time.monotonic() + delay_s, next(self._tseq), fn))
@@ -517,10 +515,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--job-duration-s", type=float)
     ap.add_argument("--fail-share", type=float)
     ap.add_argument("--acc-delta", type=float)
+    ap.add_argument("--telemetry-s", type=float, help="telemetry period (default: none)")
     ap.add_argument("--summary", type=Path, help="write executed jobs per device here at exit")
     a = ap.parse_args(argv)
     data: dict[str, Any] = json.loads(a.config.read_text()) if a.config else {}
-    for key in ("devices", "id_prefix", "first_index", "fail_share"):
+    for key in ("devices", "id_prefix", "first_index", "fail_share", "telemetry_s"):
         if getattr(a, key) is not None:
             data[key] = getattr(a, key)
     if a.group:

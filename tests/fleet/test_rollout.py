@@ -236,14 +236,17 @@ def test_operator_pause_resume_abort(sim_fleet: Callable[..., SimFleet], fleetct
     assert {d.model.version for d in fleet.devices.values()} == {"v1"}
 
 
-def test_watch_follows_status_and_events(sim_fleet: Callable[..., SimFleet], fleetctl: Run
-                                         ) -> None:
-    sim_fleet(devices=3)
-    r = fleetctl("watch", "--count", "3", "--duration-s", "10")
+def test_watch_follows_status_and_telemetry(sim_fleet: Callable[..., SimFleet], fleetctl: Run
+                                            ) -> None:
+    sim_fleet(devices=3, telemetry_s=0.2)
+    r = fleetctl("watch", "--telemetry", "--count", "12", "--duration-s", "20")
     lines = [json.loads(x) for x in r.stdout.splitlines()]
-    assert r.returncode == 0 and len(lines) == 3
-    assert {x["device"] for x in lines} == {"sim-0000", "sim-0001", "sim-0002"}
-    assert {x["kind"] for x in lines} == {"status"} and lines[0]["state"] == "online"
+    assert r.returncode == 0 and len(lines) == 12
+    status = [x for x in lines if x["kind"] == "status"]
+    assert {x["device"] for x in status} == {"sim-0000", "sim-0001", "sim-0002"}
+    assert {x["state"] for x in status} == {"online"}
+    tel = [x for x in lines if x["kind"] == "telemetry"]
+    assert len(tel) == 9 and all(x["temps_c"] == {"cpu": 45.0} for x in tel)
 
 
 def test_device_gate_rollbacks_count_as_failures(sim_fleet: Callable[..., SimFleet],
