@@ -1,9 +1,9 @@
 """The rollout controller: waves, rate limit, timeouts, retries, health gates, abort, rollback.
 
 A loop over (messages in → state → sends out), every change in the store before anything is
-published. Execution ids are ``{rollout}.{device}.{attempt}``: a restarted controller re-sends
-the same id for every execution that was open, and a device that already has it answers
-DUPLICATE with where it stands — so no device ever runs one execution twice.
+published. Execution ids are ``{rollout}-{nonce}.{device}.{attempt}``: a restarted controller
+re-sends the same id for every execution that was open, and a device that already has it
+answers DUPLICATE with where it stands — so no device ever runs one execution twice.
 
 Rollout states: running → (paused ⇄ running) → succeeded, or → aborting → rolling_back →
 aborted; ``rollback`` of a finished rollout: rolling_back → rolled_back.
@@ -39,8 +39,11 @@ DEVICE_TERMINAL = frozenset(
 )
 
 
-def exec_id(rid: str, device: str, attempt: int, kind: str = "job") -> str:
-    return f"{rid}.{device}.{attempt}" if kind == "job" else f"{rid}.{device}.{kind}{attempt}"
+def exec_id(rollout: Rollout, device: str, attempt: int, kind: str = "job") -> str:
+    """``{rollout}-{nonce}.{device}.{attempt}``: the same on every restart of this rollout,
+    never the same for another one."""
+    key = f"{rollout.id}-{rollout.nonce}"
+    return f"{key}.{device}.{attempt}" if kind == "job" else f"{key}.{device}.{kind}{attempt}"
 
 
 @dataclass
@@ -177,7 +180,7 @@ class Controller:
 
     def _plan_exec(self, run: RolloutRun, device: str, wave: int, attempt: int,
                    kind: str = "job") -> Execution:
-        e = Execution(exec_id(run.rollout.id, device, attempt, kind), run.rollout.id, device,
+        e = Execution(exec_id(run.rollout, device, attempt, kind), run.rollout.id, device,
                       wave, kind, attempt, "PLANNED", time.time())
         run.execs[e.id] = e
         self.by_exec[e.id] = run

@@ -37,6 +37,7 @@ def build(run: RolloutRun) -> dict[str, Any]:
     execs = sorted(run.execs.values(), key=lambda e: (e.created_at, e.id))
     return {
         "rollout": s["id"],
+        "key": f"{run.rollout.id}-{run.rollout.nonce}",
         "state": s["state"],
         "reason": s["reason"],
         "plan": run.plan.model_dump(mode="json"),

@@ -10,6 +10,7 @@ already seen and is answered DUPLICATE instead of running twice.
 from __future__ import annotations
 
 import json
+import secrets
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator
@@ -23,6 +24,7 @@ from fleet.plan import RolloutPlan
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (
     id TEXT PRIMARY KEY,
+    nonce TEXT NOT NULL,
     plan TEXT NOT NULL,
     state TEXT NOT NULL,
     reason TEXT,
@@ -134,6 +136,10 @@ class Wave:
 @dataclass
 class Rollout:
     id: str
+    nonce: str
+    """Random, fixed at creation, part of every execution id: a rollout of the same name in
+    a fresh db never collides with ids the devices stored for an older one (which they would
+    answer DUPLICATE, with the old result)."""
     plan: RolloutPlan
     state: str
     reason: str | None
@@ -183,9 +189,9 @@ class FleetStore:
             ).fetchone()[0]
             rid = plan.name if n == 0 else f"{plan.name}-{n + 1}"
             db.execute(
-                "INSERT INTO rollouts (id, plan, state, created_at, updated_at) "
-                "VALUES (?, ?, 'running', ?, ?)",
-                (rid, plan.model_dump_json(), now, now),
+                "INSERT INTO rollouts (id, nonce, plan, state, created_at, updated_at) "
+                "VALUES (?, ?, ?, 'running', ?, ?)",
+                (rid, secrets.token_hex(3), plan.model_dump_json(), now, now),
             )
             db.executemany(
                 "INSERT INTO waves (rollout_id, idx, target, state) VALUES (?, ?, ?, 'pending')",
@@ -204,13 +210,13 @@ class FleetStore:
 
     def rollout(self, rid: str) -> Rollout | None:
         row = self.db.execute(
-            "SELECT id, plan, state, reason, request, created_at, updated_at, finished_at "
+            "SELECT id, nonce, plan, state, reason, request, created_at, updated_at, finished_at "
             "FROM rollouts WHERE id = ?",
             (rid,),
         ).fetchone()
         if row is None:
             return None
-        return Rollout(row[0], RolloutPlan.model_validate_json(row[1]), *row[2:])
+        return Rollout(row[0], row[1], RolloutPlan.model_validate_json(row[2]), *row[3:])
 
     def rollouts(self, states: Iterable[str] | None = None) -> list[Rollout]:
         ids = [r[0] for r in self.db.execute("SELECT id FROM rollouts ORDER BY created_at")]

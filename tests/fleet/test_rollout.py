@@ -30,9 +30,10 @@ def rollout_id(out: str) -> str:
     return json.loads(out.splitlines()[0])["rollout"]
 
 
-def jobs_run(fleet: SimFleet, rid: str) -> dict[str, list[str]]:
+def jobs_run(fleet: SimFleet, rep: dict[str, Any]) -> dict[str, list[str]]:
     """Per device, the ids of this rollout's jobs it started (rollbacks excluded)."""
-    return {d.id: [j for j in d.executed if j.startswith(rid + ".") and "rollback" not in j]
+    key = rep["key"] + "."
+    return {d.id: [j for j in d.executed if j.startswith(key) and "rollback" not in j]
             for d in fleet.devices.values()}
 
 
@@ -53,8 +54,8 @@ def test_100_devices_roll_out_in_waves(sim_fleet: Callable[..., SimFleet], fleet
     for prev, nxt in zip(rep["waves"], rep["waves"][1:], strict=False):
         first_sent = min(e["sent_at"] for e in jobs if e["wave"] == nxt["wave"])
         assert first_sent >= prev["finished_at"] >= prev["started_at"] + 0.3 - 1e-3
-    for d, runs in jobs_run(fleet, "deploy-v2").items():
-        assert runs == [f"deploy-v2.{d}.1"]
+    for d, runs in jobs_run(fleet, rep).items():
+        assert runs == [f"{rep['key']}.{d}.1"]
     assert {d.model.version for d in fleet.devices.values()} == {"v2"}
     assert (tmp_path / "reports" / "deploy-v2.png").read_bytes()[:4] == b"\x89PNG"
     assert "deploy-v2: succeeded" in r.stdout
@@ -72,7 +73,7 @@ def test_20_percent_failing_aborts_after_first_wave_and_rolls_back(
     rep = report(tmp_path, "bad")
     assert rep["state"] == "aborted" and rep["reason"].startswith("failure rate 1/5")
     assert [w["state"] for w in rep["waves"]] == ["done", "aborted", "pending", "pending"]
-    ran = {d for d, runs in jobs_run(fleet, "bad").items() if runs}
+    ran = {d for d, runs in jobs_run(fleet, rep).items() if runs}
     assert ran == {f"sim-{i:04d}" for i in range(5)}  # nothing beyond wave 1 was sent
     # The four that committed v2 are rolled back to v1; the failed one never changed.
     assert rep["rolled_back"] == 4
@@ -91,7 +92,7 @@ def test_canary_accuracy_drop_aborts(sim_fleet: Callable[..., SimFleet], fleetct
     rep = report(tmp_path, "canary")
     assert rep["state"] == "aborted"
     assert "wave 0: median eval/acc drop 0.0500 > 0.02" in rep["reason"]
-    assert [d for d, runs in jobs_run(fleet, "canary").items() if runs] == ["sim-0000"]
+    assert [d for d, runs in jobs_run(fleet, rep).items() if runs] == ["sim-0000"]
     assert fleet.devices["sim-0000"].model.version == "v1"  # rolled back
     assert rep["rolled_back"] == 1
 
@@ -133,8 +134,8 @@ def test_controller_sigkilled_mid_rollout_resumes_without_running_anything_twice
     jobs = [e for e in rep["executions"] if e["kind"] == "job"]
     assert len(jobs) == 60 and {e["status"] for e in jobs} == {"SUCCEEDED"}
     assert {e["attempt"] for e in jobs} == {1}
-    for dev, runs in jobs_run(fleet, "kill").items():
-        assert runs == [f"kill.{dev}.1"], (dev, runs)  # started once, never again
+    for dev, runs in jobs_run(fleet, rep).items():
+        assert runs == [f"{rep['key']}.{dev}.1"], (dev, runs)  # started once, never again
     assert sum(d.duplicates for d in fleet.devices.values()) > 0  # re-sent, answered DUPLICATE
 
 
@@ -279,7 +280,7 @@ def test_abort_cancels_queued_lets_running_finish_then_rolls_back(
                            stderr=subprocess.PIPE)
     try:
         _until(lambda: _db_count(db, "kind = 'job' AND status IN ('PLANNED', 'SENT')") == 0
-               and _db_count(db, "id = 'stop.sim-0001.1' AND status = 'ACCEPTED'") == 1)
+               and _db_count(db, "device = 'sim-0001' AND status = 'ACCEPTED'") == 1)
         assert fleetctl("rollout", "abort", "stop").returncode == 0
         _, err = ctl.communicate(timeout=60)
     finally:
@@ -288,7 +289,7 @@ def test_abort_cancels_queued_lets_running_finish_then_rolls_back(
     status = {e["device"]: e["status"] for e in rep["executions"] if e["kind"] == "job"}
     assert status == {"sim-0000": "SUCCEEDED", "sim-0001": "CANCELED",
                       "sim-0002": "SUCCEEDED", "sim-0003": "SUCCEEDED"}, err
-    assert "stop.sim-0001.1" not in fleet.devices["sim-0001"].executed  # never started
+    assert f"{rep['key']}.sim-0001.1" not in fleet.devices["sim-0001"].executed  # never ran
     assert rep["state"] == "aborted" and rep["rolled_back"] == 3
     assert {fleet.devices[d].model.version for d in ("sim-0000", "sim-0002", "sim-0003")} \
         == {"v1"}
@@ -327,3 +328,17 @@ def test_fleetctl_over_mutual_tls(mosquitto: Callable[..., Any], tmp_path: Path,
     finally:
         for f in fleets:
             f.stop()
+
+
+def test_same_rollout_name_in_a_fresh_db_runs_again(sim_fleet: Callable[..., SimFleet],
+                                                     fleetctl: Run, tmp_path: Path) -> None:
+    # Execution ids carry a nonce drawn at creation: the devices' stored ids of the first
+    # rollout are not answered DUPLICATE to the second.
+    fleet = sim_fleet(devices=3, behavior={"job_duration_s": 0.05})
+    for version, db in (("v2", "a.db"), ("v3", "b.db")):
+        r = fleetctl("--db", str(tmp_path / db), "rollout", "create", "--name", "same",
+                     "--group", "sim", "--job", "deploy",
+                     "--args", json.dumps({"version": version}))
+        assert r.returncode == 0, r.stderr
+    assert {d.model.version for d in fleet.devices.values()} == {"v3"}
+    assert all(len(d.executed) == 2 and d.duplicates == 0 for d in fleet.devices.values())
