@@ -232,10 +232,13 @@ def _run_controller(a: argparse.Namespace, store: FleetStore, conn: FleetConnect
 
 
 def _exit_code(store: FleetStore, states: dict[str, str]) -> int:
-    """0 only when every rollout finished its waves and no device of it failed."""
+    """0 when every rollout finished its waves with no device failed, or was rolled back
+    (on request) with no rollback failed."""
     for rid, state in states.items():
         s = summarize(reports.load_run(store, rid))
-        if state != "succeeded" or any(w["failed"] for w in s["waves"]):
+        done = state == "succeeded" and not any(w["failed"] for w in s["waves"])
+        undone = state == "rolled_back" and s["rollback_failed"] == 0
+        if not (done or undone):
             return EXIT_FAILED
     return EXIT_OK
 
@@ -322,6 +325,10 @@ def cmd_rollout_list(a: argparse.Namespace) -> int:
 def cmd_rollout_request(a: argparse.Namespace) -> int:
     store = FleetStore(Path(a.db))
     _get_run(store, a.id)
+    if a.rollout_cmd == "rollback" and store.reopen_for_rollback(a.id):
+        print(json.dumps({"rollout": a.id, "state": "rolling_back",
+                          "next": "fleetctl controller (or the running one) sends the rollbacks"}))
+        return EXIT_OK
     store.post_request(a.id, a.rollout_cmd)
     print(json.dumps({"rollout": a.id, "request": a.rollout_cmd}))
     return EXIT_OK

@@ -263,11 +263,9 @@ class Controller:
             self._set_state(run, "running")
         elif req == "abort" and state in ("running", "paused"):
             self.abort(run, "operator abort", now)
-        elif req == "rollback":
-            if state in ("running", "paused"):
-                self.abort(run, "operator rollback", now, rollback=True)
-            elif state in ("succeeded", "aborted", "rolled_back"):
-                self._set_state(run, "rolling_back")
+        elif req == "rollback" and state in ("running", "paused"):
+            # (A finished rollout is reopened by `fleetctl rollout rollback` itself.)
+            self.abort(run, "operator rollback", now, rollback=True)
 
     def abort(self, run: RolloutRun, reason: str, now: float, rollback: bool | None = None) -> None:
         """Stop new waves, drop what was not sent, cancel what waits on a device, let

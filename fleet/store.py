@@ -235,6 +235,17 @@ class FleetStore:
     def save_plan(self, rid: str, plan: RolloutPlan) -> None:
         self.db.execute("UPDATE rollouts SET plan = ? WHERE id = ?", (plan.model_dump_json(), rid))
 
+    def reopen_for_rollback(self, rid: str) -> bool:
+        """A finished rollout goes back to work (rolling_back) for the next controller; True
+        when it was finished. No controller drives a finished rollout, so none races this."""
+        marks = ", ".join("?" * len(ROLLOUT_FINAL))
+        cur = self.db.execute(
+            f"UPDATE rollouts SET state = 'rolling_back', updated_at = ?, finished_at = NULL "
+            f"WHERE id = ? AND state IN ({marks})",
+            (time.time(), rid, *ROLLOUT_FINAL),
+        )
+        return cur.rowcount == 1
+
     def post_request(self, rid: str, request: str) -> None:
         if request not in REQUESTS:
             raise ValueError(f"request {request!r}: one of {', '.join(REQUESTS)}")

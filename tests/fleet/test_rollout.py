@@ -342,3 +342,56 @@ def test_same_rollout_name_in_a_fresh_db_runs_again(sim_fleet: Callable[..., Sim
         assert r.returncode == 0, r.stderr
     assert {d.model.version for d in fleet.devices.values()} == {"v3"}
     assert all(len(d.executed) == 2 and d.duplicates == 0 for d in fleet.devices.values())
+
+
+def test_rollback_of_a_finished_rollout(sim_fleet: Callable[..., SimFleet], fleetctl: Run,
+                                        tmp_path: Path) -> None:
+    fleet = sim_fleet(devices=5, behavior={"job_duration_s": 0.05})
+    assert fleetctl("rollout", "create", "--name", "undo", "--group", "sim", "--job", "deploy",
+                    "--args", '{"version": "v2"}').returncode == 0
+    assert {d.model.version for d in fleet.devices.values()} == {"v2"}
+    r = fleetctl("rollout", "rollback", "undo")
+    assert r.returncode == 0 and '"rolling_back"' in r.stdout
+    r = fleetctl("controller")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = report(tmp_path, "undo")
+    assert rep["state"] == "rolled_back" and rep["rolled_back"] == 5
+    assert {d.model.version for d in fleet.devices.values()} == {"v1"}
+
+
+@pytest.mark.slow
+def test_real_agents_in_a_100_device_rollout(
+    sim_fleet: Callable[..., SimFleet], real_agents: Callable[..., list[Any]], fleetctl: Run,
+    tmp_path: Path,
+) -> None:
+    # 97 simulated devices and 3 real edge-agent daemons running the real device job (pull,
+    # fine-tune, stage, health, commit). Their ids sort last: they share the last wave.
+    fleet = sim_fleet(devices=97, behavior={"job_duration_s": 0.1, "acc_delta": 0.01})
+    reals = real_agents(["zreal-0", "zreal-1", "zreal-2"], ["sim"])
+    args = {"model": "digits", "data": str(tmp_path / "device.npz"),
+            # A fixed micro-batch skips the job's memory probes: the test is about the fleet.
+            "finetune": {"steps": 2, "effective_batch": 16, "micro_batch": 16},
+            "steps": {"export": False}}
+    # The daemons take a moment to connect and publish their status.
+    _until(lambda: "zreal-2" in fleetctl("devices", "--group", "sim").stdout, 60)
+    r = fleetctl("rollout", "create", "--name", "mixed", "--group", "sim", "--job", "finetune",
+                 "--args", json.dumps(args), "--waves", "1,5%,25%,100%", "--bake-s", "0.2",
+                 "--max-metric-drop", "0.05", "--timeout-s", "400", timeout=500)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    rep = report(tmp_path, "mixed")
+    jobs = {e["device"]: e for e in rep["executions"] if e["kind"] == "job"}
+    assert len(jobs) == 100 and {e["status"] for e in jobs.values()} == {"SUCCEEDED"}
+    for a in reals:
+        e = jobs[a.device_id]
+        assert e["wave"] == 3 and e["outcome"] == "committed" and e["metric_before"] is not None
+        assert a.jobs() == [(f"{rep['key']}.{a.device_id}.1", "finetune", "SUCCEEDED")]
+    assert all(len(d.executed) == 1 for d in fleet.devices.values())
+    # The operator takes it back: every device, real ones included, returns to digits@1.
+    assert fleetctl("rollout", "rollback", "mixed").returncode == 0
+    r = fleetctl("controller", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    rep = report(tmp_path, "mixed")
+    assert rep["state"] == "rolled_back" and rep["rolled_back"] == 100
+    for a in reals:
+        assert [j[1:] for j in a.jobs()] == [("finetune", "SUCCEEDED"), ("rollback", "SUCCEEDED")]
+    assert {d.model.version for d in fleet.devices.values()} == {"v1"}
