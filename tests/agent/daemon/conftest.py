@@ -19,7 +19,9 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.device import ProvisionedDevice, copy_device, provision_template
 from tests.support.mosquitto import Broker
+from tests.support.registry_fixtures import KeyPair, upstream_key  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[3]
 _ids = itertools.count()
@@ -98,6 +100,7 @@ class AgentProc:
                 config[k].update(v)
             else:
                 config[k] = v
+        self.state_dir = Path(config["state_dir"])
         workdir.mkdir(parents=True, exist_ok=True)
         self.config = workdir / "agent.yaml"
         self.config.write_text(yaml.safe_dump(config))
@@ -183,3 +186,19 @@ def agent(
             a.proc.wait(10)
         if a.notify is not None:
             a.notify.close()
+
+
+@pytest.fixture(scope="session")
+def device_template(
+    tmp_path_factory: pytest.TempPathFactory, upstream_key: KeyPair  # noqa: F811
+) -> ProvisionedDevice:
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return provision_template(tmp_path_factory.mktemp("device"), upstream_key, env)
+
+
+@pytest.fixture
+def device(device_template: ProvisionedDevice, tmp_path: Path) -> ProvisionedDevice:
+    """A state dir with digits@1 active, its keys, and the device data: pass
+    ``state_dir=str(device.state)`` to ``agent(...)``."""
+    return copy_device(device_template, tmp_path / "device-state")
