@@ -11,6 +11,7 @@ fixtures' tiny MLP) and a real mosquitto.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import time
@@ -87,7 +88,7 @@ def test_kill9_at_random_points_of_a_finetune_job(
     pings = []
     for i, (name, reached) in enumerate(points):
         since = time.time()
-        _until(lambda: reached(since), 120, f"kill point {name} (seed {seed})")
+        _until(functools.partial(reached, since), 120, f"kill point {name} (seed {seed})")
         if name in ("stage", "health"):
             time.sleep(rng.uniform(0.0, 1.0))
         a.kill9()
