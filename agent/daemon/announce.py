@@ -146,6 +146,10 @@ class Announcer:
                 return out
             out.append(self.put_result(tx, rec.id, status, reply=rec.reply, result=rec.result,
                                        error=error_info(rec.error)))
+            # In the same transaction as the terminal result: announced once, like it.
+            evt = outcome_event(rec)
+            if evt is not None:
+                self.put_event(tx, *evt)
             return out
 
         results = self.send(build)
@@ -153,14 +157,33 @@ class Announcer:
 
     # -- events ---------------------------------------------------------------------------
 
+    def put_event(self, tx: Tx, kind: str, data: dict[str, Any]) -> Event:
+        evt = Event(device=self.device, kind=kind,  # type: ignore[arg-type]
+                    seq=tx.next_seq("evt"), ts=utc_now(), data=data)
+        tx.put(self.topics.event(self.device, kind), evt.to_payload())
+        return evt
+
     def event(self, kind: str, data: dict[str, Any]) -> None:
+        """Persist and publish one event (QoS 1, through the outbox like results)."""
         def build(tx: Tx) -> list[Result]:
-            evt = Event(device=self.device, kind=kind,  # type: ignore[arg-type]
-                        seq=tx.next_seq("evt"), ts=utc_now(), data=data)
-            tx.put(self.topics.event(self.device, kind), evt.to_payload())
+            self.put_event(tx, kind, data)
             return []
 
         self.send(build)
+
+
+def outcome_event(rec: JobRecord) -> tuple[str, dict[str, Any]] | None:
+    """model_committed / model_rolled_back for a finished job whose outcome changed (or kept,
+    after a failed check) the active model; None for every other ending."""
+    res = rec.result or {}
+    kind = {"committed": "model_committed", "rolled_back": "model_rolled_back"}.get(
+        str(res.get("outcome")))
+    if kind is None or not rec.terminal:
+        return None
+    data = {"job_id": rec.id, "job_type": rec.type, "status": job_status(rec)}
+    data.update({k: res[k] for k in ("model", "previous_model", "reason", "metrics_before",
+                                     "metrics_after", "uploaded") if res.get(k) is not None})
+    return kind, data
 
 
 def _progress(rec: JobRecord) -> dict[str, Any] | None:

@@ -65,6 +65,11 @@ class CommandHandler:
             log.exception("command on cmd/%s failed inside the daemon", topic_type)
             error = {"code": "INTERNAL", "message": f"{type(e).__name__}: {e}"[:500],
                      "retryable": True}
+            try:
+                self.ann.event("error", {"what": f"command on cmd/{topic_type} failed inside "
+                                         "the daemon", "error": error})
+            except Exception:
+                log.exception("error event not stored")
             return self.ann.send(lambda tx: [self.ann.put_result(
                 tx, "", "REJECTED", reply=reply, record=False, error=error)])
 

@@ -84,12 +84,18 @@ class Sensors:
 
 
 def governor_of(progress: dict[str, Any] | None) -> GovernorInfo | None:
-    """The fine-tune's pacing state, when the job's progress carries one."""
-    gov = ((progress or {}).get("detail") or {}).get("governor")
+    """The fine-tune's pacing state, when the job's progress carries one: the fine-tune child
+    writes ``detail = {"governor": STATE, "duty": d, "limit": "thermal"|..., "temp_c": t}``
+    (the limit that sets the duty is the reason); a ``{"state", "duty", "reason"}`` mapping
+    under ``governor`` is read as is."""
+    detail = (progress or {}).get("detail") or {}
+    gov = detail.get("governor")
+    if isinstance(gov, str):
+        gov = {"state": gov, "duty": detail.get("duty"), "reason": detail.get("limit")}
     if isinstance(gov, dict) and "state" in gov:
         try:
             return GovernorInfo.model_validate(
-                {k: gov[k] for k in ("state", "duty", "reason") if k in gov})
+                {k: gov[k] for k in ("state", "duty", "reason") if gov.get(k) is not None})
         except Exception:
             return None
     return None

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,10 @@ log = logging.getLogger("agent.daemon")
 
 
 class Daemon:
-    def __init__(self, cfg: AgentConfig, *, notifier: Notifier | None = None) -> None:
+    def __init__(
+        self, cfg: AgentConfig, *, notifier: Notifier | None = None,
+        worker_argv: Callable[[str], list[str]] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.topics = cfg.topics
         self.device = cfg.device_id
@@ -69,7 +73,7 @@ class Daemon:
         )
         self.ann = Announcer(self.outbox, self.topics, self.device, self.link.flush)
         self.runner = JobRunner(self.store, self.ann, cfg.state_dir, cfg.limits,
-                                crashes=self._count_crash)
+                                crashes=self._count_crash, worker_argv=worker_argv)
         self.handler = CommandHandler(
             self.store, self.ann, status=self.status, cancel=self.runner.cancel,
             set_power_mode=set_power_mode, wake_runner=self.runner.wake,

@@ -25,6 +25,7 @@ from typing import Any
 
 from agent.daemon.announce import Announcer
 from agent.daemon.config import LimitsConfig
+from agent.daemon.device import governor_of
 from agent.jobs.store import JobRecord, JobState, JobStore, JobStoreError
 
 log = logging.getLogger("agent.daemon.runner")
@@ -48,6 +49,8 @@ class Running:
     """When a cancel or timeout was asked of the worker: SIGKILL after the grace."""
     why: str | None = None
     """'timeout' or 'cancel' once the daemon decided to stop the worker."""
+    governor: str | None = None
+    """The fine-tune governor's last reported state (a change is a throttle event)."""
 
 
 class JobRunner:
@@ -209,7 +212,21 @@ class JobRunner:
                     self.ann.announce_job(rec)
                     announced_running = True
                     cur.last_progress, cur.last_progress_at = rec.progress, now
+                self._governor_changed(cur, rec.progress)
             self._stop.wait(0.1)
+
+    def _governor_changed(self, cur: Running, progress: dict[str, Any] | None) -> None:
+        gov = governor_of(progress)
+        if gov is None or gov.state == cur.governor:
+            return
+        previous, cur.governor = cur.governor, gov.state
+        if previous is None and gov.state == "NORMAL":
+            return  # the first reading of an unthrottled run is not news
+        detail = (progress or {}).get("detail") or {}
+        self.ann.event("throttle", {
+            "job_id": cur.rec.id, "state": gov.state, "previous": previous, "duty": gov.duty,
+            "reason": gov.reason, "temp_c": detail.get("temp_c"),
+            "step": (progress or {}).get("step")})
 
     def _finish(self, cur: Running, code: int | None) -> None:
         rec = self.store.get(cur.rec.id)
@@ -231,6 +248,9 @@ class JobRunner:
             return
         crashes = self._count_crash(rec.id)
         tail = self._log_tail(rec.id)
+        self.ann.event("error", {"job_id": rec.id, "what": "worker crashed", "exit_code": code,
+                                 "crashes": crashes, "max": self.limits.max_job_attempts,
+                                 "log_tail": tail})
         if crashes >= self.limits.max_job_attempts:
             self._end(rec, JobState.FAILED, _err(
                 "INTERNAL", f"the worker crashed {crashes} times (last exit {code}): {tail}"))

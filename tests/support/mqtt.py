@@ -33,6 +33,8 @@ class Received:
     qos: int
     correlation: bytes | None
     at: float
+    expiry_s: int | None = None
+    """The v5 Message Expiry Interval as the broker forwarded it (None: none set)."""
 
     def json(self) -> Any:
         return json.loads(self.payload)
@@ -86,9 +88,10 @@ class Peer:
 
     def _on_message(self, c: Any, ud: Any, msg: mqtt.MQTTMessage) -> None:
         corr = getattr(msg.properties, "CorrelationData", None) if msg.properties else None
+        expiry = getattr(msg.properties, "MessageExpiryInterval", None) if msg.properties else None
         with self.cond:
             self.messages.append(Received(msg.topic, msg.payload, bool(msg.retain), msg.qos,
-                                          corr, time.monotonic()))
+                                          corr, time.monotonic(), expiry))
             self.cond.notify_all()
 
     def subscribe(self, *topics: str, qos: int = 1, timeout_s: float = 5.0) -> Peer:
