@@ -32,6 +32,8 @@ ACL_DEVICE_PATTERN = (
     "pattern read fleet/v1/group/+/cmd/#\n"
 )
 """Per-device isolation by username (or certificate CN with use_identity_as_username)."""
+ACL_FLEET = ACL_DEVICE_PATTERN + "\nuser fleet\ntopic readwrite fleet/v1/#\n"
+"""The device pattern plus a ``fleet`` user (the controller) that reads and writes it all."""
 
 
 def free_port() -> int:

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from agent.mqtt.contract import Topics
-from tests.support.mosquitto import ACL_DEVICE_PATTERN, Broker
+from tests.support.mosquitto import ACL_FLEET, Broker
 from tests.support.mqtt import Peer
 from tests.support.pki import make_pki, make_rogue_client
 
 T = Topics()
-FLEET_ACL = ACL_DEVICE_PATTERN + "\nuser fleet\ntopic readwrite fleet/v1/#\n"
+FLEET_ACL = ACL_FLEET
 
 
 def _isolation(broker: Broker, peer: Callable[[str], Peer]) -> None:
