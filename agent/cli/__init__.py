@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "agent.cli.jobs",
     "agent.cli.export",
     "agent.cli.sensors",
+    "agent.cli.daemon",
 )
 
 

@@ -142,7 +142,7 @@ class Announcer:
                 return out
             if status == "IN_PROGRESS":
                 out.append(self.put_result(tx, rec.id, "IN_PROGRESS", reply=rec.reply,
-                                           progress=progress or _progress(rec)))
+                                           progress=_progress(rec.id, progress or rec.progress)))
                 return out
             out.append(self.put_result(tx, rec.id, status, reply=rec.reply, result=rec.result,
                                        error=error_info(rec.error)))
@@ -186,14 +186,13 @@ def outcome_event(rec: JobRecord) -> tuple[str, dict[str, Any]] | None:
     return kind, data
 
 
-def _progress(rec: JobRecord) -> dict[str, Any] | None:
-    p = rec.progress
+def _progress(job_id: str, p: dict[str, Any] | None) -> dict[str, Any] | None:
     if not p:
         return None
     try:
-        return JobProgress.model_validate({"id": rec.id, **p}).model_dump(exclude_none=True)
+        return JobProgress.model_validate({**p, "id": job_id}).model_dump(exclude_none=True)
     except Exception:  # a progress shape the contract does not know: keep the stage only
-        return {"id": rec.id, "stage": str(p.get("stage", "running"))}
+        return {"id": job_id, "stage": str(p.get("stage", "running"))}
 
 
 def error_info(err: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ import os
 import queue
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -142,14 +142,7 @@ class ControlServer:
             _send(f, {"error": f"unknown op {op!r}: use command, jobs, logs or status"})
 
     def _logs(self, job_id: str, lines: int) -> list[str]:
-        if not job_id or "/" in job_id or job_id.startswith("."):
-            return [f"no job id {job_id!r}"]
-        path = self.log_dir / f"{job_id}.log"
-        try:
-            text = path.read_bytes()[-(lines * 400):].decode(errors="replace")
-        except OSError:
-            return [f"no log for job {job_id!r} (it has not started)"]
-        return text.splitlines()[-lines:]
+        return read_log(self.log_dir, job_id, lines)
 
     def _command(self, req: dict[str, Any], f: Any) -> None:
         cmd = req.get("command")
@@ -189,6 +182,37 @@ class ControlServer:
         finally:
             self.ann.unlisten(listener)
         _send(f, {"end": True})
+
+
+def read_log(log_dir: Path, job_id: str, lines: int) -> list[str]:
+    """The last ``lines`` lines of a job's worker log (``<state_dir>/logs/<id>.log``)."""
+    if not job_id or "/" in job_id or job_id.startswith("."):
+        return [f"no job id {job_id!r}"]
+    try:
+        text = (log_dir / f"{job_id}.log").read_bytes()[-(lines * 400):].decode(
+            errors="replace")
+    except OSError:
+        return [f"no log for job {job_id!r} (it has not started)"]
+    return text.splitlines()[-lines:]
+
+
+def request(
+    path: Path, req: dict[str, Any], timeout_s: float | None = 30.0
+) -> Iterator[dict[str, Any]]:
+    """The client side: send one request, yield the answer lines until the last one (an
+    ``end``, an ``error``, or the single answer of a non-command op). OSError when no daemon
+    listens at ``path``; ``timeout_s`` bounds each wait for a line (None: follow forever)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        s.connect(str(path))
+        f = s.makefile("rwb")
+        f.write(json.dumps(req).encode() + b"\n")
+        f.flush()
+        for line in f:
+            obj = json.loads(line)
+            yield obj
+            if obj.get("end") or "error" in obj or req.get("op") != "command":
+                return
 
 
 def _send(f: Any, obj: dict[str, Any]) -> None:

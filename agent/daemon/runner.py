@@ -207,13 +207,26 @@ class JobRunner:
                 self._signal(cur.proc, signal.SIGKILL)
             rec = self.store.get(cur.rec.id)
             if rec is not None and rec.state is JobState.IN_PROGRESS:
+                progress = self._current_progress(rec)
                 due = now - cur.last_progress_at >= self.limits.progress_interval_s
-                if not announced_running or (due and rec.progress != cur.last_progress):
-                    self.ann.announce_job(rec)
+                stage_changed = (progress or {}).get("stage") != (
+                    cur.last_progress or {}).get("stage")
+                if not announced_running or stage_changed or (
+                        due and progress != cur.last_progress):
+                    self.ann.announce_job(rec, progress=progress)
                     announced_running = True
-                    cur.last_progress, cur.last_progress_at = rec.progress, now
+                    cur.last_progress, cur.last_progress_at = progress, now
                 self._governor_changed(cur, rec.progress)
             self._stop.wait(0.1)
+
+    def _current_progress(self, rec: JobRecord) -> dict[str, Any] | None:
+        """The job's progress row, or just its running step when the row is about another
+        one (only the fine-tune writes progress; the step records say where the job is)."""
+        running = [s.name for s in self.store.steps(rec.id) if s.status == "running"]
+        stage = running[-1] if running else None
+        if stage is None or (rec.progress or {}).get("stage") == stage:
+            return rec.progress
+        return {"id": rec.id, "stage": stage}
 
     def _governor_changed(self, cur: Running, progress: dict[str, Any] | None) -> None:
         gov = governor_of(progress)
