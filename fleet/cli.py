@@ -79,20 +79,33 @@ def _controller_lock(db: Path) -> int | None:
     return fd
 
 
-class _JsonFormatter(logging.Formatter):
-    _skip = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+_RECORD_FIELDS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 
+
+def _extras(r: logging.LogRecord) -> dict[str, Any]:
+    return {k: v for k, v in vars(r).items() if k not in _RECORD_FIELDS}
+
+
+class _JsonFormatter(logging.Formatter):
     def format(self, r: logging.LogRecord) -> str:
         out = {"ts": round(r.created, 3), "level": r.levelname.lower(), "logger": r.name,
                "msg": r.getMessage()}
-        out.update({k: v for k, v in vars(r).items() if k not in self._skip})
+        out.update(_extras(r))
         return json.dumps(out, default=str)
+
+
+class _TextFormatter(logging.Formatter):
+    """The message, then its fields as key=value: for a person reading a log."""
+
+    def format(self, r: logging.LogRecord) -> str:
+        fields = " ".join(f"{k}={v if v is not None else '-'}" for k, v in _extras(r).items())
+        return f"{r.getMessage()} {fields}".rstrip()
 
 
 def _setup_logging(a: argparse.Namespace) -> None:
     h = logging.StreamHandler(sys.stderr)
     fmt = a.log_format or ("text" if sys.stderr.isatty() else "json")
-    h.setFormatter(_JsonFormatter() if fmt == "json" else logging.Formatter("%(message)s"))
+    h.setFormatter(_JsonFormatter() if fmt == "json" else _TextFormatter())
     logging.basicConfig(level=logging.WARNING if a.quiet else logging.INFO, handlers=[h],
                         force=True)
 
