@@ -3,17 +3,28 @@
 ``registry`` is torch-free (devices read manifests before they need torch); what needs
 torch - building the module a model spec names, comparing its state dict with a manifest's
 tensors, reading a checkpoint's publishable content - lives here.
+
+A device pull runs the spec check in a short-lived child process, so the long-lived daemon
+and job worker never hold torch's ~200 MB (``agent.storage.spec_check``)::
+
+    python -m hpc_core.model_spec check --manifest FILE [--allow-custom-model]
+
+exits 0 when the tensors match, 3 with the refusal on the last line of stderr when they do
+not, 2 when FILE cannot be read; stdout carries one JSON line with the child's peak RSS.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
 from hpc_core.config import ModelConfig
-from registry.errors import PublishError, SpecMismatchError
+from registry.errors import PublishError, RegistryError, SpecMismatchError
 from registry.manifest import Manifest, TrainingInfo
 from registry.publish import VersionContent
 from registry.safetensors_io import read_safetensors_index
@@ -106,3 +117,42 @@ def read_checkpoint(source: Path) -> VersionContent:
                             epoch=state.get("epoch"), metrics=metrics)
     tensors = read_safetensors_index(ckpt / "model.safetensors")
     return VersionContent(ckpt, m.model_copy(), training, tensors)
+
+
+def _peak_rss_bytes() -> int | None:
+    """This process's own high-water mark (VmHWM starts afresh at exec, unlike ru_maxrss)."""
+    try:
+        with open("/proc/self/status") as f:
+            line = next((x for x in f if x.startswith("VmHWM:")), None)
+    except OSError:
+        return None
+    return None if line is None else int(line.split()[1]) * 1024
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m hpc_core.model_spec",
+        description="Check a verified manifest's tensors against the module its spec builds.",
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help="exit 0: match, 3: mismatch (reason on stderr)")
+    check.add_argument("--manifest", required=True, type=Path, help="manifest.json to check")
+    check.add_argument("--allow-custom-model", action="store_true",
+                       help="build a spec that names a Python factory (module:function)")
+    args = ap.parse_args(argv)
+    code = 0
+    try:
+        manifest = Manifest.from_bytes(args.manifest.read_bytes(), source=str(args.manifest))
+        check_against_spec(manifest, allow_custom=args.allow_custom_model)
+    except SpecMismatchError as e:
+        print(e, file=sys.stderr)
+        code = 3
+    except (OSError, RegistryError) as e:
+        print(f"cannot check {args.manifest}: {e}", file=sys.stderr)
+        code = 2
+    print(json.dumps({"peak_rss_bytes": _peak_rss_bytes()}), flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,8 +5,8 @@ Order of operations, each a gate for the next:
 1. fetch ``manifest.json`` + ``manifest.sig`` and verify the signature against the trusted
    keys, then the manifest's schema, names and tiling, then the verifying key's scope - all
    BEFORE a single chunk is requested (:func:`fetch_verified_manifest`);
-2. the caller checks what only it knows: the model spec (needs torch), the highest sequence
-   it installed, free disk (the device does this in ``agent.storage.update``);
+2. the caller checks what only it knows: the model spec (needs torch: the device runs it in a
+   child process), the highest sequence it installed, free disk (``agent.storage.update``);
 3. fetch only the missing chunks (delta) into a :class:`ChunkDestination`, resuming partial
    ones with HTTP Range, verifying each chunk's sha256 before it is committed; every request
    runs under :func:`registry.transfer.with_retries` (deadline, back-off, minimum rate).

@@ -1,10 +1,11 @@
 """Bring a registry version onto the device: the steps of ``agentctl pull``, and staging a
 version the device produced itself.
 
-:func:`pull` verifies the manifest (signature, key scope, name), the tensors against the model
-spec and the sequence against the highest installed - all before a chunk moves - then checks
-free disk and fetches the missing chunks, under the state lock. :func:`update` adds install
-(stage + commit) and garbage collection. :func:`stage_local` cuts a locally fine-tuned
+:func:`pull` verifies the manifest (signature, key scope, name), the sequence against the
+highest installed and the tensors against the model spec (in a child process, so the caller
+never imports torch) - all before a chunk moves - then checks free disk and fetches the
+missing chunks, under the state lock. :func:`update` adds install (stage + commit) and
+garbage collection. :func:`stage_local` cuts a locally fine-tuned
 checkpoint into the chunk store, signs it with the device key and stages it, so the device
 job can run its gates on it before ``ModelSlots.commit``.
 """
@@ -20,6 +21,7 @@ from agent.storage.chunk_store import ChunkStore
 from agent.storage.gc import GcReport, gc
 from agent.storage.lock import StateLock
 from agent.storage.slots import InstalledSlot, ModelSlots, SwitchResult
+from agent.storage.spec_check import check_model_spec
 from registry.chunks import ArtefactSource
 from registry.errors import ChunkHashError, InsufficientDiskError
 from registry.manifest import ChunkRef, Manifest
@@ -83,18 +85,17 @@ def pull(
     progress: Progress | None = None,
 ) -> PullResult:
     """Verify ``ref``'s manifest, then fetch the chunks the local store lacks."""
-    from hpc_core.model_spec import check_against_spec  # torch, only once a pull is under way
-
     cfg = cfg or TransferConfig()
     state_dir = Path(state_dir)
     source = open_store(ref.registry, cfg)
     with StateLock(state_dir):
         verified = fetch_verified_manifest(source, ref, trusted, cfg)
         manifest = verified.manifest
-        check_against_spec(manifest, allow_custom=cfg.allow_custom_models)
         ModelSlots(state_dir, ref.name).check_sequence(
             manifest, allow_downgrade=cfg.allow_downgrade
         )
+        # torch, in a child process: this one stays small (see spec_check).
+        check_model_spec(manifest, verified.manifest_bytes, allow_custom=cfg.allow_custom_models)
         store = ChunkStore(state_dir)
         missing = store.missing(manifest.chunks)
         missing_bytes = sum(c.size for c in missing)
