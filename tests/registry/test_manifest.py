@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hpc_core.config import ModelConfig
-from hpc_core.model_spec import check_against_spec
 from hpc_core.models import build_model
 from registry.chunks import ArtefactSource, lay_out
 from registry.errors import (
@@ -25,7 +24,6 @@ from registry.errors import (
     KeyFileError,
     NotSafetensorsError,
     PickleRefusedError,
-    SpecMismatchError,
     UnknownKeyError,
     UnsafeNameError,
     UnsignedManifestError,
@@ -245,31 +243,6 @@ def test_pickled_artefacts_are_refused_plain_files_pass(tmp_path: Path) -> None:
     (tmp_path / "model.onnx").write_bytes(b"\x08\x07\x12\x04onnx")
     refuse_pickled_file(tmp_path / "bundle.zip", "bundle")
     refuse_pickled_file(tmp_path / "model.onnx", "model")
-
-
-# ---------------------------------------------------------------------------------------------
-# Model spec
-
-
-def test_spec_check_names_the_mismatching_tensor(tmp_path: Path) -> None:
-    m, doc = manifest_for(tmp_path / "m.safetensors", model_state())
-    check_against_spec(m)
-    doc["model"]["kwargs"] = {"hidden": [64, 32]}
-    with pytest.raises(SpecMismatchError, match=r"3\.weight.*F32\[64, 64\].*needs F32\[32, 64\]"):
-        check_against_spec(parse(doc))
-    doc["model"]["kwargs"] = {"hidden": [64]}
-    with pytest.raises(SpecMismatchError, match="unexpected tensor"):
-        check_against_spec(parse(doc))
-    doc["model"] = {**doc["model"], "name": "os:system", "kwargs": {}}
-    with pytest.raises(SpecMismatchError, match="custom models"):
-        check_against_spec(parse(doc))
-
-
-def test_spec_check_catches_a_dtype_change(tmp_path: Path) -> None:
-    state = {k: (v.half() if k == "1.weight" else v) for k, v in model_state().items()}
-    m, _ = manifest_for(tmp_path / "m.safetensors", state)
-    with pytest.raises(SpecMismatchError, match=r"1\.weight: manifest has F16"):
-        check_against_spec(m)
 
 
 # ---------------------------------------------------------------------------------------------
