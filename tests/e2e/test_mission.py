@@ -1,0 +1,162 @@
+"""The whole mission as a user runs it: ``scripts/demo.py`` (what ``make demo`` runs), then
+every claim checked through the public interfaces only — the CLIs (agentctl, fleetctl),
+HTTP (``python -m registry.serve``) and files the tools document. No project module is
+imported here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+MODEL = "digits-cnn"
+DEVICES = ("edge-1", "edge-2", "edge-3")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("mosquitto") is None,
+                       reason="mosquitto is not installed (make services installs it)"),
+]
+
+
+@pytest.fixture(scope="module")
+def mission(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
+    out = tmp_path_factory.mktemp("mission") / "demo"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.run([sys.executable, "scripts/demo.py", "--out", str(out)], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=1200)
+    log = p.stdout + p.stderr
+    (out.parent / "demo.log").write_text(log)
+    assert p.returncode == 0, log[-6000:]
+    yield out, log
+
+
+def _cli(*argv: str, ok: int | None = 0) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run([str(BIN / argv[0]), *argv[1:]], capture_output=True, text=True,
+                       timeout=300)
+    if ok is not None:
+        assert p.returncode == ok, f"{argv}: exit {p.returncode}\n{p.stdout}\n{p.stderr}"
+    return p
+
+
+def _finetune_job(state: Path) -> dict:
+    jobs = [json.loads(line) for line in
+            _cli("agentctl", "jobs", "--json", "--state-dir", str(state)).stdout.splitlines()
+            if line.strip()]
+    finetunes = [j for j in jobs if j["type"] == "finetune"]
+    assert len(finetunes) == 1, jobs  # each device ran its execution exactly once
+    return finetunes[0]
+
+
+def test_every_process_the_demo_started_has_exited(mission: tuple[Path, str]) -> None:
+    out, _ = mission
+    pids = [line.split() for line in (out / "pids").read_text().splitlines()]
+    assert {who for _, who in pids} >= {"registry", "broker", *DEVICES}
+    alive = []
+    for pid, who in pids:
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            continue
+        stat = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()
+        if stat[0] != "Z":  # a zombie has exited; its parent (pytest's child) is gone
+            alive.append((pid, who))
+    assert not alive
+
+
+def test_each_device_fine_tuned_committed_and_uploaded(mission: tuple[Path, str]) -> None:
+    out, log = mission
+    for dev in DEVICES:
+        state = out / "devices" / dev / "state"
+        job = _finetune_job(state)
+        assert job["state"] == "SUCCEEDED", job
+        r = job["result"]
+        assert r["outcome"] == "committed", r
+        before, after = r["metrics_before"]["eval/acc"], r["metrics_after"]["eval/acc"]
+        assert after >= before, (dev, before, after)  # the health gate: no drop
+        assert r["export"]["winner"].startswith("int8"), r["export"]
+        assert abs(r["export"]["int8_drop_pts"]) <= 1.0
+        assert r["memory"]["peak_tree_mb"] <= 1.05 * r["memory"]["budget_mb"]
+        assert r["uploaded"]["parent"] == "1"
+        assert r["model"]["version"] == r["uploaded"]["version"]
+        models = _cli("agentctl", "models", "--state-dir", str(state)).stdout
+        assert f"active {r['uploaded']['version']}" in models, models
+        assert dev in log
+    # The inverted + noisy camera starts far off: the fine-tune must win it back.
+    r1 = _finetune_job(out / "devices/edge-1/state")["result"]
+    assert r1["metrics_after"]["eval/acc"] - r1["metrics_before"]["eval/acc"] >= 0.20
+
+
+def test_the_rollout_went_in_two_waves_and_succeeded(mission: tuple[Path, str]) -> None:
+    out, log = mission
+    fleet = ["fleetctl", "--db", str(out / "fleet.db"), "--report-dir", str(out / "reports")]
+    status = json.loads(_cli(*fleet, "rollout", "status", "demo", "--json").stdout)
+    assert status["state"] == "succeeded", status
+    assert [w["devices"] for w in status["waves"]] == [1, 2]
+    assert all(w["succeeded"] == w["devices"] for w in status["waves"])
+    assert (out / "reports/demo.png").stat().st_size > 0
+    for dev in DEVICES:
+        assert f"{dev}" in log and "report:" in log
+
+
+@pytest.fixture(scope="module")
+def registry_url(mission: tuple[Path, str]) -> Iterator[str]:
+    out, _ = mission
+    p = subprocess.Popen([sys.executable, "-m", "registry.serve", str(out / "registry")],
+                         cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        yield p.stdout.readline().strip()
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
+def _get(url: str, path: str) -> bytes:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        body = resp.read()
+        assert resp.status == 200, (path, resp.status)
+        return body
+    finally:
+        conn.close()
+
+
+def test_uploads_are_signed_children_of_the_upstream_version(
+    mission: tuple[Path, str], registry_url: str, tmp_path: Path
+) -> None:
+    out, _ = mission
+    for dev in DEVICES:
+        state = out / "devices" / dev / "state"
+        version = _finetune_job(state)["result"]["uploaded"]["version"]
+        manifest = _get(registry_url, f"/{MODEL}/{version}/manifest.json")
+        assert json.loads(manifest)["parent"] == "1"
+        # The model committed on the device is, byte for byte, the version it uploaded.
+        current = (state / "models" / MODEL / "current").resolve()
+        assert hashlib.sha256((current / "manifest.json").read_bytes()).digest() == \
+            hashlib.sha256(manifest).digest()
+        # Its signature verifies with the device's key, and with nothing else.
+        trusted = tmp_path / dev / "trusted"
+        trusted.mkdir(parents=True)
+        shutil.copy(out / "keys/upstream.pub.pem", trusted)
+        pull = ["agentctl", "pull", f"{MODEL}@{version}", "--registry", registry_url,
+                "--trusted-keys", str(trusted), "--no-progress"]
+        refused = _cli(*pull, "--state-dir", str(tmp_path / dev / "s1"), ok=None)
+        assert refused.returncode == 3, refused.stderr
+        for f in (state / "trusted_keys").glob(f"{dev}.*"):
+            shutil.copy(f, trusted)
+        _cli(*pull, "--state-dir", str(tmp_path / dev / "s2"))
