@@ -40,9 +40,10 @@ services:
 	  fi; \
 	fi
 
-demo: setup
-	$(VENV)/bin/hpc-train validate configs/digits.yaml
-	$(VENV)/bin/hpc-train train --config configs/digits.yaml --set run.output_dir=runs/demo
+# The whole mission on this machine (scripts/demo.py): DDP upstream, signed registry over
+# HTTP, broker with per-device accounts, three edge-agents, a two-wave fleetctl rollout.
+demo: setup services
+	$(PY) scripts/demo.py --out runs/demo
 
 test: setup services
 	$(VENV)/bin/ruff check .
