@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,27 +33,30 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+def _tmp_path(path: Path) -> Path:
+    """A temporary name beside ``path``, unique per call: threads of one process (the registry
+    server's PUT handlers) may write the same file at once. The suffix stays: some writers
+    pick the format from it."""
+    return path.with_name(f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{path.name}")
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Readers see the old file or the new one, never half of either."""
-    path = Path(path)
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    write_bytes_atomic(path, json.dumps(obj, indent=1, sort_keys=True).encode())
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Same guarantee as write_json_atomic for text and binary files (YAML, Markdown, PNG)."""
     path = Path(path)
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = _tmp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # only left when the write or the rename failed
     fsync_dir(path.parent)
 
 
@@ -67,8 +71,7 @@ def atomic_output(path: Path) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Keep the suffix: some writers pick the format from it.
-    tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
+    tmp = _tmp_path(path)
     try:
         yield tmp
         fsync_file(tmp)

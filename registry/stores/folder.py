@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-import secrets
 from pathlib import Path
 
+from hpc_core.atomic import write_bytes_atomic
 from registry.errors import StoreError, StoreNotFoundError, StoreTransientError
 from registry.stores.base import RangeReader, safe_key
 from registry.transfer import Deadline
@@ -53,21 +53,7 @@ class LocalStore:
     def put(self, key: str, data: bytes, deadline: Deadline | None = None) -> None:
         dest = self.path(key)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".tmp-{dest.name}.{os.getpid()}.{secrets.token_hex(4)}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, dest)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-        fd = os.open(dest.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_bytes_atomic(dest, data)
 
     def close(self) -> None:
         pass

@@ -35,3 +35,18 @@ def test_atomic_output_keeps_the_old_file_when_the_writer_fails(tmp_path: Path) 
         raise RuntimeError("writer crashed")
     assert target.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["model.onnx"]  # the partial temp file is gone
+
+
+def test_threads_writing_one_file_at_once_never_collide(tmp_path: Path) -> None:
+    """The registry server's PUT handlers are threads of one process: each write needs its own
+    temporary file, or one thread renames away another's half-written one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hpc_core.atomic import write_bytes_atomic
+
+    target = tmp_path / "chunk"
+    payloads = [bytes([i]) * 65536 for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: write_bytes_atomic(target, payloads[i % 8]), range(200)))
+    assert target.read_bytes() in payloads
+    assert os.listdir(tmp_path) == ["chunk"]
