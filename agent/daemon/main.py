@@ -191,7 +191,7 @@ class Daemon:
                  self.cfg.state_dir)
         wd = self.notifier.watchdog_interval_s
         now = time.monotonic()
-        next_wd, next_tel, next_status = now, now + 1.0, now
+        next_wd, next_tel, next_status, next_ckpt = now, now + 1.0, now, now + 2.0
         while not self.stop_event.is_set():
             if self.loop_hook is not None:
                 self.loop_hook()
@@ -208,6 +208,12 @@ class Daemon:
             if now >= next_status:
                 self.notifier.status(self._status_line())
                 next_status = now + 5.0
+            if now >= next_ckpt:
+                try:
+                    self.outbox.checkpoint()
+                except Exception as e:  # busy or full disk: the next turn tries again
+                    log.warning("outbox checkpoint: %s", e)
+                next_ckpt = now + 2.0
             wake = min(next_wd if wd else now + 1.0, next_tel, next_status, now + 1.0)
             self.stop_event.wait(max(0.01, wake - time.monotonic()))
         return self.shutdown()
