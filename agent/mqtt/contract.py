@@ -273,6 +273,8 @@ class ErrorInfo(_Message):
 class Result(_Message):
     v: Literal[1] = 1
     id: str
+    """The command's id; ``""`` on a REJECTED for a command whose id could not be read (not
+    JSON, no usable ``id``): such a command is answered but never stored."""
     device: str
     status: ResultStatus
     seq: int = Field(ge=0)

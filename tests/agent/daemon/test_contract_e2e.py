@@ -115,4 +115,5 @@ def test_contract_with_mosquitto_clients(
                                                          (ping["id"], "SUCCEEDED")]
     assert got[2]["status"] == "REJECTED" and got[2]["error"]["code"] == "UNSUPPORTED_VERSION"
     assert got[3]["status"] == "REJECTED" and got[3]["error"]["code"] == "BAD_JSON"
+    assert got[3]["id"] == ""  # no readable id: answered with an empty one, nothing stored
     assert a.stop() == 0
