@@ -14,16 +14,20 @@ from hpc_core.model_spec import read_checkpoint
 from registry.chunks import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_BELOW
 from registry.errors import RegistryError
 from registry.publish import publish_content
-from registry.signing import generate_keypair, load_signing_key
+from registry.signing import SCOPE_SUFFIX, generate_keypair, load_signing_key
 from registry.stores import open_store
 
 KEYGEN_EPILOG = """\
 Writes NAME.key.pem (private, mode 0600: keep it on the publishing host or device) and
 NAME.pub.pem (public: copy it into each device's trusted-keys folder, e.g.
-/var/lib/edgetrain/trusted_keys/). Existing keys are never overwritten.
+/var/lib/edgetrain/trusted_keys/). Existing keys are never overwritten. --scope also writes
+NAME.scope, the models the key may sign (copy it beside NAME.pub.pem); without it the key may
+sign every model, as the upstream publisher's does.
 
-example:
+examples:
   hpc-train keygen --out keys/ --name upstream
+  hpc-train keygen --out /var/lib/edgetrain/keys --name jetson-07 \\
+      --scope 'digits-cnn@*+jetson-07.*'     # a device key: only its own uploads
 """
 
 PUBLISH_EPILOG = """\
@@ -51,12 +55,15 @@ exit codes: 0 published, 1 registry failure, 2 invalid input (checkpoint, key, v
 
 def keygen(args: argparse.Namespace) -> int:
     try:
-        priv, pub = generate_keypair(Path(args.out), args.name)
+        priv, pub = generate_keypair(Path(args.out), args.name, scope=args.scope)
     except (RegistryError, OSError) as e:
         print(f"keygen: {e}", file=sys.stderr)
         return 2
     print(f"private key: {priv}  (mode 0600; never copy it to devices)")
     print(f"public key:  {pub}  (copy into each device's trusted-keys folder)")
+    if args.scope:
+        print(f"key scope:   {pub.with_name(f'{args.name}{SCOPE_SUFFIX}')}  (may sign "
+              f"{', '.join(args.scope)}; copy it beside the public key)")
     return 0
 
 
@@ -99,6 +106,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     k.add_argument("--name", default="upstream", metavar="N",
                    help="key name: the file stem and the signer name in manifests "
                    "(default: upstream)")
+    k.add_argument("--scope", action="append", default=[], metavar="PATTERN",
+                   help="a model name or NAME@VERSION pattern the key may sign, written to "
+                   "NAME.scope (repeatable; default: no scope file, every model)")
     k.set_defaults(func=keygen)
 
     p = subparsers.add_parser(

@@ -3,7 +3,8 @@
 Make a key pair with ``hpc-train keygen --out keys/ --name upstream``: it writes
 ``upstream.key.pem`` (PKCS#8 private key, mode 0600, stays with the publisher) and
 ``upstream.pub.pem`` (SubjectPublicKeyInfo, copied into every device's trusted-keys folder).
-A device makes its own pair the same way to sign what it uploads.
+A device makes its own pair the same way to sign what it uploads, with ``--scope PATTERN``
+(repeatable) writing its ``NAME.scope`` too.
 
 A trusted key may carry a scope: ``NAME.scope`` beside ``NAME.pub.pem`` in the trusted-keys
 folder, one pattern per line (``fnmatch`` syntax, ``#`` starts a comment). A pattern
@@ -30,6 +31,7 @@ import hashlib
 import json
 import os
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from hpc_core.atomic import write_bytes_atomic
 from registry.errors import (
     BadSignatureError,
     KeyFileError,
@@ -107,14 +110,28 @@ class TrustedKey:
         return False
 
 
-def generate_keypair(out_dir: Path, name: str) -> tuple[Path, Path]:
-    """Write ``{name}.key.pem`` (0600) and ``{name}.pub.pem``; never overwrite a key."""
+def check_scope_pattern(pattern: str) -> str:
+    """One line of a ``NAME.scope`` file: a model name or ``NAME@VERSION``, fnmatch wildcards
+    allowed; nothing that would read back as another pattern or a comment."""
+    if not pattern or any(c.isspace() or c == "#" for c in pattern):
+        raise KeyFileError(
+            f"scope pattern {pattern!r} is invalid: one model name or NAME@VERSION per pattern, "
+            "wildcards allowed, no spaces or '#' (e.g. 'digits-cnn' or 'digits-cnn@*+jetson-07.*')"
+        )
+    return pattern
+
+
+def generate_keypair(out_dir: Path, name: str, scope: Sequence[str] = ()) -> tuple[Path, Path]:
+    """Write ``{name}.key.pem`` (0600) and ``{name}.pub.pem``, and ``{name}.scope`` when
+    ``scope`` names what the key may sign; never overwrite a key or a scope."""
     if not name or "/" in name or name.startswith("."):
         raise KeyFileError(f"key name {name!r} is invalid: use a plain file stem like 'upstream'")
+    patterns = [check_scope_pattern(p) for p in scope]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     priv_path, pub_path = out_dir / f"{name}{PRIVATE_SUFFIX}", out_dir / f"{name}{PUBLIC_SUFFIX}"
-    for p in (priv_path, pub_path):
+    scope_path = out_dir / f"{name}{SCOPE_SUFFIX}"
+    for p in (priv_path, pub_path, *([scope_path] if patterns else [])):
         if p.exists():
             raise KeyFileError(f"{p} exists; keys are never overwritten (pick another --name)")
     private = Ed25519PrivateKey.generate()
@@ -130,7 +147,10 @@ def generate_keypair(out_dir: Path, name: str) -> tuple[Path, Path]:
         f.write(priv_pem)
         f.flush()
         os.fsync(f.fileno())
-    pub_path.write_bytes(pub_pem)
+    write_bytes_atomic(pub_path, pub_pem)
+    if patterns:
+        header = f"# what {name}.pub.pem may sign: model names or NAME@VERSION patterns\n"
+        write_bytes_atomic(scope_path, (header + "\n".join(patterns) + "\n").encode())
     return priv_path, pub_path
 
 

@@ -227,3 +227,25 @@ def test_keygen_and_publish_commands(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "published digits@1" in capsys.readouterr().out
     assert cli(argv) == 2  # version exists
     assert "immutable" in capsys.readouterr().err
+
+
+def test_keygen_scope_writes_what_the_device_key_may_sign(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keys = tmp_path / "k"
+    assert cli(["keygen", "--out", str(keys), "--name", "jetson-07",
+                "--scope", "digits@*+jetson-07.*", "--scope", "probe"]) == 0
+    assert "jetson-07.scope" in capsys.readouterr().out
+    (key,) = load_trusted_keys(keys).values()
+    assert key.scope == ("digits@*+jetson-07.*", "probe")
+    assert key.may_sign("digits", "3+jetson-07.1") and key.may_sign("probe", "9")
+    assert not key.may_sign("digits", "4") and not key.may_sign("digits", "3+jetson-08.1")
+    # Never overwritten; a pattern that would not read back as itself writes nothing at all.
+    assert cli(["keygen", "--out", str(keys), "--name", "jetson-07", "--scope", "digits"]) == 2
+    assert load_trusted_keys(keys)[key.key_id].scope == key.scope
+    for bad in ("digits # all", "", "a b"):
+        assert cli(["keygen", "--out", str(keys), "--name", "x", "--scope", bad]) == 2
+        assert "scope pattern" in capsys.readouterr().err
+    assert sorted(p.name for p in keys.iterdir()) == [
+        "jetson-07.key.pem", "jetson-07.pub.pem", "jetson-07.scope"
+    ]
