@@ -14,5 +14,5 @@ Modules: ``lock`` (state lock), ``nofollow`` (no symlink is ever followed below 
 root), ``chunk_store``, ``assemble`` (chunks -> slot), ``verify`` (slot re-verification),
 ``slots`` (stage / commit / discard / install / rollback), ``gc``, ``spec_check`` (the model
 spec check, run in a torch child process), ``update`` (pull into the slots, stage a local
-fine-tune), ``load`` (build the active model; imports torch lazily).
+fine-tune). Building the active model needs torch: ``agent.finetune.active``.
 """

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from agent.finetune.active import load_active
 from agent.storage.chunk_store import ChunkStore
-from agent.storage.load import load_active
 from agent.storage.slots import ModelSlots
 from agent.storage.update import pull, update
 from registry.errors import (

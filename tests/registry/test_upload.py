@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from agent.cli import main as agentctl
-from agent.storage.load import load_active
+from agent.finetune.active import load_active
 from agent.storage.update import update
 from registry.errors import (
     FetchFailedError,

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
+from agent.finetune.active import load_active
 from agent.storage.chunk_store import ChunkStore
 from agent.storage.gc import gc
-from agent.storage.load import load_active
 from agent.storage.lock import StateLock
 from agent.storage.slots import ModelSlots
 from agent.storage.update import pull, update

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from agent.storage.load import load_active
+from agent.finetune.active import load_active
 from agent.storage.slots import ModelSlots
 from agent.storage.update import stage_local, update
 from hpc_core.model_spec import read_checkpoint

@@ -1,4 +1,5 @@
-"""Load the active model of a device (needs torch, imported only when a model is loaded)."""
+"""Load the active model of a device, re-verified (needs torch, imported only when a model is
+loaded; kept out of ``agent.storage``, which stays torch-free)."""
 
 from __future__ import annotations
 
