@@ -20,13 +20,13 @@ from registry.stores import open_store
 KEYGEN_EPILOG = """\
 Writes NAME.key.pem (private, mode 0600: keep it on the publishing host or device) and
 NAME.pub.pem (public: copy it into each device's trusted-keys folder, e.g.
-/var/lib/edgetrain/trusted_keys/). Existing keys are never overwritten. --scope also writes
+/var/lib/edge-agent/trusted_keys/). Existing keys are never overwritten. --scope also writes
 NAME.scope, the models the key may sign (copy it beside NAME.pub.pem); without it the key may
 sign every model, as the upstream publisher's does.
 
 examples:
   hpc-train keygen --out keys/ --name upstream
-  hpc-train keygen --out /var/lib/edgetrain/keys --name jetson-07 \\
+  hpc-train keygen --out /var/lib/edge-agent/keys --name jetson-07 \\
       --scope 'digits-cnn@*+jetson-07.*'     # a device key: only its own uploads
 """
 

@@ -200,11 +200,12 @@ class Mission:
         trusted.mkdir(parents=True)
         data.mkdir()
         shutil.copy(self.out / "keys/upstream.pub.pem", trusted)
-        self.run(dev, [str(BIN / "hpc-train"), "keygen", "--out", str(state),
-                       "--name", "device"])
-        shutil.copy(state / "device.pub.pem", trusted / f"{dev}.pub.pem")
-        # The device key may sign only its own uploads of this model.
-        (trusted / f"{dev}.scope").write_text(f"{MODEL}@*+{dev}.*\n")
+        # The device's own key, named after it (the signer of its uploads), trusted only for
+        # its own versions of this model.
+        self.run(dev, [str(BIN / "hpc-train"), "keygen", "--out", str(state), "--name", dev,
+                       "--scope", f"{MODEL}@*+{dev}.*"])
+        for f in (f"{dev}.pub.pem", f"{dev}.scope"):
+            shutil.copy(state / f, trusted / f)
         self.run(dev, [str(BIN / "agentctl"), "pull", f"{MODEL}@1", "--registry",
                        self.registry_url, "--state-dir", str(state), "--no-progress"])
         self.run(dev, [sys.executable, str(REPO / "scripts/make_device_data.py"),
@@ -301,7 +302,6 @@ class Mission:
 
     def rollout(self) -> int:
         args = self.out / "finetune-args.json"
-        self.job_args["registry"] = self.registry_url
         args.write_text(json.dumps(self.job_args, indent=2))
         self.say("fleet", f"rollout of a finetune job to group '{GROUP}': wave 1 = 1 canary, "
                           "wave 2 = the rest")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 STATE_ENV, REGISTRY_ENV = "EDGETRAIN_STATE_DIR", "EDGETRAIN_REGISTRY"
-DEFAULT_STATE_DIR = "/var/lib/edgetrain"
+DEFAULT_STATE_DIR = "/var/lib/edge-agent"  # the daemon's default state_dir too
 
 EXIT_CODES = """\
 exit codes: 0 done, 1 network or registry failure (retry later), 2 bad arguments or

@@ -56,7 +56,7 @@ The registry must accept writes: a folder, s3://, or an http(s) URL that takes P
 
 example:
   agentctl upload runs/finetune --name digits-cnn --registry s3://fleet-uploads/registry \\
-      --sign-key /var/lib/edgetrain/keys/jetson-07.key.pem --artefact exports/
+      --sign-key /var/lib/edge-agent/keys/jetson-07.key.pem --artefact exports/
 
 {EXIT_CODES}"""
 

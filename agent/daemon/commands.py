@@ -45,6 +45,7 @@ class CommandHandler:
         cancel: Callable[[str], tuple[str, dict[str, Any] | None]],
         set_power_mode: Callable[[str], tuple[str, dict[str, Any]]],
         wake_runner: Callable[[], None],
+        job_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.store = store
         self.ann = announcer
@@ -52,6 +53,7 @@ class CommandHandler:
         self._cancel = cancel
         self._set_power_mode = set_power_mode
         self._wake = wake_runner
+        self._job_defaults = job_defaults or {}
 
     # -- entry point ----------------------------------------------------------------------
 
@@ -84,7 +86,8 @@ class CommandHandler:
         try:
             if wrong_target:
                 raise CommandRejected("WRONG_TARGET", wrong_target)
-            spec = validate_job(cmd.type, cmd.args) if cmd.type in JOB_TYPES else None
+            spec = (validate_job(cmd.type, cmd.args, self._job_defaults)
+                    if cmd.type in JOB_TYPES else None)
         except CommandRejected as e:
             e.command_id = cmd.id
             return self._refuse(e, topic_type, source, reply)

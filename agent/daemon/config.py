@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -73,6 +73,10 @@ class RegistryConfig(_Strict):
     """Registry URL or folder the device pulls models from."""
     trusted_keys: Path | None = None
     """Folder of trusted ``*.pub.pem`` keys (default: STATE_DIR/trusted_keys)."""
+    signing_key: Path | None = None
+    """This device's private key: signs the models it fine-tunes, stages and uploads
+    (default: STATE_DIR/DEVICE_ID.key.pem, made by ``hpc-train keygen --name DEVICE_ID``). Its
+    file name is the signer's name, and uploaded versions are named PARENT+SIGNER.STAMP."""
 
 
 class LimitsConfig(_Strict):
@@ -119,6 +123,15 @@ class AgentConfig(_Strict):
     @classmethod
     def _groups(cls, v: list[str]) -> list[str]:
         return [check_id(g, "group") for g in v]
+
+    def job_defaults(self) -> dict[str, Any]:
+        """What a job command leaves out and this device knows: filled in before validation."""
+        return {
+            "registry": self.registry.url,
+            "trusted_keys": str(self.registry.trusted_keys or self.state_dir / "trusted_keys"),
+            "signing_key": str(self.registry.signing_key
+                               or self.state_dir / f"{self.device_id}.key.pem"),
+        }
 
     @property
     def socket_path(self) -> Path:

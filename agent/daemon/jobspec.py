@@ -13,10 +13,14 @@ from typing import Any
 from agent.mqtt.contract import CommandRejected
 
 
-def validate_job(type_: str, args: dict[str, Any]) -> dict[str, Any]:
+def validate_job(
+    type_: str, args: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The validated spec as JSON-able data, stored as the job's spec and run by the worker;
     pydantic's ValidationError on bad args, or CommandRejected(UNAVAILABLE) for a job type
-    this build cannot run."""
+    this build cannot run. ``defaults`` (the device's registry, trusted keys and signing key,
+    from its config) fill the spec's fields of those names that the command leaves out, so one
+    rollout's args fit every device."""
     from agent.jobs.spec import SPECS
 
     model = SPECS.get(type_)
@@ -25,4 +29,6 @@ def validate_job(type_: str, args: dict[str, Any]) -> dict[str, Any]:
             "UNAVAILABLE", f"{type_} jobs are not supported by this agent version "
             f"(it runs {', '.join(sorted(SPECS))})"
         )
-    return dict(model.model_validate(args).model_dump(mode="json"))
+    filled = {k: v for k, v in (defaults or {}).items()
+              if k in model.model_fields and args.get(k) is None and v is not None}
+    return dict(model.model_validate({**filled, **args}).model_dump(mode="json"))

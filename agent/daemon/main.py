@@ -77,6 +77,7 @@ class Daemon:
         self.handler = CommandHandler(
             self.store, self.ann, status=self.status, cancel=self.runner.cancel,
             set_power_mode=set_power_mode, wake_runner=self.runner.wake,
+            job_defaults=cfg.job_defaults(),
         )
         self.control = ControlServer(
             cfg.socket_path, self.handler, self.ann, self.store, status=self.status,

@@ -4,7 +4,7 @@ Whoever can write into the state directory could plant ``chunks/sha256/ab -> /et
 ``lock -> /root/.bashrc`` and have the agent (often root) write or delete through it. Every
 folder below the state root is checked with ``lstat`` before use, every file is opened with
 ``O_NOFOLLOW``; a link where a real entry belongs is refused with :class:`UnsafeStateError`.
-The state root itself may be a link (``/var/lib/edgetrain -> /data/edgetrain`` is a normal
+The state root itself may be a link (``/var/lib/edge-agent -> /data/edgetrain`` is a normal
 set-up): only what the agent creates below it is checked.
 """
 

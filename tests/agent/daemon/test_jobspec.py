@@ -36,3 +36,23 @@ def test_bad_job_args_name_the_field(type_: str, args: dict, field: str) -> None
         validate_job(type_, args)
     err = error_from_validation(e.value)
     assert err.code == "BAD_ARGS" and field in err.message, err.message
+
+
+def test_device_defaults_fill_what_the_command_leaves_out(tmp_path) -> None:
+    from agent.daemon.config import AgentConfig
+
+    cfg = AgentConfig.model_validate({"device_id": "edge-7", "state_dir": str(tmp_path),
+                                      "registry": {"url": "http://reg:8080"}})
+    ft = validate_job("finetune", {"model": "digits", "data": "d.npz",
+                                   "steps": {"upload": True}}, cfg.job_defaults())
+    assert ft["registry"] == "http://reg:8080"  # upload needs one: no longer refused
+    assert ft["signing_key"] == str(tmp_path / "edge-7.key.pem")  # signer = the device id
+    assert ft["trusted_keys"] == str(tmp_path / "trusted_keys")
+    mine = validate_job("finetune", {"model": "digits", "data": "d.npz", "registry": "/r"},
+                        cfg.job_defaults())
+    assert mine["registry"] == "/r"  # what the command says wins
+    rb = validate_job("rollback", {"name": "digits"}, cfg.job_defaults())
+    assert "registry" not in rb and rb["trusted_keys"] == str(tmp_path / "trusted_keys")
+    with pytest.raises(ValidationError, match="steps.upload needs a registry"):
+        validate_job("finetune", {"model": "digits", "data": "d.npz",
+                                  "steps": {"upload": True}})
