@@ -131,6 +131,8 @@ class AgentConfig(_Strict):
             "trusted_keys": str(self.registry.trusted_keys or self.state_dir / "trusted_keys"),
             "signing_key": str(self.registry.signing_key
                                or self.state_dir / f"{self.device_id}.key.pem"),
+            # The board this daemon runs on and the sensors it reads pace the fine-tune too.
+            "finetune": {"profile": self.profile, "sensors": self.sensors},
         }
 
     @property

@@ -29,6 +29,16 @@ def validate_job(
             "UNAVAILABLE", f"{type_} jobs are not supported by this agent version "
             f"(it runs {', '.join(sorted(SPECS))})"
         )
-    filled = {k: v for k, v in (defaults or {}).items()
-              if k in model.model_fields and args.get(k) is None and v is not None}
-    return dict(model.model_validate({**filled, **args}).model_dump(mode="json"))
+    known = {k: v for k, v in (defaults or {}).items() if k in model.model_fields}
+    return dict(model.model_validate(_under(known, args)).model_dump(mode="json"))
+
+
+def _under(defaults: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+    """``args`` laid over ``defaults``, section by section; a None default fills nothing."""
+    out = dict(args)
+    for k, v in defaults.items():
+        if isinstance(v, dict) and isinstance(out.get(k, {}), dict):
+            out[k] = _under(v, out.get(k, {}))
+        elif out.get(k) is None and v is not None:
+            out[k] = v
+    return out

@@ -48,11 +48,19 @@ def test_device_defaults_fill_what_the_command_leaves_out(tmp_path) -> None:
     assert ft["registry"] == "http://reg:8080"  # upload needs one: no longer refused
     assert ft["signing_key"] == str(tmp_path / "edge-7.key.pem")  # signer = the device id
     assert ft["trusted_keys"] == str(tmp_path / "trusted_keys")
+    assert (ft["finetune"]["profile"], ft["finetune"]["sensors"]) == ("auto", "auto")
+    sim = AgentConfig.model_validate({"device_id": "edge-7", "state_dir": str(tmp_path),
+                                      "profile": "sim", "sensors": "sim"})
+    ft = validate_job("finetune", {"model": "digits", "data": "d.npz",
+                                   "finetune": {"epochs": 2, "sensors": "none"}},
+                      sim.job_defaults())
+    assert ft["finetune"] == {**ft["finetune"], "profile": "sim", "sensors": "none",
+                              "epochs": 2}
     mine = validate_job("finetune", {"model": "digits", "data": "d.npz", "registry": "/r"},
                         cfg.job_defaults())
     assert mine["registry"] == "/r"  # what the command says wins
     rb = validate_job("rollback", {"name": "digits"}, cfg.job_defaults())
     assert "registry" not in rb and rb["trusted_keys"] == str(tmp_path / "trusted_keys")
-    with pytest.raises(ValidationError, match="steps.upload needs a registry"):
+    with pytest.raises(ValidationError, match=r"steps\.upload needs a registry"):
         validate_job("finetune", {"model": "digits", "data": "d.npz",
                                   "steps": {"upload": True}})
