@@ -5,19 +5,30 @@ child run, so its own RSS comes off the budget first. Probe peaks are noisy (all
 page-cache effects: identical runs gave 2.3-3.8 MB/sample), so each of three sizes is probed
 twice, the line is fitted through the worst probe of each size, and the spread between
 repeats plus the worst residual is kept as a margin.
+
+Probe peaks do not depend on the budget, so they are kept in a small cache keyed by what
+they do depend on (the probe's training config, the starting weights, the trainable layers,
+the micro-batch, the torch version): a device that fine-tunes the same model again, at any
+budget, plans at once instead of spending a minute on six probe processes.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from agent.finetune.memory_plan import HEADROOM, BudgetTooSmall, probe_subprocess
+from agent.finetune.memory_plan import HEADROOM, BudgetTooSmall, probe_config, probe_subprocess
 from agent.jobs.proctree import rss_mb
-from hpc_core.config import config_from_dict
+from hpc_core.atomic import write_json_atomic
+from hpc_core.config import TrainConfig, config_from_dict
 
 REPEATS = 2
+CACHE_ENTRIES = 64
 
 
 def probe_points(effective_batch: int) -> list[int]:
@@ -40,16 +51,55 @@ def fit(points: dict[int, list[float]]) -> tuple[float, float, float]:
     return base, slope, residual + spread
 
 
+def probe_key(cfg: TrainConfig, init: Path, trainable: str, micro: int) -> str:
+    """What a probe's peak depends on; the job's own folder and step count do not count."""
+    tree = probe_config(cfg, Path("-"), micro).to_dict()
+    tree["run"].pop("output_dir", None)
+    weights = init / "manifest.json"  # signed tensor hashes: the weights' identity
+    if not weights.is_file():
+        weights = next(init.glob("*.safetensors"), init)
+    ident = hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else str(init)
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "?"
+    blob = json.dumps([tree, ident, trainable, micro, torch_version, sys.version], sort_keys=True,
+                      default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _read_cache(path: Path) -> dict[str, list[float]]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # no cache yet, or a damaged one: probe again
+    return {k: v for k, v in data.items()
+            if isinstance(v, list) and len(v) == REPEATS and all(
+                isinstance(x, (int, float)) for x in v)} if isinstance(data, dict) else {}
+
+
 def plan_for_tree(
-    cfg: dict[str, Any], init: Path, trainable: str, budget_mb: float, probes_dir: Path
+    cfg: dict[str, Any], init: Path, trainable: str, budget_mb: float, probes_dir: Path,
+    cache: Path | None = None,
 ) -> dict[str, Any]:
+    """The micro-batch for ``budget_mb`` over the whole tree; ``cache`` (a JSON file) keeps
+    probe peaks for the next job with the same model and training config."""
     train_cfg = config_from_dict(cfg["config"])
     effective = train_cfg.training.global_batch_size
     train_cfg = train_cfg.model_copy(update={"run": train_cfg.run.model_copy(
         update={"output_dir": probes_dir})})
+    cached = _read_cache(cache) if cache is not None else {}
     points: dict[int, list[float]] = {}
+    keys: dict[int, str] = {}
     for m in probe_points(effective):
-        points[m] = [probe_subprocess(train_cfg, init, trainable, m) for _ in range(REPEATS)]
+        keys[m] = probe_key(train_cfg, init, trainable, m)
+        points[m] = cached.get(keys[m]) or [
+            probe_subprocess(train_cfg, init, trainable, m) for _ in range(REPEATS)]
+    reused = all(k in cached for k in keys.values())
+    if cache is not None and not reused:
+        cached.update({keys[m]: points[m] for m in points})
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(cache, dict(list(cached.items())[-CACHE_ENTRIES:]))
     base, per_sample, margin = fit(points)
     worker = rss_mb(os.getpid())
     limit = budget_mb * HEADROOM - worker - margin
@@ -73,5 +123,6 @@ def plan_for_tree(
         "job_process_mb": round(worker, 1),
         "predicted_tree_peak_mb": round(worker + base + per_sample * micro, 1),
         "probes": {str(k): [round(v, 1) for v in vs] for k, vs in points.items()},
+        "probes_reused": reused,
         "method": "probe subprocess peak RSS, 3 sizes x 2, whole-tree budget",
     }

@@ -99,12 +99,16 @@ def step_finetune(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
     result = run_paced(job, resume=True, hooks=[hook])
     r = result.report
     gov = r.get("governor") or {}
+    png = job.out / "report.png"  # written only when a governor paced the run
     return {
         "checkpoint": r["checkpoint"], "stopped_reason": r["stopped_reason"], "steps": r["steps"],
         "accuracy_before": r["accuracy_before"], "accuracy_after": r["accuracy_after"],
-        "micro_batch_size": r["micro_batch_size"], "peak_rss_mb": r["peak_rss_mb"],
+        "micro_batch_size": r["micro_batch_size"],
+        "accumulation_steps": -(-job.effective_batch // r["micro_batch_size"]),
+        "peak_rss_mb": r["peak_rss_mb"],
         "precision": r["precision"], "max_temp_c": gov.get("max_temp_c"),
         "target_c": result.target_c, "governor": gov or None,
+        "report_png": str(png) if png.is_file() else None,
     }
 
 

@@ -74,6 +74,8 @@ class ProgressDisplay:
             p = rec.progress if rec is not None else None
             if not p or p == self._last_progress or p.get("stage") != self.stage:
                 continue
+            if p.get("step") is None:  # a stage's own event: on_event has shown it
+                continue
             now = time.monotonic()
             if self.mode != "live" and now - self._last_print < self.every_s:
                 continue

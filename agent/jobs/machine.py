@@ -66,9 +66,26 @@ class JobContext:
     def job_dir(self) -> Path:
         return job_dir_of(self.state_dir, self.job_id)
 
-    def event(self, stage: str, **detail: Any) -> None:
+    def event(self, stage: str, *, publish: bool = True, **detail: Any) -> None:
+        """Feed the display and (``publish``) the job's progress row, which the daemon
+        announces: it names the step now running, so telemetry never shows the last
+        fine-tune step while the export runs. The fine-tune child writes its own richer
+        progress (optimizer step, loss, governor), so its heartbeats pass publish=False."""
+        if publish:
+            names = self.spec.planned_steps()
+            index = names.index(self.current) + 1 if self.current in names else None
+            self.store.set_progress(self.job_id, {
+                "id": self.job_id, "stage": self.current or stage,
+                "detail": {**_plain(detail), "job_step": index, "job_steps": len(names)},
+            })
         if self.on_event is not None:
             self.on_event(stage, detail)
+
+
+def _plain(detail: dict[str, Any]) -> dict[str, Any]:
+    # Step outputs can be large (a whole health report): progress keeps the scalars.
+    return {k: v for k, v in detail.items()
+            if k == "plan" or isinstance(v, (str, int, float, bool))}
 
 
 CRASH_ENV = "EDGETRAIN_JOB_CRASH_AT"
@@ -196,9 +213,32 @@ def outcome(ctx: JobContext) -> dict[str, Any]:
     if "upload" in o:
         res["uploaded"] = {"name": name, "version": o["upload"]["version"],
                            "parent": o["upload"]["parent"]}
-    # Extra figures for the summary (JobOutcome allows extra keys).
+    # Extra figures for the fleet and the summary (JobOutcome allows extra keys).
     res["export"] = {k: o["export"].get(k) for k in ("winner", "int8_drop_pts", "p50_ms_b1")} \
         if "export" in o else None
     res["health"] = health or None
-    res["memory"] = o.get("finetune", {}).get("memory")
+    ft = o.get("finetune")
+    res["memory"] = _memory(ft) if ft else None
+    res["governor"] = _governor(ft) if ft else None
+    res["report_png"] = ft.get("report_png") if ft else None
     return res
+
+
+def _memory(ft: dict[str, Any]) -> dict[str, Any]:
+    mem = ft.get("memory") or {}
+    plan = mem.get("plan") or {}
+    micro = plan.get("micro_batch_size", ft.get("micro_batch_size"))
+    return {"peak_tree_mb": mem.get("tree_peak_mb"), "budget_mb": mem.get("budget_mb"),
+            "micro_batch": micro,
+            "accumulation": plan.get("accumulation_steps", ft.get("accumulation_steps")),
+            "planned": bool(plan)}
+
+
+def _governor(ft: dict[str, Any]) -> dict[str, Any]:
+    """The pacing summary; all None when the fine-tune ran without sensors (no governor)."""
+    g = ft.get("governor") or {}
+    held = [g[k] for k in ("paced_s", "waited_s") if g.get(k) is not None]
+    return {"max_temp_c": ft.get("max_temp_c"), "target_c": ft.get("target_c"),
+            "throttled_s": round(sum(held), 2) if held else None,
+            "time_above_target_s": g.get("time_above_target_s"),
+            "state_changes": g.get("events")}

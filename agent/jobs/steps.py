@@ -104,8 +104,8 @@ def run_child(ctx: JobContext, step: str, *, cancel_inside: bool = False) -> dic
                 crash_point(f"inside:{ctx.current}")
             if time.monotonic() - beat >= HEARTBEAT_S:  # long exports: never minutes of silence
                 beat = time.monotonic()
-                ctx.event(step, status="running", elapsed_s=round(beat - t0),
-                          last=_last_line(ctx.job_dir / f"{step}.log"))
+                ctx.event(step, publish=step != "finetune", status="running",
+                          elapsed_s=round(beat - t0), last=_last_line(ctx.job_dir / f"{step}.log"))
             if SIGTERM_SEEN["flag"] and not forwarded:
                 p.send_signal(signal.SIGTERM)  # the trainer checkpoints at its next step
                 forwarded = True
@@ -182,7 +182,8 @@ def finetune(ctx: JobContext) -> dict[str, Any]:
             ctx.event("finetune", status="planning", budget_mb=cfg["budget_mb"])
             plan = plan_for_tree(cfg, Path(ctx.outputs["pull"]["path"]),
                                  ft.trainable, cfg["budget_mb"],  # type: ignore[attr-defined]
-                                 ctx.job_dir / "probes")
+                                 ctx.job_dir / "probes",
+                                 cache=ctx.state_dir / "cache" / "memory_probes.json")
             write_json_atomic(plan_file, plan)
         _write_context(ctx, plan=plan)
         ctx.event("finetune", status="training", plan=plan)

@@ -90,20 +90,30 @@ make_device_data(root / "device.npz", ["invert", "noise"], image_size=16)
     yield root
 
 
-@pytest.fixture
-def device(device_template: Path, tmp_path: Path) -> Iterator[Device]:
-    """A fresh device (nothing installed) and a registry holding digits@v1."""
+@pytest.fixture(scope="session")
+def registry(device_template: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[RegistryServer]:
+    """One registry for the session, holding digits@v1 signed by the upstream key (the tests
+    that upload add their own versions; none changes v1)."""
     from hpc_core.model_spec import read_checkpoint
     from registry.publish import publish_content
     from registry.signing import load_signing_key
     from registry.stores import LocalStore
 
-    root = tmp_path / "dev"
-    shutil.copytree(device_template / "state", root / "state")
-    reg = tmp_path / "registry"
-    reg.mkdir()
+    reg = tmp_path_factory.mktemp("registry")
     key = load_signing_key(Path((device_template / "upstream.key").read_text()))
     publish_content(read_checkpoint(device_template / "up"), LocalStore(reg), name="digits",
                     version="v1", key=key)
     with RegistryServer(reg) as server:
-        yield Device(root, server, device_template / "device.npz", device_template / "up")
+        yield server
+
+
+def make_device(template: Path, registry: RegistryServer, root: Path) -> Device:
+    """A fresh device at ``root`` (keys only, nothing installed) on the shared registry."""
+    shutil.copytree(template / "state", root / "state")
+    return Device(root, registry, template / "device.npz", template / "up")
+
+
+@pytest.fixture
+def device(device_template: Path, registry: RegistryServer, tmp_path: Path) -> Device:
+    return make_device(device_template, registry, tmp_path / "dev")

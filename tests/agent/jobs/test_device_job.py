@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,8 @@ import pytest
 
 from agent.jobs.spec import DeviceJob
 from agent.jobs.store import JobState, JobStore
-from tests.agent.jobs.conftest import REPO, Device
+from tests.agent.jobs.conftest import REPO, Device, make_device
+from tests.support.registry_server import RegistryServer
 
 LEARN = {"lr": 0.003, "steps": 60}
 
@@ -58,20 +59,60 @@ def final_weights(state: Path) -> dict[str, np.ndarray]:
     return load_file(str(state / "models/digits/current/model.safetensors"))
 
 
+@dataclass
+class CleanRun:
+    device: Device
+    record: Any
+    stages_seen: list[str]
+    """The progress row's stage, in the order the polling saw it change."""
+
+
+@pytest.fixture(scope="module")
+def clean_run(device_template: Path, registry: RegistryServer,
+              tmp_path_factory: pytest.TempPathFactory) -> CleanRun:
+    """One uninterrupted whole job on a fresh device (with upload): the whole-job test checks
+    it and the kill -9 test compares its crashed-and-resumed weights with it."""
+    dev = make_device(device_template, registry, tmp_path_factory.mktemp("clean"))
+    submit(dev, "j1", finetune=LEARN, steps={"upload": True})
+    p = subprocess.Popen([sys.executable, "-m", "agent.jobs.worker", "--state-dir",
+                          str(dev.state), "--job-id", "j1", "--no-parent-check"], cwd=REPO,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    store, seen = JobStore(dev.state), []
+    while p.poll() is None:
+        rec = store.get("j1")
+        stage = (rec.progress or {}).get("stage") if rec is not None else None
+        if stage and (not seen or seen[-1] != stage):
+            seen.append(stage)
+        time.sleep(0.05)
+    err = p.stderr.read() if p.stderr else ""
+    assert p.returncode == 0, err[-3000:]
+    rec = store.get("j1")
+    store.close()
+    return CleanRun(dev, rec, seen)
+
+
 @pytest.mark.slow
-def test_whole_job_commits_an_int8_model_and_uploads_it_signed(device: Device) -> None:
+def test_whole_job_commits_an_int8_model_and_uploads_it_signed(clean_run: CleanRun) -> None:
     """Fresh device: pull v1 over HTTP, fine-tune, INT8 export through its gates, stage,
     health against the upstream, commit, upload signed by the device with parent v1."""
-    submit(device, "j1", finetune=LEARN, steps={"upload": True})
-    r = worker(device.state, "j1")
-    assert r.returncode == 0, r.stderr[-3000:]
-    rec = JobStore(device.state).get("j1")
+    device, rec = clean_run.device, clean_run.record
     assert rec is not None and rec.state is JobState.SUCCEEDED, rec.error
     res = rec.result
     assert res["outcome"] == "committed"
     gain = res["metrics_after"]["eval/acc"] - res["metrics_before"]["eval/acc"]
     assert gain >= 0.20, res["health"]
     assert res["export"]["winner"] == "int8", res["export"]
+    # The figures the fleet and the summary read, under these names.
+    assert set(res["export"]) == {"winner", "int8_drop_pts", "p50_ms_b1"}
+    assert res["export"]["int8_drop_pts"] is not None and res["export"]["p50_ms_b1"] > 0
+    mem = res["memory"]
+    assert {"peak_tree_mb", "budget_mb", "micro_batch", "accumulation"} <= set(mem), mem
+    assert (mem["micro_batch"], mem["accumulation"]) == (64, 1) and mem["peak_tree_mb"] > 0
+    assert {"max_temp_c", "target_c", "throttled_s", "state_changes"} <= set(res["governor"])
+    assert "report_png" in res  # sensors none: no governor, so no pacing plot (None)
+    # Progress named each stage while it ran (never the last fine-tune step during export).
+    assert [s for s in clean_run.stages_seen if s in ("finetune", "export", "stage", "health")
+            ] == ["finetune", "export", "stage", "health"], clean_run.stages_seen
     from agent.storage.slots import ModelSlots
 
     active = ModelSlots(device.state, "digits").active()
@@ -136,14 +177,15 @@ CRASH_POINTS = [
 
 
 @pytest.mark.slow
-def test_kill_9_at_every_point_then_restart_finishes_once(device: Device) -> None:
+def test_kill_9_at_every_point_then_restart_finishes_once(device: Device,
+                                                          clean_run: CleanRun) -> None:
     """kill -9 of the job process at 11 points (inside each child step, after each step),
     a restart after each: the job finishes exactly once, no finished step runs again, and
     the committed weights equal an uninterrupted run's (atol 1e-5)."""
     from agent.jobs.machine import CRASH_ENV
 
     store = JobStore(device.state)
-    submit(device, "k1")
+    submit(device, "k1", finetune=LEARN)
     done: dict[str, tuple[float, float]] = {}
     for point in CRASH_POINTS:
         r = worker(device.state, "k1", {CRASH_ENV: point})
@@ -167,38 +209,44 @@ def test_kill_9_at_every_point_then_restart_finishes_once(device: Device) -> Non
         if s.name in done:
             assert (s.started_at, s.finished_at) == done[s.name], s.name
     crashed = final_weights(device.state)
-    # The same job, uninterrupted, on a second device.
-    other = device.root.parent / "dev2"
-    shutil.copytree(device.state, other / "state",  # keys only: a fresh device
-                    ignore=shutil.ignore_patterns("jobs", "jobs.db*", "models", "chunks",
-                                                  "lock"))
-    JobStore(other / "state").submit("k1", "finetune", rec.spec)
-    assert worker(other / "state", "k1").returncode == 0
-    clean = final_weights(other / "state")
+    # The uninterrupted run: the same job on another fresh device (its upload changes no
+    # weight: the specs differ in steps.upload only).
+    ref = clean_run.record
+    assert {**ref.spec, "steps": None} == {**rec.spec, "steps": None}
+    clean = final_weights(clean_run.device.state)
     assert crashed.keys() == clean.keys()
     for k in clean:
         np.testing.assert_allclose(crashed[k], clean[k], atol=1e-5, err_msg=k)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("budget", [450, 700])
-def test_whole_tree_peak_stays_within_the_budget(device: Device, budget: int) -> None:
+def test_whole_tree_peak_stays_within_the_budget(device: Device) -> None:
     """One run per budget here (probes + fine-tune, no export); the 10 runs each are in
-    benchmarks/device_job.py. The whole tree (worker, probes, child) is sampled from /proc."""
+    benchmarks/device_job.py. The whole tree (worker, probes, child) is sampled from /proc.
+    The 700 MB job plans from the 450 MB job's probes (same model and config): the cache."""
     from agent.jobs.proctree import TreePeak
 
     device.install()
-    fin = {"micro_batch": None, "budget_mb": budget, "steps": 20}
-    submit(device, "m1", finetune=fin, steps={"export": False})
-    p = subprocess.Popen([sys.executable, "-m", "agent.jobs.worker", "--state-dir",
-                          str(device.state), "--job-id", "m1", "--no-parent-check"], cwd=REPO,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    with TreePeak(root=p.pid, interval_s=0.01) as peak:
-        _, err = p.communicate(timeout=400)
-    assert p.returncode == 0, err[-2000:]
-    rec = JobStore(device.state).get("m1")
-    assert rec is not None and rec.state in (JobState.SUCCEEDED, JobState.FAILED), rec.error
-    assert peak.peak_mb <= 1.05 * budget, f"tree peak {peak.peak_mb:.0f} MB > 1.05 x {budget}"
+    for i, budget in enumerate((450, 700)):
+        job = f"m{budget}"
+        fin = {"micro_batch": None, "budget_mb": budget, "steps": 6}
+        submit(device, job, finetune=fin, steps={"export": False})
+        p = subprocess.Popen([sys.executable, "-m", "agent.jobs.worker", "--state-dir",
+                              str(device.state), "--job-id", job, "--no-parent-check"],
+                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        with TreePeak(root=p.pid, interval_s=0.01) as peak:
+            _, err = p.communicate(timeout=400)
+        assert p.returncode == 0, err[-2000:]
+        rec = JobStore(device.state).get(job)
+        assert rec is not None and rec.state in (JobState.SUCCEEDED, JobState.FAILED), rec.error
+        assert peak.peak_mb <= 1.05 * budget, f"tree peak {peak.peak_mb:.0f} MB > 1.05 x {budget}"
+        plan = {s.name: s.outputs for s in JobStore(device.state).steps(job)}[
+            "finetune"]["memory"]["plan"]
+        assert plan["budget_mb"] == budget and plan["probes_reused"] is (i == 1), plan
+        mem = rec.result["memory"]
+        assert mem["budget_mb"] == budget and mem["micro_batch"] == plan["micro_batch_size"]
+        assert mem["accumulation"] == plan["accumulation_steps"]
+        assert 0 < mem["peak_tree_mb"] <= 1.05 * budget
 
 
 # -- bad input ----------------------------------------------------------------------------
@@ -283,53 +331,49 @@ def test_sigterm_during_start_up_exits_cleanly(device: Device) -> None:
 # -- agentctl finetune (moved from tests/agent/finetune: the command now runs the device job) --
 
 
-def test_agentctl_finetune_end_to_end(device: Device, capsys: pytest.CaptureFixture) -> None:
-    """Governed by the simulated sensors, micro-batch given; the fine-tune's report and PNG
-    are in the job folder, the summary names the temperature; bad flags exit 2, nothing run."""
+def test_agentctl_finetune_pulls_then_runs_governed_end_to_end(
+    device: Device, make_keypair: Any, capsys: pytest.CaptureFixture
+) -> None:
+    """--version with --registry on a fresh device: a key the device does not trust is
+    refused before any chunk (nothing installed or trained); the trusted one pulls, verifies,
+    fine-tunes governed by the simulated sensors (micro-batch given) and commits. The report
+    and PNG are in the job folder, the outcome carries the governor and the PNG, the summary
+    names the temperature; bad flags exit 2, nothing run."""
     import json
 
     from agent.cli import main
 
-    device.install()
-    argv = ["finetune", "--model", "digits", "--data", str(device.data), "--state-dir",
+    stranger = make_keypair("stranger")
+    argv = ["finetune", "--model", "digits", "--version", "v1", "--registry",
+            device.registry.url, "--data", str(device.data), "--state-dir",
             str(device.state), "--profile", "sim", "--sensors", "sim", "--trainable",
-            "last_n:2", "--steps", "12", "--micro-batch", "32", "--no-export",
-            "--job-id", "cli1", "--progress", "json"]
-    assert main(argv) == 0
+            "last_n:2", "--steps", "12", "--micro-batch", "32", "--no-export"]
+    assert main([*argv, "--job-id", "p0", "--trusted-keys", str(stranger.trusted_dir)]) == 1
+    assert "pull" in capsys.readouterr().err
+    assert not (device.state / "models").exists() or not any(
+        (device.state / "models").rglob("model.safetensors"))
+    assert not (device.state / "jobs/p0/finetune").exists()
+    assert main([*argv, "--job-id", "cli1", "--progress", "json"]) == 0
     out, err = capsys.readouterr()
     final = json.loads(out.strip().splitlines()[-1])
     assert final["state"] == "SUCCEEDED" and final["result"]["outcome"] == "committed"
+    steps = {s.name: s for s in JobStore(device.state).steps("cli1")}
+    assert steps["pull"].outputs["fetched"] is True and steps["pull"].outputs["version"] == "v1"
+    assert steps["commit"].status == "done"
     job = device.state / "jobs/cli1/finetune"
     report = json.loads((job / "report.json").read_text())
     assert report["format"] == "edgetrain.job_report/1"
     assert report["job"]["micro_batch_size"] == 32 and report["job"]["steps"] == 12
     assert report["summary"]["max_temp_c"] is not None
     assert (job / "report.png").stat().st_size > 10_000
+    res = final["result"]
+    assert res["report_png"] == str(job / "report.png")
+    gov = res["governor"]
+    assert gov["max_temp_c"] == report["summary"]["max_temp_c"] and gov["target_c"] > 0
+    assert gov["throttled_s"] >= 0 and gov["state_changes"] >= 0
+    assert res["memory"]["micro_batch"] == 32 and res["memory"]["accumulation"] == 2
     assert "max temperature vs target" in err and '"stage": "finetune"' in err
     # Bad input: named flag, exit 2, nothing run.
-    assert main([*argv[:-4], "--job-id", "cli2", "--trainable", "some"]) == 2
-    assert main([*argv[:-4], "--job-id", "cli3", "--profile", "jetson-orin-nano-9gb"]) == 2
+    assert main([*argv, "--job-id", "cli2", "--trainable", "some"]) == 2
+    assert main([*argv, "--job-id", "cli3", "--profile", "jetson-orin-nano-9gb"]) == 2
     assert not (device.state / "jobs/cli2").exists()
-
-
-def test_finetune_pulls_a_signed_version_first(
-    device: Device, make_keypair: Any, capsys: pytest.CaptureFixture
-) -> None:
-    """--version with --registry: a key the device does not trust is refused before any
-    chunk (nothing installed or trained); the trusted one pulls, verifies, fine-tunes."""
-    from agent.cli import main
-
-    stranger = make_keypair("stranger")
-    common = ["finetune", "--model", "digits", "--version", "v1", "--registry",
-              device.registry.url, "--data", str(device.data), "--state-dir",
-              str(device.state), "--profile", "generic-x86", "--sensors", "none", "--steps",
-              "4", "--micro-batch", "32", "--no-export"]
-    assert main([*common, "--job-id", "p0", "--trusted-keys", str(stranger.trusted_dir)]) == 1
-    assert "pull" in capsys.readouterr().err
-    assert not (device.state / "models").exists() or not any(
-        (device.state / "models").rglob("model.safetensors"))
-    assert not (device.state / "jobs/p0/finetune").exists()
-    assert main([*common, "--job-id", "p1"]) == 0
-    steps = {s.name: s for s in JobStore(device.state).steps("p1")}
-    assert steps["pull"].outputs["fetched"] is True and steps["pull"].outputs["version"] == "v1"
-    assert steps["commit"].status == "done"
