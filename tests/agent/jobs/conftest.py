@@ -59,9 +59,9 @@ class Device:
                trusted=load_trusted_keys(self.state / "trusted_keys"))
 
 
-@pytest.fixture(scope="session")
-def device_template(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    root = tmp_path_factory.mktemp("device")
+def build_template(root: Path) -> Path:
+    """Upstream model (``root/up``), device data, upstream and device keys under ``root``;
+    also used by benchmarks/device_job.py."""
     code = f"""
 import sys
 sys.path.insert(0, {str(REPO / 'scripts')!r})
@@ -87,7 +87,24 @@ make_device_data(root / "device.npz", ["invert", "noise"], image_size=16)
         (state / "trusted_keys" / p.name).write_bytes(p.read_bytes())
     assert load_signing_key(up_priv) is not None
     (root / "upstream.key").write_text(str(up_priv))
-    yield root
+    return root
+
+
+def publish_v1(template: Path, reg: Path) -> None:
+    """digits@v1, signed by the upstream key, into the registry folder ``reg``."""
+    from hpc_core.model_spec import read_checkpoint
+    from registry.publish import publish_content
+    from registry.signing import load_signing_key
+    from registry.stores import LocalStore
+
+    key = load_signing_key(Path((template / "upstream.key").read_text()))
+    publish_content(read_checkpoint(template / "up"), LocalStore(reg), name="digits",
+                    version="v1", key=key)
+
+
+@pytest.fixture(scope="session")
+def device_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_template(tmp_path_factory.mktemp("device"))
 
 
 @pytest.fixture(scope="session")
@@ -95,15 +112,8 @@ def registry(device_template: Path, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[RegistryServer]:
     """One registry for the session, holding digits@v1 signed by the upstream key (the tests
     that upload add their own versions; none changes v1)."""
-    from hpc_core.model_spec import read_checkpoint
-    from registry.publish import publish_content
-    from registry.signing import load_signing_key
-    from registry.stores import LocalStore
-
     reg = tmp_path_factory.mktemp("registry")
-    key = load_signing_key(Path((device_template / "upstream.key").read_text()))
-    publish_content(read_checkpoint(device_template / "up"), LocalStore(reg), name="digits",
-                    version="v1", key=key)
+    publish_v1(device_template, reg)
     with RegistryServer(reg) as server:
         yield server
 

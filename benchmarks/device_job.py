@@ -1,0 +1,188 @@
+"""The device job: orchestration overhead, stage wall times, whole-tree memory, restart time.
+
+    python benchmarks/device_job.py [--runs 10] [--pairs 1] [--steps 60]
+
+1. The whole job (``python -m agent.jobs.worker``: store, step records, the state machine)
+   beside the sum of the same steps run by hand, one after the other, on a second fresh
+   device (each step function called directly: the same child processes, no worker, no
+   transitions). Ratio whole / by hand; target <= 1.05. Both sides fine-tune the same
+   upstream with the same spec (micro-batch given, so no probes on either side).
+2. Wall time of each stage of the whole job (from its step records).
+3. Whole-tree peak RSS (worker + probes + fine-tune child, summed from /proc every 10 ms) at
+   budgets 450 and 700 MB over ``--runs`` jobs each (no export): max and median against
+   1.05 x budget. Each run probes afresh (the probe cache is removed first), so the plan's
+   noise is in the figures.
+4. Restart after ``kill -9`` inside the fine-tune: from the new worker's start to the job
+   IN_PROGRESS again (target <= 5 s), and to its first optimizer step after the resume (the
+   same plus the child's torch import and model/checkpoint load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from agent.jobs import steps as job_steps  # noqa: E402
+from agent.jobs.machine import CRASH_ENV, JobContext  # noqa: E402
+from agent.jobs.proctree import TreePeak  # noqa: E402
+from agent.jobs.spec import DeviceJob  # noqa: E402
+from agent.jobs.store import JobState, JobStore  # noqa: E402
+from tests.agent.jobs.conftest import Device, build_template, make_device, publish_v1  # noqa: E402
+from tests.support.registry_server import RegistryServer  # noqa: E402
+
+WORKER = [sys.executable, "-m", "agent.jobs.worker", "--no-parent-check"]
+
+
+def worker_cmd(state: Path, job_id: str) -> list[str]:
+    return [*WORKER, "--state-dir", str(state), "--job-id", job_id]
+
+
+def submit(dev: Device, job_id: str, **over: Any) -> DeviceJob:
+    spec = DeviceJob.model_validate(dev.spec(**over))
+    store = JobStore(dev.state)
+    store.submit(job_id, "finetune", spec.model_dump(mode="json"))
+    store.close()
+    return spec
+
+
+def whole_vs_by_hand(template: Path, reg: RegistryServer, work: Path, pair: int,
+                     steps: int) -> tuple[float, float, dict[str, float], dict[str, float]]:
+    over = {"finetune": {"steps": steps, "lr": 0.003}}
+    whole_dev = make_device(template, reg, work / f"whole{pair}")
+    submit(whole_dev, "w", **over)
+    t0 = time.perf_counter()
+    subprocess.run(worker_cmd(whole_dev.state, "w"), cwd=REPO, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    whole = time.perf_counter() - t0
+    store = JobStore(whole_dev.state)
+    rec = store.get("w")
+    assert rec is not None and rec.state is JobState.SUCCEEDED, rec and rec.error
+    stage_s = {s.name: s.finished_at - s.started_at for s in store.steps("w")
+               if s.started_at and s.finished_at}
+    # By hand: each step function in turn, in this process (its children are the same).
+    hand_dev = make_device(template, reg, work / f"hand{pair}")
+    spec = submit(hand_dev, "h", **over)
+    ctx = JobContext(JobStore(hand_dev.state), "h", hand_dev.state, spec)
+    ctx.job_dir.mkdir(parents=True)
+    hand_s: dict[str, float] = {}
+    for name in spec.planned_steps():
+        ctx.current = name
+        t = time.perf_counter()
+        ctx.outputs[name] = job_steps.STEPS[name](ctx)
+        hand_s[name] = time.perf_counter() - t
+    return whole, sum(hand_s.values()), stage_s, hand_s
+
+
+def tree_peak_run(dev: Device, job_id: str, budget: int, steps: int) -> tuple[float, dict]:
+    (dev.state / "cache" / "memory_probes.json").unlink(missing_ok=True)
+    submit(dev, job_id, finetune={"micro_batch": None, "budget_mb": budget, "steps": steps},
+           steps={"export": False})
+    p = subprocess.Popen(worker_cmd(dev.state, job_id), cwd=REPO,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with TreePeak(root=p.pid, interval_s=0.01) as peak:
+        p.wait()
+    rec = JobStore(dev.state).get(job_id)
+    assert p.returncode == 0 and rec is not None and rec.terminal, rec and rec.error
+    plan = (rec.result or {}).get("memory") or {}
+    return peak.peak_mb, plan
+
+
+def restart_after_kill(dev: Device) -> tuple[float, float]:
+    submit(dev, "r", finetune={"steps": 60, "checkpoint_every": 10}, steps={"export": False})
+    env = {**os.environ, CRASH_ENV: "inside:finetune"}
+    r = subprocess.run(worker_cmd(dev.state, "r"), cwd=REPO, env=env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert r.returncode == -signal.SIGKILL, r.returncode
+    store = JobStore(dev.state)
+    before = store.get("r")
+    assert before is not None
+    t0 = time.time()
+    p = subprocess.Popen(worker_cmd(dev.state, "r"), cwd=REPO,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    running = stepping = None
+    while p.poll() is None and stepping is None:
+        rec = store.get("r")
+        if running is None and rec is not None and rec.attempt > before.attempt:
+            running = time.time() - t0
+        prog = (rec.progress or {}) if rec is not None else {}
+        if (running is not None and prog.get("stage") == "finetune"
+                and prog.get("step") is not None and rec.updated_at > t0):  # type: ignore[union-attr]
+            stepping = time.time() - t0
+        time.sleep(0.01)
+    p.wait()
+    assert running is not None and stepping is not None
+    return running, stepping
+
+
+def line(what: str, value: str, target: str) -> None:
+    print(f"  {what:<48} {value:<26} target {target}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=10, help="jobs per budget (issue: 10)")
+    ap.add_argument("--pairs", type=int, default=1, help="whole-job / by-hand pairs")
+    ap.add_argument("--steps", type=int, default=60, help="fine-tune steps of the whole job")
+    ap.add_argument("--budget-steps", type=int, default=20, help="fine-tune steps per budget run")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="device-job-bench-") as tmp:
+        work = Path(tmp)
+        template = build_template(work / "template")
+        (work / "registry").mkdir()
+        publish_v1(template, work / "registry")
+        with RegistryServer(work / "registry") as reg:
+            print(f"1. whole job vs its steps by hand ({a.pairs} pair(s), {a.steps} steps, "
+                  "INT8 export, 2 shared cores)")
+            ratios, stage_runs, hand_runs = [], [], []
+            for i in range(a.pairs):
+                whole, hand, stage_s, hand_s = whole_vs_by_hand(template, reg, work, i, a.steps)
+                ratios.append(whole / hand)
+                stage_runs.append(stage_s)
+                hand_runs.append(hand_s)
+                line(f"pair {i}: whole {whole:.1f} s / by hand {hand:.1f} s",
+                     f"{whole / hand:.3f}", "<= 1.05")
+            line("ratio (median)", f"{statistics.median(ratios):.3f}", "<= 1.05")
+            print("2. wall time of each stage (whole job; by hand beside it), s")
+            for name in stage_runs[-1]:
+                w = statistics.median(r[name] for r in stage_runs)
+                h = statistics.median(r.get(name, float("nan")) for r in hand_runs)
+                line(name, f"{w:.1f} (by hand {h:.1f})", "-")
+            print(f"3. whole-tree peak vs budget ({a.runs} runs each, probes afresh each run)")
+            for budget in (450, 700):
+                dev = make_device(template, reg, work / f"mem{budget}")
+                dev.install()
+                peaks, micros = [], []
+                for i in range(a.runs):
+                    peak, mem = tree_peak_run(dev, f"m{budget}-{i}", budget, a.budget_steps)
+                    peaks.append(peak)
+                    micros.append(mem.get("micro_batch"))
+                    shutil.rmtree(dev.state / "jobs" / f"m{budget}-{i}", ignore_errors=True)
+                line(f"B={budget} MB: max / median tree peak",
+                     f"{max(peaks):.0f} / {statistics.median(peaks):.0f} MB "
+                     f"({max(peaks) / budget:.3f} B)", f"<= {1.05 * budget:.0f} MB (1.05 B)")
+                line(f"B={budget} MB: micro-batches chosen", str(sorted(set(micros))), "-")
+            print("4. restart after kill -9 inside the fine-tune")
+            dev = make_device(template, reg, work / "restart")
+            dev.install()
+            running, stepping = restart_after_kill(dev)
+            line("worker start -> job IN_PROGRESS again", f"{running:.2f} s", "<= 5 s")
+            line("worker start -> first optimizer step", f"{stepping:.2f} s",
+                 "<= 5 s + model load")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
