@@ -86,8 +86,14 @@ def plan_for_tree(
     probe peaks for the next job with the same model and training config."""
     train_cfg = config_from_dict(cfg["config"])
     effective = train_cfg.training.global_batch_size
-    train_cfg = train_cfg.model_copy(update={"run": train_cfg.run.model_copy(
-        update={"output_dir": probes_dir})})
+    # A probe's closing evaluation covers the validation split at the probe's micro-batch
+    # under no_grad: a quarter of its time and never its peak. A 5% split keeps it short;
+    # the arrays loaded (the whole data set) and the training step are the same.
+    train_cfg = train_cfg.model_copy(update={
+        "run": train_cfg.run.model_copy(update={"output_dir": probes_dir}),
+        "data": train_cfg.data.model_copy(
+            update={"val_fraction": min(train_cfg.data.val_fraction, 0.05)}),
+    })
     cached = _read_cache(cache) if cache is not None else {}
     points: dict[int, list[float]] = {}
     keys: dict[int, str] = {}

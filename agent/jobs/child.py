@@ -94,6 +94,8 @@ def step_finetune(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
     its last checkpoint; its report (report.json/.png) goes to JOB_DIR/finetune."""
     from agent.finetune.recipe import run_paced
 
+    if not (job_dir / "config.json").is_file():  # no plan was needed: the worker made none
+        write_json_atomic(job_dir / "config.json", step_config(job_dir, ctx))
     job = _finetune_job(ctx, ctx["plan"]["micro_batch_size"] if ctx.get("plan") else None)
     hook = StoreHook(Path(ctx["state_dir"]), ctx["job_id"])
     result = run_paced(job, resume=True, hooks=[hook])

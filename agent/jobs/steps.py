@@ -171,14 +171,16 @@ def pull(ctx: JobContext) -> dict[str, Any]:
 def finetune(ctx: JobContext) -> dict[str, Any]:
     plan_file = ctx.job_dir / "plan.json"
     _write_context(ctx)
+    config_file = ctx.job_dir / "config.json"
     with TreePeak() as peak:
-        if not (ctx.job_dir / "config.json").is_file():
-            cfg = run_child(ctx, "config")
-            write_json_atomic(ctx.job_dir / "config.json", cfg)
-        cfg = _read(ctx.job_dir / "config.json")
         ft = ctx.spec.finetune
         plan = _read(plan_file) or None
         if plan is None and ft.micro_batch is None:  # type: ignore[attr-defined]
+            # The planner probes the training config: a child builds it first. With the
+            # micro-batch given, the fine-tune child writes it itself (one torch start less).
+            if not config_file.is_file():
+                write_json_atomic(config_file, run_child(ctx, "config"))
+            cfg = _read(config_file)
             ctx.event("finetune", status="planning", budget_mb=cfg["budget_mb"])
             plan = plan_for_tree(cfg, Path(ctx.outputs["pull"]["path"]),
                                  ft.trainable, cfg["budget_mb"],  # type: ignore[attr-defined]
@@ -188,6 +190,7 @@ def finetune(ctx: JobContext) -> dict[str, Any]:
         _write_context(ctx, plan=plan)
         ctx.event("finetune", status="training", plan=plan)
         out = run_child(ctx, "finetune", cancel_inside=True)
+    cfg = _read(config_file)
     if str(out.get("stopped_reason", "")).endswith("cancel"):
         raise Canceled("canceled during finetune")
     out["memory"] = {"budget_mb": cfg["budget_mb"], "tree_peak_mb": round(peak.peak_mb, 1),
