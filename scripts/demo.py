@@ -214,7 +214,8 @@ class Mission:
                "profile": "sim", "sensors": "sim", "telemetry_s": 2, "socket_group": None,
                "mqtt": {"host": "127.0.0.1", "port": self.broker_port, "username": dev,
                         "password_file": str(self.out / "broker" / f"{dev}.password")},
-               "registry": {"url": self.registry_url}}
+               "registry": {"url": self.registry_url,
+                            "signing_key": str(state / f"{dev}.key.pem")}}
         (home / "agent.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.run(dev, [str(BIN / "edge-agent"), "validate", str(home / "agent.yaml")])
         self.say(dev, f"provisioned: {MODEL}@1 pulled and verified, camera = {camera}")

@@ -74,9 +74,10 @@ class RegistryConfig(_Strict):
     trusted_keys: Path | None = None
     """Folder of trusted ``*.pub.pem`` keys (default: STATE_DIR/trusted_keys)."""
     signing_key: Path | None = None
-    """This device's private key: signs the models it fine-tunes, stages and uploads
-    (default: STATE_DIR/DEVICE_ID.key.pem, made by ``hpc-train keygen --name DEVICE_ID``). Its
-    file name is the signer's name, and uploaded versions are named PARENT+SIGNER.STAMP."""
+    """This device's private key: signs the models it fine-tunes, stages and uploads (default:
+    the job's, STATE_DIR/device.key.pem). Its file name is the signer's name and uploads are
+    named PARENT+SIGNER.STAMP: make it with ``hpc-train keygen --name DEVICE_ID --scope
+    'MODEL@*+DEVICE_ID.*'`` so the registry can tell devices apart and scope each key."""
 
 
 class LimitsConfig(_Strict):
@@ -129,8 +130,7 @@ class AgentConfig(_Strict):
         return {
             "registry": self.registry.url,
             "trusted_keys": str(self.registry.trusted_keys or self.state_dir / "trusted_keys"),
-            "signing_key": str(self.registry.signing_key
-                               or self.state_dir / f"{self.device_id}.key.pem"),
+            "signing_key": str(self.registry.signing_key) if self.registry.signing_key else None,
             # The board this daemon runs on and the sensors it reads pace the fine-tune too.
             "finetune": {"profile": self.profile, "sensors": self.sensors},
         }

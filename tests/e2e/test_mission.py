@@ -56,7 +56,9 @@ def _finetune_job(state: Path) -> dict:
             if line.strip()]
     finetunes = [j for j in jobs if j["type"] == "finetune"]
     assert len(finetunes) == 1, jobs  # each device ran its execution exactly once
-    return finetunes[0]
+    shown = json.loads(_cli("agentctl", "job", finetunes[0]["id"], "--json", "--state-dir",
+                            str(state)).stdout)
+    return dict(shown["job"])
 
 
 def test_every_process_the_demo_started_has_exited(mission: tuple[Path, str]) -> None:

@@ -41,13 +41,17 @@ def test_bad_job_args_name_the_field(type_: str, args: dict, field: str) -> None
 def test_device_defaults_fill_what_the_command_leaves_out(tmp_path) -> None:
     from agent.daemon.config import AgentConfig
 
+    key = str(tmp_path / "edge-7.key.pem")
     cfg = AgentConfig.model_validate({"device_id": "edge-7", "state_dir": str(tmp_path),
-                                      "registry": {"url": "http://reg:8080"}})
+                                      "registry": {"url": "http://reg:8080", "signing_key": key}})
     ft = validate_job("finetune", {"model": "digits", "data": "d.npz",
                                    "steps": {"upload": True}}, cfg.job_defaults())
     assert ft["registry"] == "http://reg:8080"  # upload needs one: no longer refused
     assert ft["signing_key"] == str(tmp_path / "edge-7.key.pem")  # signer = the device id
     assert ft["trusted_keys"] == str(tmp_path / "trusted_keys")
+    unset = AgentConfig.model_validate({"device_id": "edge-7", "state_dir": str(tmp_path)})
+    assert validate_job("finetune", {"model": "digits", "data": "d.npz"},
+                        unset.job_defaults())["signing_key"] is None  # the job's own default
     assert (ft["finetune"]["profile"], ft["finetune"]["sensors"]) == ("auto", "auto")
     sim = AgentConfig.model_validate({"device_id": "edge-7", "state_dir": str(tmp_path),
                                       "profile": "sim", "sensors": "sim"})
