@@ -125,6 +125,12 @@ def registry_url(mission: tuple[Path, str]) -> Iterator[str]:
         p.wait(10)
 
 
+def _weights_hash(manifest: dict) -> str:
+    """One hash over every tensor's name, dtype, shape and sha256: the model's identity."""
+    rows = sorted((t["name"], t["dtype"], t["shape"], t["sha256"]) for t in manifest["tensors"])
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+
+
 def _get(url: str, path: str) -> bytes:
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=10)
@@ -147,10 +153,14 @@ def test_uploads_are_signed_children_of_the_upstream_version(
         version = _finetune_job(state)["result"]["uploaded"]["version"]
         manifest = _get(registry_url, f"/{MODEL}/{version}/manifest.json")
         assert json.loads(manifest)["parent"] == "1"
-        # The model committed on the device is, byte for byte, the version it uploaded.
+        # The model committed on the device is the version it uploaded: same name, same
+        # weights (every tensor's sha256); the registry gave it its own sequence number.
         current = (state / "models" / MODEL / "current").resolve()
-        assert hashlib.sha256((current / "manifest.json").read_bytes()).digest() == \
-            hashlib.sha256(manifest).digest()
+        local = json.loads((current / "manifest.json").read_bytes())
+        remote = json.loads(manifest)
+        assert (local["name"], local["version"]) == (remote["name"], remote["version"])
+        assert _weights_hash(local) == _weights_hash(remote)
+        assert remote["sequence"] > 1
         # Its signature verifies with the device's key, and with nothing else.
         trusted = tmp_path / dev / "trusted"
         trusted.mkdir(parents=True)
