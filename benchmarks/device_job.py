@@ -10,8 +10,8 @@
 2. Wall time of each stage of the whole job (from its step records).
 3. Whole-tree peak RSS (worker + probes + fine-tune child, summed from /proc every 10 ms) at
    budgets 450 and 700 MB over ``--runs`` jobs each (no export): max and median against
-   1.05 x budget. Each run probes afresh (the probe cache is removed first), so the plan's
-   noise is in the figures.
+   1.05 x budget. Each run is a fresh device (upstream active, no probe cache), so each
+   probes afresh and the plan's noise is in the figures.
 4. Restart after ``kill -9`` inside the fine-tune: from the new worker's start to the job
    IN_PROGRESS again (target <= 5 s), and to its first optimizer step after the resume (the
    same plus the child's torch import and model/checkpoint load).
@@ -86,7 +86,6 @@ def whole_vs_by_hand(template: Path, reg: RegistryServer, work: Path, pair: int,
 
 
 def tree_peak_run(dev: Device, job_id: str, budget: int, steps: int) -> tuple[float, dict]:
-    (dev.state / "cache" / "memory_probes.json").unlink(missing_ok=True)
     submit(dev, job_id, finetune={"micro_batch": None, "budget_mb": budget, "steps": steps},
            steps={"export": False})
     p = subprocess.Popen(worker_cmd(dev.state, job_id), cwd=REPO,
@@ -94,9 +93,9 @@ def tree_peak_run(dev: Device, job_id: str, budget: int, steps: int) -> tuple[fl
     with TreePeak(root=p.pid, interval_s=0.01) as peak:
         p.wait()
     rec = JobStore(dev.state).get(job_id)
-    assert p.returncode == 0 and rec is not None and rec.terminal, rec and rec.error
-    plan = (rec.result or {}).get("memory") or {}
-    return peak.peak_mb, plan
+    assert p.returncode == 0 and rec is not None, p.returncode
+    assert rec.state is JobState.SUCCEEDED, rec.error
+    return peak.peak_mb, rec.result["memory"]
 
 
 def restart_after_kill(dev: Device) -> tuple[float, float]:
@@ -162,14 +161,14 @@ def main() -> int:
                 line(name, f"{w:.1f} (by hand {h:.1f})", "-")
             print(f"3. whole-tree peak vs budget ({a.runs} runs each, probes afresh each run)")
             for budget in (450, 700):
-                dev = make_device(template, reg, work / f"mem{budget}")
-                dev.install()
                 peaks, micros = [], []
-                for i in range(a.runs):
-                    peak, mem = tree_peak_run(dev, f"m{budget}-{i}", budget, a.budget_steps)
+                for i in range(a.runs):  # each on a fresh device with the upstream active
+                    dev = make_device(template, reg, work / f"mem{budget}-{i}")
+                    dev.install()
+                    peak, mem = tree_peak_run(dev, "m", budget, a.budget_steps)
                     peaks.append(peak)
-                    micros.append(mem.get("micro_batch"))
-                    shutil.rmtree(dev.state / "jobs" / f"m{budget}-{i}", ignore_errors=True)
+                    micros.append(mem["micro_batch"])
+                    shutil.rmtree(dev.root, ignore_errors=True)
                 line(f"B={budget} MB: max / median tree peak",
                      f"{max(peaks):.0f} / {statistics.median(peaks):.0f} MB "
                      f"({max(peaks) / budget:.3f} B)", f"<= {1.05 * budget:.0f} MB (1.05 B)")
