@@ -135,6 +135,78 @@ def test_two_workers_share_a_sqlite_study(tmp_path: Path, space: Path, subproces
     _assert_split(_trials(storage), out)
 
 
+# A worker reduced to its start: open the storage, join the study, run one instant trial. It
+# waits on stdin before each round, so every worker opens the same fresh database at once.
+_STARTING_WORKER = """
+import sys
+
+import optuna
+
+from hpc_core.tune import make_storage
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+print("ready", flush=True)
+for url in sys.argv[1:]:
+    sys.stdin.readline()
+    study = optuna.create_study(study_name="race", storage=make_storage(url), load_if_exists=True)
+    trial = study.ask()
+    study.tell(trial, float(trial.number))
+    print("joined", flush=True)
+"""
+
+
+def _start_together(urls: list[str], env: dict[str, str], workers: int = 4) -> None:
+    """``workers`` processes open each of ``urls`` (fresh databases) at the same instant; every
+    one must join every study, and each study must hold one complete trial per worker."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _STARTING_WORKER, *urls],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(workers)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == "ready\n", p.stderr
+        for round_, url in enumerate(urls):
+            # Release all workers together: each blocks on its stdin until this line.
+            for p in procs:
+                assert p.stdin is not None
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            for i, p in enumerate(procs):
+                assert p.stdout is not None
+                line = p.stdout.readline()
+                if line != "joined\n":
+                    p.kill()
+                    err = p.communicate(timeout=30)[1]
+                    pytest.fail(f"worker {i} did not join fresh study {round_}:\n{err[-3000:]}")
+            trials = _trials(url, "race")
+            assert sorted(t.number for t in trials) == list(range(workers)), round_
+            assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials), round_
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.close()
+            assert p.wait(timeout=30) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_workers_starting_at_once_all_join_a_fresh_sqlite_study(
+    tmp_path: Path, subprocess_env
+) -> None:
+    # Each round is a fresh database: the race is in creating the schema and stamping its
+    # version, so only a first open can lose it.
+    _start_together([f"sqlite:///{tmp_path}/fresh{r}.db" for r in range(5)], subprocess_env)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -193,6 +265,22 @@ def test_two_workers_share_a_postgresql_study(
     out = tmp_path / "tune"
     _two_workers(space, out, postgres_url, subprocess_env)
     _assert_split(_trials(postgres_url), out)
+
+
+def test_workers_starting_at_once_all_join_a_fresh_postgresql_study(
+    subprocess_env, postgres_url: str
+) -> None:
+    psycopg2 = pytest.importorskip("psycopg2")
+    base, _, _ = postgres_url.rpartition("/")
+    conn = psycopg2.connect(postgres_url)
+    conn.autocommit = True  # CREATE DATABASE cannot run inside a transaction
+    try:
+        with conn.cursor() as cur:
+            for r in range(3):
+                cur.execute(f"CREATE DATABASE fresh{r}")
+    finally:
+        conn.close()
+    _start_together([f"{base}/fresh{r}" for r in range(3)], subprocess_env)
 
 
 @pytest.mark.parametrize(
