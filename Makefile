@@ -31,6 +31,10 @@ services:
 	    echo "mosquitto is missing: run 'sudo apt-get install -y mosquitto mosquitto-clients' (MQTT tests will skip)"; \
 	  fi; \
 	fi
+	@# systemd-analyze: the unit's verify and hardening score (no systemd runs here).
+	@if ! command -v systemd-analyze >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null; \
+	fi
 	@# PostgreSQL (shared Optuna study), Slurm + munge (sbatch launch tests); the tests start them.
 	@if ! command -v slurmctld >/dev/null 2>&1 || ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
