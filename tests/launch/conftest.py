@@ -51,6 +51,35 @@ class SlurmCluster:
             time.sleep(0.5)
         raise TimeoutError(f"job {job_id} not in {states} after {timeout_s}s: {info}")
 
+    def node_state(self) -> str:
+        return self.run("sinfo", "-h", "-n", self.node, "-o", "%T", check=False).strip()
+
+    def release_requeued(self, job_id: str, timeout_s: float) -> None:
+        """Let a requeued job start now rather than at the BeginTime Slurm gave it, once a
+        restart is as safe as Slurm's own delay makes it. slurmd rejects a launch whose
+        credential is not newer, in whole seconds, than the previous run's revoke ("Job 1
+        already killed, do not launch batch job"; the job then fails with no output at all),
+        and a revoke that reached slurmd after the new launch would kill the new run. So: wait
+        until the node has finished the previous run (idle, no slurmstepd of the job left),
+        then start at the next second."""
+        deadline = time.monotonic() + timeout_s
+        step_sockets = f"spool/{self.node}_{job_id}.*"  # slurmstepd's, one per step
+        while True:
+            state, steps = self.node_state(), sorted(self.root.glob(step_sockets))
+            if state == "idle" and not steps:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {self.node} {state!r}, steps {steps} after {timeout_s}s")
+            time.sleep(0.2)
+        self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now+1")
+
+    def log_since(self, daemon: str, since: str, last: int = 40) -> str:
+        """The last lines of slurmctld.log or slurmd.log written from ``since`` on (a local
+        ISO time stamp, as the logs write theirs)."""
+        path = self.root / f"{daemon}.log"
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return "\n".join([ln for ln in lines if ln[1:20] >= since][-last:])
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -36,10 +36,11 @@ def _free_port() -> int:
 
 
 def _submit(cluster: Any, out: Path, max_steps: int, extra: Sequence[str] = ()) -> str:
-    # The script's defaults are for GPU nodes: one CPU worker here, logs appended across requeues.
+    # The script's defaults are for GPU nodes: one CPU worker here. The log is appended across
+    # requeues by the script's own --open-mode.
     env = f"ALL,NPROC_PER_NODE=1,OMP_NUM_THREADS=1,RDZV_PORT={_free_port()},OUTPUT_DIR={out}"
     cmd = ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=1"]
-    cmd += [f"--output={cluster.root}/jobs/%j.out", "--open-mode=append", f"--chdir={REPO}"]
+    cmd += [f"--output={cluster.root}/jobs/%j.out", f"--chdir={REPO}"]
     cmd += [f"--export={env}", str(SBATCH), "configs/digits.yaml"]
     for s in [*SETS, f"training.max_steps={max_steps}", *extra]:
         cmd += ["--set", s]
@@ -52,6 +53,23 @@ def _submit(cluster: Any, out: Path, max_steps: int, extra: Sequence[str] = ()) 
 def _log(cluster: Any, job_id: str) -> str:
     path = cluster.root / "jobs" / f"{job_id}.out"
     return path.read_text() if path.exists() else "(no job output)"
+
+
+def _requeued_report(cluster: Any, job_id: str, offset: int, since: str) -> str:
+    """What a failed restart left behind: the requeued run's own output (the log from where
+    the first run's ended), Slurm's view of the job, and both daemons' logs since the
+    preemption (a run that never launched writes no output, only a daemon says why)."""
+    log = _log(cluster, job_id)
+    # Without the per-step metric lines (one a step): what is left is what went wrong.
+    second = "\n".join(ln for ln in log[offset:].splitlines() if not ln.startswith('{"step"'))
+    info = cluster.job(job_id)
+    fields = " ".join(f"{k}={info.get(k)}" for k in ("JobState", "Reason", "ExitCode", "Restarts"))
+    return (
+        f"requeued run's output:\n{second[-4000:] or '(none)'}\n\nscontrol: {fields}\n\n"
+        f"slurmctld.log since {since}:\n{cluster.log_since('slurmctld', since)}\n\n"
+        f"slurmd.log since {since}:\n{cluster.log_since('slurmd', since)}\n\n"
+        f"first run's output (tail):\n{log[:offset][-1500:]}"
+    )
 
 
 def test_sbatch_job_completes_with_a_checkpoint(slurm_cluster, tmp_path: Path) -> None:
@@ -81,14 +99,18 @@ def test_preempted_job_requeues_and_resumes(slurm_cluster, tmp_path: Path) -> No
         )
         time.sleep(0.2)
     # What Slurm does before a preemption or the time limit: SIGTERM to the batch shell.
+    since = time.strftime("%Y-%m-%dT%H:%M:%S")
     slurm_cluster.run("scancel", "--batch", "--signal=TERM", job)
     info = slurm_cluster.wait_state(job, {"PENDING"}, 120)
     assert int(info["Restarts"]) == 1
-    # Slurm holds a requeued job back for a while (BeginTime); let it start again now.
-    slurm_cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    first_run_bytes = len(_log(slurm_cluster, job))
+    # Slurm holds a requeued job back for a while (BeginTime); start it as soon as it is safe.
+    slurm_cluster.release_requeued(job, timeout_s=120)
     info = slurm_cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 240)
     log = _log(slurm_cluster, job)
-    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert info["JobState"] == "COMPLETED", _requeued_report(
+        slurm_cluster, job, first_run_bytes, since
+    )
     state = json.loads((out / "checkpoints/final/trainer_state.json").read_text())
     assert state["step"] == total
     # The first run checkpointed at the step it stopped; the second resumed from exactly there.
