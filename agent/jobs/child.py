@@ -258,20 +258,28 @@ def step_stage(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
 
 
 def step_fetch(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
-    """Pull a registry version (manifest verified before any chunk, every chunk hashed) and
-    stage it into the standby slot; the active model is not touched. A fine-tune keeps a copy
-    in JOB_DIR/upstream, which outlives the standby slot's next content."""
-    import shutil
+    """Pull a registry version (manifest verified before any chunk, every chunk hashed).
 
+    A deploy stages it into the standby slot (the active model is not touched; the sequence
+    must not be below the highest installed). A fine-tune only trains from it: it goes to
+    JOB_DIR/upstream and never into a slot, so it can never be committed and an older
+    upstream than the device's newest fine-tune is accepted (``fetch_training_source``)."""
     from agent.storage.chunk_store import ChunkStore
-    from agent.storage.slots import ModelSlots, read_installed
-    from agent.storage.update import pull
+    from agent.storage.slots import ModelSlots
+    from agent.storage.update import fetch_training_source, pull
     from registry.refs import Ref
     from registry.signing import load_trusted_keys
 
     spec, state_dir = ctx["spec"], Path(ctx["state_dir"])
     ref = Ref(spec["model"], spec["version"], spec["registry"])
-    pulled = pull(ref, state_dir=state_dir, trusted=load_trusted_keys(Path(ctx["trusted_keys"])))
+    trusted = load_trusted_keys(Path(ctx["trusted_keys"]))
+    if "finetune" in spec:
+        pulled, source = fetch_training_source(ref, job_dir / "upstream", state_dir=state_dir,
+                                               trusted=trusted)
+        return {"version": source.version, "path": str(source.path), "slot": source.slot,
+                "sequence": source.manifest.sequence, "fetched": True, "training_source": True,
+                "chunks_fetched": pulled.chunks_fetched, "bytes_fetched": pulled.bytes_fetched}
+    pulled = pull(ref, state_dir=state_dir, trusted=trusted)
     v, slots = pulled.verified, ModelSlots(state_dir, ref.name)
     active = slots.active()
     if active is not None and active.version == ref.version:
@@ -279,16 +287,7 @@ def step_fetch(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
     else:
         staged = slots.stage(v.manifest, v.manifest_bytes, v.signature_bytes,
                              ChunkStore(state_dir), v.key)
-    path = staged.path
-    if "finetune" in spec:
-        copy, tmp = job_dir / "upstream", job_dir / "upstream.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(staged.path, tmp)
-        shutil.rmtree(copy, ignore_errors=True)
-        tmp.rename(copy)
-        assert read_installed(copy, "upstream") is not None
-        path = copy
-    return {"version": staged.version, "path": str(path), "slot": staged.slot,
+    return {"version": staged.version, "path": str(staged.path), "slot": staged.slot,
             "sequence": staged.manifest.sequence, "fetched": True,
             "chunks_fetched": pulled.chunks_fetched, "bytes_fetched": pulled.bytes_fetched}
 

@@ -107,7 +107,8 @@ class DeviceJob(BaseModel):
     """Installed model name to fine-tune (its active version is the upstream)."""
     version: str | None = None
     """Upstream version to start from (null: the active one). One not on the device is
-    fetched from --registry and verified (into the standby slot; the active one stays)."""
+    fetched from --registry and verified into the job's folder, never a slot: it is only
+    trained from, so it may be older than the newest version installed."""
     data: Path
     """The device's data: a folder of class sub-folders (PNG/JPEG) or an .npz with x and y."""
     finetune: FinetuneOptions = Field(default_factory=FinetuneOptions)  # type: ignore[valid-type]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,11 +132,14 @@ def run_child(ctx: JobContext, step: str, *, cancel_inside: bool = False) -> dic
 def pull(ctx: JobContext) -> dict[str, Any]:
     """The upstream version, verified: signature against the trusted keys, every tensor's hash.
 
-    Installed: re-verified in place. Not on the device: fetched from the job's registry in a
-    child (``fetch``), verified and staged into the standby slot (the active model stays),
-    and copied into the job folder, where the later steps read it even after the standby
-    slot receives the fine-tuned version."""
-    from agent.storage.slots import ModelSlots
+    Installed: re-verified in place; a fine-tune's upstream in the standby slot is first
+    copied into the job folder (the stage step replaces that slot). Not on the device:
+    fetched from the job's registry in a child (``fetch``): a deploy stages it into the
+    standby slot (the active model stays, a lower sequence is refused); a fine-tune only
+    trains from it, so it goes into the job folder, never a slot, and may be older than the
+    newest version installed (what the job commits is its own new, higher version)."""
+    from agent.storage.lock import StateLock
+    from agent.storage.slots import ModelSlots, read_installed
     from agent.storage.verify import verify_slot
     from registry.errors import RegistryError
     from registry.signing import load_trusted_keys
@@ -159,6 +163,18 @@ def pull(ctx: JobContext) -> dict[str, Any]:
         out = run_child(ctx, "fetch")
         out["active"] = active.version if active else None
         return out
+    if active is not None and base.slot != active.slot:
+        # The standby slot is what the stage step replaces: train from a copy that outlives it.
+        copy, tmp = ctx.job_dir / "upstream", ctx.job_dir / "upstream.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        with StateLock(ctx.state_dir):
+            shutil.copytree(base.path, tmp, symlinks=True)
+        shutil.rmtree(copy, ignore_errors=True)
+        tmp.rename(copy)
+        copied = read_installed(copy, "upstream")
+        if copied is None:
+            raise StepFailed("pull", f"the copy of {base.path} in {copy} is incomplete")
+        base = copied
     try:
         verify_slot(base.path, load_trusted_keys(trusted_dir(ctx)))
     except Exception as e:

@@ -106,6 +106,33 @@ def read_installed(path: Path, slot: str) -> InstalledSlot | None:
     return InstalledSlot(slot, path, manifest, key)
 
 
+def build_version(
+    manifest: Manifest, manifest_bytes: bytes, signature_bytes: bytes, chunks: ChunkStore,
+    key: TrustedKey, build: Path,
+) -> None:
+    """Assemble a verified version into the new folder ``build``: model, artefacts, manifest,
+    signature and the COMPLETE marker (written last), all fsynced; removed if anything fails.
+    The caller renames it into place (a slot, or a fine-tune's training source)."""
+    build.mkdir()
+    try:
+        assemble(manifest, chunks, build)
+        (build / "manifest.json").write_bytes(manifest_bytes)
+        (build / "manifest.sig").write_bytes(signature_bytes)
+        for f in ("manifest.json", "manifest.sig"):
+            fsync_file(build / f)
+        marker = {
+            "name": manifest.name, "version": manifest.version, "sequence": manifest.sequence,
+            "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
+            "key_name": key.name, "key_id": key.key_id,
+        }
+        (build / MARKER).write_text(json.dumps(marker) + "\n")
+        fsync_file(build / MARKER)
+        fsync_dir(build)
+    except BaseException:
+        shutil.rmtree(build, ignore_errors=True)
+        raise
+
+
 class ModelSlots:
     """The two slots and the ``current`` pointer of one model name."""
 
@@ -229,25 +256,7 @@ class ModelSlots:
             # The standby slot is not in use; dropping it first frees its disk for the new one.
             self._discard(slots_dir / target)
             build = slots_dir / f".new-{target}-{secrets.token_hex(4)}"
-            build.mkdir()
-            try:
-                assemble(manifest, chunks, build)
-                (build / "manifest.json").write_bytes(manifest_bytes)
-                (build / "manifest.sig").write_bytes(signature_bytes)
-                for f in ("manifest.json", "manifest.sig"):
-                    fsync_file(build / f)
-                marker = {
-                    "name": manifest.name, "version": manifest.version,
-                    "sequence": manifest.sequence,
-                    "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
-                    "key_name": key.name, "key_id": key.key_id,
-                }
-                (build / MARKER).write_text(json.dumps(marker) + "\n")
-                fsync_file(build / MARKER)
-                fsync_dir(build)
-            except BaseException:
-                shutil.rmtree(build, ignore_errors=True)
-                raise
+            build_version(manifest, manifest_bytes, signature_bytes, chunks, key, build)
             os.rename(build, slots_dir / target)
             fsync_dir(slots_dir)
             staged = read_installed(slots_dir / target, target)

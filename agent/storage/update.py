@@ -5,13 +5,16 @@ version the device produced itself.
 highest installed and the tensors against the model spec (in a child process, so the caller
 never imports torch) - all before a chunk moves - then checks free disk and fetches the
 missing chunks, under the state lock. :func:`update` adds install (stage + commit) and
-garbage collection. :func:`stage_local` cuts a locally fine-tuned
+garbage collection. :func:`fetch_training_source` brings the version a fine-tune starts
+from into the job's folder, never into a slot. :func:`stage_local` cuts a locally fine-tuned
 checkpoint into the chunk store, signs it with the device key and stages it, so the device
 job can run its gates on it before ``ModelSlots.commit``.
 """
 
 from __future__ import annotations
 
+import logging
+import secrets
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +23,13 @@ from pathlib import Path
 from agent.storage.chunk_store import ChunkStore
 from agent.storage.gc import GcReport, gc
 from agent.storage.lock import StateLock
-from agent.storage.slots import InstalledSlot, ModelSlots, SwitchResult
+from agent.storage.slots import (
+    InstalledSlot,
+    ModelSlots,
+    SwitchResult,
+    build_version,
+    read_installed,
+)
 from agent.storage.spec_check import check_model_spec
 from registry.chunks import ArtefactSource
 from registry.errors import ChunkHashError, InsufficientDiskError
@@ -31,6 +40,8 @@ from registry.refs import Ref
 from registry.signing import SigningKey, TrustedKey, verify_signed_manifest
 from registry.stores import open_store
 from registry.transfer import TransferConfig
+
+log = logging.getLogger("agent.storage")
 
 
 @dataclass(frozen=True)
@@ -60,10 +71,11 @@ class UpdateResult:
 
 
 def check_disk(state_dir: Path, manifest: Manifest, missing_bytes: int,
-               cfg: TransferConfig) -> None:
+               cfg: TransferConfig, *, into_slot: bool = True) -> None:
     slots = ModelSlots(state_dir, manifest.name)
-    # The standby slot is discarded before the new one is written: its space counts as free.
-    free = shutil.disk_usage(state_dir).free + slots.slot_bytes(slots.standby_slot_name())
+    free = shutil.disk_usage(state_dir).free
+    if into_slot:  # the standby slot is discarded before the new one is written
+        free += slots.slot_bytes(slots.standby_slot_name())
     slot_bytes = manifest.total_bytes + 64 * len(manifest.tensors) + (1 << 16)
     need = missing_bytes + slot_bytes + cfg.free_disk_margin_bytes
     if need > free:
@@ -83,23 +95,37 @@ def pull(
     trusted: dict[str, TrustedKey],
     cfg: TransferConfig | None = None,
     progress: Progress | None = None,
+    training_source: bool = False,
 ) -> PullResult:
-    """Verify ``ref``'s manifest, then fetch the chunks the local store lacks."""
+    """Verify ``ref``'s manifest, then fetch the chunks the local store lacks.
+
+    ``training_source``: the version is only trained from (:func:`fetch_training_source`),
+    never installed, so a sequence below the highest installed is logged, not refused. What
+    can become active stays guarded: ``ModelSlots.stage`` and ``commit`` check the sequence
+    themselves."""
     cfg = cfg or TransferConfig()
     state_dir = Path(state_dir)
     source = open_store(ref.registry, cfg)
     with StateLock(state_dir):
         verified = fetch_verified_manifest(source, ref, trusted, cfg)
         manifest = verified.manifest
-        ModelSlots(state_dir, ref.name).check_sequence(
-            manifest, allow_downgrade=cfg.allow_downgrade
-        )
+        slots = ModelSlots(state_dir, ref.name)
+        if not training_source:
+            slots.check_sequence(manifest, allow_downgrade=cfg.allow_downgrade)
+        elif manifest.sequence < slots.highest_sequence():
+            log.info("fetching %s below the highest installed sequence %d as a training "
+                     "source only: it is never installed", manifest.ref,
+                     slots.highest_sequence(), extra={"fields": {
+                         "event": "training_source", "model": ref.name,
+                         "version": manifest.version, "sequence": manifest.sequence,
+                         "highest_sequence": slots.highest_sequence()}})
         # torch, in a child process: this one stays small (see spec_check).
         check_model_spec(manifest, verified.manifest_bytes, allow_custom=cfg.allow_custom_models)
         store = ChunkStore(state_dir)
         missing = store.missing(manifest.chunks)
         missing_bytes = sum(c.size for c in missing)
-        check_disk(state_dir, manifest, missing_bytes - store.partial_bytes(missing), cfg)
+        check_disk(state_dir, manifest, missing_bytes - store.partial_bytes(missing), cfg,
+                   into_slot=not training_source)
         fetched = download(source, store, missing, cfg, total=missing_bytes, progress=progress)
     unique = len({c.sha256 for c in manifest.chunks})
     return PullResult(ref, verified, len(missing), unique - len(missing), fetched)
@@ -133,6 +159,50 @@ def update(
             switch = install(pulled)
         report = gc(state_dir)
     return UpdateResult(pulled, switch, report)
+
+
+def fetch_training_source(
+    ref: Ref,
+    dest: Path,
+    *,
+    state_dir: Path,
+    trusted: dict[str, TrustedKey],
+    cfg: TransferConfig | None = None,
+    progress: Progress | None = None,
+) -> tuple[PullResult, InstalledSlot]:
+    """Fetch a version a fine-tune starts from into ``dest`` (the job's folder), outside the
+    slots: verified like any pull (signature, key scope, name, model spec, every chunk,
+    tensor and artefact hash) but never staged, so it can never be committed and the
+    anti-rollback rule (which guards what becomes active) does not apply to it. ``dest`` is
+    replaced whole, by one rename of a complete folder.
+    """
+    state_dir, dest = Path(state_dir), Path(dest)
+
+    def fetch() -> PullResult:
+        return pull(ref, state_dir=state_dir, trusted=trusted, cfg=cfg, progress=progress,
+                    training_source=True)
+
+    def build(p: PullResult) -> Path:
+        v, folder = p.verified, dest.parent / f".new-{dest.name}-{secrets.token_hex(4)}"
+        build_version(v.manifest, v.manifest_bytes, v.signature_bytes, ChunkStore(state_dir),
+                      v.key, folder)
+        return folder
+
+    with StateLock(state_dir):
+        # Under one lock hold: a gc cannot drop the chunks between download and assembly.
+        pulled = fetch()
+        try:
+            folder = build(pulled)
+        except ChunkHashError:
+            # A local chunk rotted on disk since it was verified; it was dropped: fetch again.
+            pulled = fetch()
+            folder = build(pulled)
+        if dest.exists():
+            shutil.rmtree(dest)
+        folder.rename(dest)
+    got = read_installed(dest, "upstream")
+    assert got is not None  # build_version writes the marker last
+    return pulled, got
 
 
 def stage_local(
