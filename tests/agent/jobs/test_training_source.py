@@ -28,6 +28,7 @@ def _run(dev: Device, job_id: str) -> dict:
     return {"pull": steps["pull"].outputs, "commit": steps["commit"].outputs}
 
 
+@pytest.mark.slow
 def test_three_finetunes_from_v1_in_a_row_then_a_deploy_of_v1_is_still_refused(
     device: Device,
 ) -> None:
