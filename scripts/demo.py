@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True)
     job_args = {
         "model": MODEL, "data": "data/camera.npz",
-        "finetune": {"epochs": args.epochs, "trainable": "all", "lr": 0.002, "budget_mb": 450,
+        "finetune": {"epochs": args.epochs, "trainable": "all", "lr": 0.002, "budget_mb": 600,
                      "sim_time_scale": 300},
         "steps": {"upload": True},
     }

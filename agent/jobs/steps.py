@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agent.finetune.memory_plan import BudgetTooSmall
 from agent.jobs.budget import plan_for_tree
 from agent.jobs.child import CONTEXT
 from agent.jobs.machine import (
@@ -198,10 +199,13 @@ def finetune(ctx: JobContext) -> dict[str, Any]:
                 write_json_atomic(config_file, run_child(ctx, "config"))
             cfg = _read(config_file)
             ctx.event("finetune", status="planning", budget_mb=cfg["budget_mb"])
-            plan = plan_for_tree(cfg, Path(ctx.outputs["pull"]["path"]),
-                                 ft.trainable, cfg["budget_mb"],  # type: ignore[attr-defined]
-                                 ctx.job_dir / "probes",
-                                 cache=ctx.state_dir / "cache" / "memory_probes.json")
+            try:
+                plan = plan_for_tree(cfg, Path(ctx.outputs["pull"]["path"]),
+                                     ft.trainable, cfg["budget_mb"],  # type: ignore[attr-defined]
+                                     ctx.job_dir / "probes",
+                                     cache=ctx.state_dir / "cache" / "memory_probes.json")
+            except BudgetTooSmall as e:  # the job's answer, not a crash to retry
+                raise StepFailed("finetune", str(e)) from None
             write_json_atomic(plan_file, plan)
         _write_context(ctx, plan=plan)
         ctx.event("finetune", status="training", plan=plan)

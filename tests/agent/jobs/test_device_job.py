@@ -247,6 +247,17 @@ def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
         else:
             assert rec.state is JobState.SUCCEEDED, rec.error
             assert "commit" in names
+    # A budget that cannot hold one sample is the job's answer, not a worker crash to retry.
+    submit(device, "m300", finetune={"micro_batch": None, "budget_mb": 300, "steps": 6},
+           steps={"export": False})
+    done = subprocess.run([sys.executable, "-m", "agent.jobs.worker", "--state-dir",
+                           str(device.state), "--job-id", "m300", "--no-parent-check"],
+                          cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rec = JobStore(device.state).get("m300")
+    assert rec is not None and rec.state is JobState.FAILED, rec
+    assert rec.error["code"] == "JOB_FAILED"
+    assert "finetune.budget_mb=300" in rec.error["message"], rec.error
 
 
 # -- bad input ----------------------------------------------------------------------------
