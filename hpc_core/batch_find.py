@@ -32,6 +32,7 @@ import torch
 
 from hpc_core.config import ConfigError, load_config
 from hpc_core.faults import is_oom
+from hpc_core.metrics import peak_rss_mb
 
 
 @dataclass
@@ -60,11 +61,7 @@ def _reset_cpu_peak() -> None:
 
 
 def _cpu_peak_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    raise RuntimeError("/proc/self/status has no VmHWM line")
+    return peak_rss_mb()  # VmHWM: what _reset_cpu_peak resets
 
 
 class BatchProber:

@@ -16,8 +16,17 @@ from hpc_core.config import LoggingConfig
 
 
 def peak_rss_mb() -> float:
-    """This process's resident-set high-water mark (ru_maxrss is KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """This process's own resident-set high-water mark. Linux: VmHWM, which starts afresh
+    with the address space at exec; ru_maxrss keeps the parent's high-water mark across
+    fork + exec, so a probe started by a large process would report that process's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux, macOS: B
 
 
 def peak_device_mb(device: torch.device) -> float | None:

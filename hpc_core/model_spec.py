@@ -119,14 +119,10 @@ def read_checkpoint(source: Path) -> VersionContent:
     return VersionContent(ckpt, m.model_copy(), training, tensors)
 
 
-def _peak_rss_bytes() -> int | None:
-    """This process's own high-water mark (VmHWM starts afresh at exec, unlike ru_maxrss)."""
-    try:
-        with open("/proc/self/status") as f:
-            line = next((x for x in f if x.startswith("VmHWM:")), None)
-    except OSError:
-        return None
-    return None if line is None else int(line.split()[1]) * 1024
+def _peak_rss_mb() -> float:
+    from hpc_core.metrics import peak_rss_mb  # torch: only the check child gets here
+
+    return peak_rss_mb()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, RegistryError) as e:
         print(f"cannot check {args.manifest}: {e}", file=sys.stderr)
         code = 2
-    print(json.dumps({"peak_rss_bytes": _peak_rss_bytes()}), flush=True)
+    print(json.dumps({"peak_rss_bytes": int(_peak_rss_mb() * 2**20)}), flush=True)
     return code
 
 

@@ -4,17 +4,16 @@ its own; prints the report plus that peak (``rss_mb``) as one JSON line."""
 from __future__ import annotations
 
 import json
-import resource
 import sys
 
 from agent.finetune.job import FinetuneJob
 from agent.finetune.recipe import run_finetune
+from hpc_core.metrics import peak_rss_mb
 
 
 def main(job_json: str) -> None:
     result = run_finetune(FinetuneJob.model_validate_json(job_json))
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({**result.report, "rss_mb": rss_mb}))
+    print(json.dumps({**result.report, "rss_mb": peak_rss_mb()}))
 
 
 if __name__ == "__main__":

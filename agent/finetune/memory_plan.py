@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -162,14 +161,14 @@ def _probe_cuda(cfg: TrainConfig, init_checkpoint: Path, trainable: str, micro: 
 
 def _probe_main(spec_path: str) -> None:
     from agent.finetune.model import prepare_model
+    from hpc_core.metrics import peak_rss_mb
     from hpc_core.trainer import Trainer
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = config_from_dict(spec["config"])
     model, _ = prepare_model(Path(spec["checkpoint"]), spec["trainable"])
     Trainer(cfg, model=model).train()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"peak_mb": peak}))
+    print(json.dumps({"peak_mb": peak_rss_mb()}))
 
 
 if __name__ == "__main__":
