@@ -50,11 +50,16 @@ def _step_running(store: JobStore, jid: str, name: str) -> bool:
 
 
 def _finetune_past(store: JobStore, jid: str, step: int, since: float) -> bool:
-    """The fine-tune child of this attempt reported optimizer step >= ``step``."""
+    """The fine-tune child of this attempt reported optimizer step >= ``step`` — or the
+    fine-tune already finished: its progress is throttled, so a resumed run that covers the
+    last steps inside one interval shows only its final step, which the job's next progress
+    row replaces within milliseconds; the kill then lands just after the fine-tune."""
     rec = store.get(jid)
     p = (rec.progress if rec else None) or {}
-    return (rec is not None and rec.updated_at > since and p.get("stage") == "finetune"
-            and int(p.get("step") or 0) >= step)
+    if rec is not None and rec.updated_at > since and p.get("stage") == "finetune" \
+            and int(p.get("step") or 0) >= step:
+        return True
+    return any(s.name == "finetune" and s.status == "done" for s in store.steps(jid))
 
 
 def test_kill9_at_random_points_of_a_finetune_job(
