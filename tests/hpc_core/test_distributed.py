@@ -12,26 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[2]
-
-# No dropout (per-rank masks would differ from one process's) and no BatchNorm (per-rank
-# batch statistics differ): then DDP must match one process to float rounding.
-SETS = [
-    "model.name=small_cnn",
-    "model.kwargs={width: 8, norm: none, dropout: 0.0}",
-    "training.global_batch_size=64",
-    "training.max_steps=5",
-    "training.eval_every_steps=5",
-    "logging.progress=off",
-    "checkpoint.best_metric=null",
-]
-
-
-def _cmd(launcher: list[str], out: Path, extra: list[str]) -> list[str]:
-    cmd = [*launcher, "-m", "hpc_core.train", "--config", str(REPO / "configs/digits.yaml")]
-    for s in [*SETS, f"run.output_dir={out}", *extra]:
-        cmd += ["--set", s]
-    return cmd
+from tests.support.ddp import train_argv as _cmd
 
 
 def _run(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,32 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[2]
-
-# No dropout and no BatchNorm: per-rank masks and batch statistics would differ from one
-# process's, then 2 ranks could not equal 1 to float rounding.
-SETS = [
-    "model.name=small_cnn",
-    "model.kwargs={width: 8, norm: none, dropout: 0.0}",
-    "training.global_batch_size=64",
-    "training.max_steps=5",
-    "training.eval_every_steps=5",
-    "logging.progress=off",
-    "checkpoint.best_metric=null",
-]
-
-
-def _train_args(out: Path) -> list[str]:
-    args = ["-m", "hpc_core.train", "--config", str(REPO / "configs/digits.yaml")]
-    for s in [*SETS, f"run.output_dir={out}"]:
-        args += ["--set", s]
-    return args
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support.ddp import train_argv
+from tests.support.mosquitto import free_port as _free_port
 
 
 def test_two_nodes_on_loopback_equal_one_process(tmp_path: Path, subprocess_env) -> None:
@@ -71,7 +46,7 @@ def test_two_nodes_on_loopback_equal_one_process(tmp_path: Path, subprocess_env)
                 "127.0.0.1",
                 "--max-restarts",
                 "0",
-                *_train_args(tmp_path / "multi"),
+                *train_argv([], tmp_path / "multi"),
             ],
             env=subprocess_env,
             stdout=subprocess.PIPE,
@@ -90,7 +65,7 @@ def test_two_nodes_on_loopback_equal_one_process(tmp_path: Path, subprocess_env)
     for a, (stdout, stderr) in zip(agents, outs, strict=True):
         assert a.returncode == 0, stdout[-2000:] + stderr[-4000:]
     single = subprocess.run(
-        [sys.executable, *_train_args(tmp_path / "single")],
+        train_argv([sys.executable], tmp_path / "single"),
         env=subprocess_env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert single.returncode == 0, single.stderr[-4000:]
