@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import queue
 import random
 import socket
 import ssl
@@ -101,9 +102,13 @@ class MqttLink:
         self._thread: threading.Thread | None = None
         self._pub_lock = threading.Lock()
         self._handed_up_to = 0  # highest outbox rowid given to paho by this process
-        self._mid_rows: dict[int, int] = {}
-        self._acked = threading.Condition()
-        self._acked_mids: set[int] = set()
+        # What each QoS 1 mid in flight stands for: an outbox row to forget, or a waiter.
+        # Held across client.publish() so a PUBACK cannot be settled before its mid is known,
+        # and never taken inside a paho callback: paho holds its own locks there (see
+        # _published), and taking ours inside was a lock-order deadlock with publish().
+        self._inflight_lock = threading.Lock()
+        self._inflight: dict[int, int | threading.Event] = {}
+        self._acks: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()
         self._rng = random.Random()
         self.connects = 0
         self.client = self._make_client()
@@ -173,17 +178,27 @@ class MqttLink:
             log.exception("inbound message on %s not handled", msg.topic)
 
     def _published(self, c: mqtt.Client, ud: Any, mid: int, rc: Any, props: Any) -> None:
-        try:
-            with self._acked:
-                row = self._mid_rows.pop(mid, None)
-                self._acked_mids.add(mid)
-                self._acked.notify_all()
-            if row is not None:
-                if rc is not None and getattr(rc, "is_failure", False):
-                    log.error("broker refused outbox message %s: %s (dropped)", row, rc)
-                self.outbox.done(row)
-        except Exception:
-            log.exception("on_publish handler failed")
+        # paho calls this holding its _out_message_mutex (PUBACK) or _in_callback_mutex (a
+        # QoS 0 write, on the publishing thread): only hand the mid on, lock-free. _settle()
+        # matches it to its row or waiter outside paho's locks.
+        self._acks.put((mid, bool(rc is not None and getattr(rc, "is_failure", False))))
+
+    def _settle(self) -> None:
+        """Forget the outbox rows the broker acknowledged and wake publish_now's waiters
+        (the MQTT thread, between two turns of the network loop)."""
+        while True:
+            try:
+                mid, failed = self._acks.get_nowait()
+            except queue.Empty:
+                return
+            with self._inflight_lock:
+                what = self._inflight.pop(mid, None)
+            if isinstance(what, threading.Event):
+                what.set()
+            elif what is not None:
+                if failed:
+                    log.error("broker refused outbox message %s (dropped)", what)
+                self.outbox.done(what)
 
     # -- publishing ---------------------------------------------------------------------
 
@@ -199,11 +214,11 @@ class MqttLink:
             return len(rows)
 
     def _send(self, m: OutMessage) -> None:
-        with self._acked:
+        with self._inflight_lock:
             info = self.client.publish(m.topic, m.payload, qos=m.qos, retain=m.retain,
                                        properties=publish_props(m.props))
             if m.qos > 0:
-                self._mid_rows[info.mid] = m.rowid
+                self._inflight[info.mid] = m.rowid
         if m.qos == 0:
             self.outbox.done(m.rowid)
 
@@ -215,12 +230,15 @@ class MqttLink:
         returns whether it was acknowledged (QoS 0: whether it was sent while connected)."""
         if not self._connected.is_set() and qos == 0:
             return False
-        info = self.client.publish(topic, payload, qos=qos, retain=retain,
-                                   properties=publish_props(props))
+        acked = threading.Event()
+        with self._inflight_lock:
+            info = self.client.publish(topic, payload, qos=qos, retain=retain,
+                                       properties=publish_props(props))
+            if qos > 0 and wait_s > 0:
+                self._inflight[info.mid] = acked
         if qos == 0 or wait_s <= 0:
             return info.rc == mqtt.MQTT_ERR_SUCCESS
-        with self._acked:
-            return self._acked.wait_for(lambda: info.mid in self._acked_mids, wait_s)
+        return acked.wait(wait_s)
 
     def subscribe(self, topics: list[str]) -> None:
         if topics:
@@ -255,6 +273,7 @@ class MqttLink:
                                     clean_start=False, properties=self._connect_props())
                 while not self._stop.is_set():
                     rc = self.client.loop(timeout=0.2)
+                    self._settle()
                     if rc != mqtt.MQTT_ERR_SUCCESS:
                         break
             except Exception as e:  # refused, DNS, TLS handshake, reset: all mean "retry"
