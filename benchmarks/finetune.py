@@ -95,7 +95,7 @@ def memory_section(budget_mb: float, steps: int) -> None:
         print(f"{name:22}{shape:>15}{r['rss_mb']:13.0f}{r['samples_per_s']:11.1f}")
     print(
         f"plan: {plan['base_mb']:.0f} MB fixed + {plan['per_sample_mb']:.2f} MB/sample "
-        f"(probes {plan['probes']}), predicted peak {plan['predicted_peak_mb']:.0f} MB"
+        f"(probes {plan['probes']}), predicted peak {plan['predicted_tree_peak_mb']:.0f} MB"
     )
     ratio = bound["samples_per_s"] / free["samples_per_s"]
     print(

@@ -2,32 +2,50 @@
 
 Composer-style OOM halving only reacts after the fact, and on a Jetson the first sign of
 exhaustion is often the kernel's OOM killer, which no ``except`` catches. So we measure first:
-run the real training step at two small micro-batch sizes, fit ``peak = base + per_sample * m``,
-and take the largest micro-batch whose predicted peak stays under the budget (with headroom).
+run the real training step (and its closing evaluation) at three small micro-batch sizes, fit
+``peak = base + per_sample * m``, and take the largest micro-batch whose predicted peak stays
+under the budget.
 
-Measurement: on CUDA, ``torch.cuda.max_memory_allocated`` in this process; on CPU and unified
-memory, the resident-set high-water mark of a probe subprocess (a fresh process, so one probe's
-allocator caches do not hide the next one's peak).
+Measurement: on CPU and unified memory, the resident-set high-water mark of a probe
+subprocess (a fresh process, so one probe's allocator caches do not hide the next one's
+peak); on CUDA, ``torch.cuda.max_memory_allocated`` in this process. The budget covers the
+whole process tree: a process that stays alive while the fine-tune runs (the device job's
+worker) passes its own RSS as ``job_process_mb`` and it comes off the budget first.
+
+Noise: RSS peaks of identical runs differed by up to 1.5 MB/sample, enough to pick 32 or 64
+at random. Each size is probed twice, the line goes through the worst probe of each size, and
+the spread between repeats plus the worst residual is kept as a margin.
+
+Cache: probe peaks do not depend on the budget, so they are kept in a small JSON file keyed by
+what they do depend on (the probe's training config, the starting weights, the trainable
+layers, the micro-batch, the torch and Python versions): a device that fine-tunes the same
+model again, at any budget, plans at once instead of spending a minute on six probes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from hpc_core.atomic import write_json_atomic
 from hpc_core.config import TrainConfig, config_from_dict
 
 log = logging.getLogger(__name__)
 
-# Predicted peaks are kept this far under the budget: allocator fragmentation and the
-# evaluation pass are not in the linear model.
-HEADROOM = 0.92
+# Predicted peaks are kept this far under the budget: what the probes cannot see (allocator
+# fragmentation over a long run, a checkpoint write). Over the device job's runs the whole
+# tree's peak stayed within 2 MB of the prediction.
+HEADROOM = 0.95
+REPEATS = 2
+CACHE_ENTRIES = 64
 
 
 class BudgetTooSmall(RuntimeError):
@@ -41,38 +59,58 @@ class MemoryPlan:
     accumulation_steps: int
     base_mb: float
     per_sample_mb: float
-    predicted_peak_mb: float
-    probes: dict[int, float]
+    margin_mb: float
+    job_process_mb: float
+    predicted_tree_peak_mb: float
+    probes: dict[int, list[float]]
     method: str
+    probes_reused: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["probes"] = {str(k): v for k, v in self.probes.items()}
+        d["probes"] = {str(k): [round(v, 1) for v in vs] for k, vs in self.probes.items()}
         return d
 
 
-def probe_sizes(effective_batch: int) -> tuple[int, int]:
-    small = max(1, min(4, effective_batch // 4))
-    large = max(small + 1, min(16, effective_batch))
-    return small, large
+def probe_points(effective_batch: int) -> list[int]:
+    top = max(1, min(16, effective_batch))
+    return sorted({max(1, top // 4), max(1, top // 2), top})
+
+
+def fit(points: dict[int, list[float]]) -> tuple[float, float, float]:
+    """(base, per_sample, margin) from the worst peak at each size."""
+    xs = sorted(points)
+    ys = [max(points[m]) for m in xs]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    slope = max(slope, 1e-3)
+    base = my - slope * mx
+    residual = max(abs(y - (base + slope * x)) for x, y in zip(xs, ys, strict=True))
+    spread = max(max(v) - min(v) for v in points.values())
+    return base, slope, residual + spread
 
 
 def fit_plan(
-    budget_mb: float, effective_batch: int, probes: dict[int, float], method: str
+    budget_mb: float, effective_batch: int, points: dict[int, list[float]], method: str, *,
+    job_process_mb: float = 0.0, probes_reused: bool = False,
 ) -> MemoryPlan:
-    (m1, p1), (m2, p2) = sorted(probes.items())[:2]
-    per_sample = max((p2 - p1) / (m2 - m1), 1e-6)
-    base = p1 - per_sample * m1
-    limit = budget_mb * HEADROOM
-    fit = int((limit - base) // per_sample)
-    if fit < 1:
+    """The largest micro-batch (a divisor of the effective batch where one is close) whose
+    predicted tree peak, plus the noise margin, stays under ``HEADROOM * budget_mb``."""
+    base, per_sample, margin = fit(points)
+    limit = budget_mb * HEADROOM - job_process_mb - margin
+    micro = int((limit - base) // per_sample)
+    if micro < 1:
+        parts = (f"{job_process_mb:.0f} MB job process + " if job_process_mb else "")
         raise BudgetTooSmall(
-            f"budget {budget_mb:.0f} MB is below what one sample needs "
-            f"(~{base + per_sample:.0f} MB: "
-            f"{base:.0f} MB fixed + {per_sample:.1f} MB/sample): raise --budget-mb, train fewer "
-            "layers (--trainable head) or use smaller inputs"
+            f"finetune.budget_mb={budget_mb:.0f}: the job's tree needs "
+            f"~{(job_process_mb + base + margin + per_sample) / HEADROOM:.0f} MB for one sample "
+            f"({parts}{base:.0f} MB fixed + {per_sample:.1f} MB/sample + {margin:.0f} MB noise "
+            f"margin, {1 - HEADROOM:.0%} headroom): raise the budget or train fewer layers "
+            "(--trainable head)"
         )
-    micro = min(fit, effective_batch)
+    micro = min(micro, effective_batch)
     # Prefer a divisor of the effective batch: every micro-step then has the same shape.
     divisors = [d for d in range(micro, 0, -1) if effective_batch % d == 0]
     if divisors and divisors[0] * 2 > micro:
@@ -83,34 +121,78 @@ def fit_plan(
         accumulation_steps=-(-effective_batch // micro),
         base_mb=round(base, 1),
         per_sample_mb=round(per_sample, 3),
-        predicted_peak_mb=round(base + per_sample * micro, 1),
-        probes=probes,
+        margin_mb=round(margin, 1),
+        job_process_mb=round(job_process_mb, 1),
+        predicted_tree_peak_mb=round(job_process_mb + base + per_sample * micro, 1),
+        probes=points,
         method=method,
+        probes_reused=probes_reused,
     )
 
 
 def plan_micro_batch(
-    cfg: TrainConfig, init_checkpoint: Path, trainable: str, budget_mb: float, device: str
+    cfg: TrainConfig, init_checkpoint: Path, trainable: str, budget_mb: float, *,
+    device: str = "cpu", job_process_mb: float = 0.0, cache: Path | None = None,
 ) -> MemoryPlan:
-    """Probe two micro-batch sizes of the real job and fit the largest that fits."""
+    """Probe the real job at three micro-batch sizes (CPU: twice each, in subprocesses under
+    ``cfg.run.output_dir / "probes"``) and fit the largest micro-batch that fits."""
     effective = cfg.training.global_batch_size
-    sizes = probe_sizes(effective)
-    if device == "cuda":
-        probes = {m: _probe_cuda(cfg, init_checkpoint, trainable, m) for m in sizes}
-        method = "cuda max_memory_allocated"
+    # A probe's closing evaluation covers the validation split at the probe's micro-batch
+    # under no_grad: a quarter of its time and never its peak. A 5% split keeps it short;
+    # the arrays loaded (the whole data set) and the training step are the same.
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(
+        update={"val_fraction": min(cfg.data.val_fraction, 0.05)})})
+    sizes = probe_points(effective)
+    if device == "cuda":  # deterministic allocator counts: one probe per size, no cache
+        points = {m: [_probe_cuda(cfg, init_checkpoint, trainable, m)] for m in sizes}
+        plan = fit_plan(budget_mb, effective, points, "cuda max_memory_allocated",
+                        job_process_mb=job_process_mb)
     else:
-        probes = {m: probe_subprocess(cfg, init_checkpoint, trainable, m) for m in sizes}
-        method = "probe subprocess peak RSS"
-    plan = fit_plan(budget_mb, effective, probes, method)
-    log.info(
-        "memory plan: micro-batch %d x %d accumulation (predicted %.0f MB of %.0f MB; probes %s)",
-        plan.micro_batch_size,
-        plan.accumulation_steps,
-        plan.predicted_peak_mb,
-        budget_mb,
-        {m: round(v) for m, v in probes.items()},
-    )
+        cached = _read_cache(cache) if cache is not None else {}
+        keys = {m: probe_key(cfg, init_checkpoint, trainable, m) for m in sizes}
+        points = {m: cached.get(keys[m]) or [
+            probe_subprocess(cfg, init_checkpoint, trainable, m) for _ in range(REPEATS)]
+            for m in sizes}
+        reused = all(k in cached for k in keys.values())
+        if cache is not None and not reused:
+            cached.update({keys[m]: points[m] for m in points})
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(cache, dict(list(cached.items())[-CACHE_ENTRIES:]))
+        plan = fit_plan(budget_mb, effective, points,
+                        f"probe subprocess peak RSS, {len(sizes)} sizes x {REPEATS}"
+                        + (", whole-tree budget" if job_process_mb else ""),
+                        job_process_mb=job_process_mb, probes_reused=reused)
+    log.info("memory plan: micro-batch %d x %d accumulation (predicted %.0f MB of %.0f MB; "
+             "probes %s)", plan.micro_batch_size, plan.accumulation_steps,
+             plan.predicted_tree_peak_mb, budget_mb, plan.to_dict()["probes"])
     return plan
+
+
+def probe_key(cfg: TrainConfig, init: Path, trainable: str, micro: int) -> str:
+    """What a probe's peak depends on; the job's own folder and step count do not count."""
+    tree = probe_config(cfg, Path("-"), micro).to_dict()
+    tree["run"].pop("output_dir", None)
+    weights = init / "manifest.json"  # signed tensor hashes: the weights' identity
+    if not weights.is_file():
+        weights = next(init.glob("*.safetensors"), init)
+    ident = hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else str(init)
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "?"
+    blob = json.dumps([tree, ident, trainable, micro, torch_version, sys.version], sort_keys=True,
+                      default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _read_cache(path: Path) -> dict[str, list[float]]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # no cache yet, or a damaged one: probe again
+    return {k: v for k, v in data.items()
+            if isinstance(v, list) and len(v) == REPEATS and all(
+                isinstance(x, (int, float)) for x in v)} if isinstance(data, dict) else {}
 
 
 def probe_config(cfg: TrainConfig, out: Path, micro: int) -> TrainConfig:

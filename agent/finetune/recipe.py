@@ -106,8 +106,12 @@ def run_finetune(
     plan = None
     micro = job.micro_batch
     if micro is None:
+        # The budget here is the training process's own (standalone ``python -m
+        # agent.finetune``); the device job budgets its whole process tree and plans in its
+        # torch-free worker (agent.jobs.steps.finetune).
         plan = plan_micro_batch(
-            build_config(job, upstream, precision, None), init, job.trainable, budget, device
+            build_config(job, upstream, precision, None), init, job.trainable, budget,
+            device=device,
         )
         micro = plan.micro_batch_size
     cfg = build_config(job, upstream, precision, micro)

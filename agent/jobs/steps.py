@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.finetune.memory_plan import BudgetTooSmall
-from agent.jobs.budget import plan_for_tree
+from agent.finetune.memory_plan import BudgetTooSmall, plan_micro_batch
 from agent.jobs.child import CONTEXT
 from agent.jobs.machine import (
     CRASH_ENV,
@@ -30,9 +29,10 @@ from agent.jobs.machine import (
     crash_point,
     model_name,
 )
-from agent.jobs.proctree import TreePeak
+from agent.jobs.proctree import TreePeak, rss_mb
 from agent.jobs.spec import DeployJob
 from hpc_core.atomic import write_json_atomic
+from hpc_core.config import config_from_dict
 
 SIGTERM_SEEN = {"flag": False}
 """Set by the worker's SIGTERM handler; the child wait loop forwards it and suspends."""
@@ -199,11 +199,15 @@ def finetune(ctx: JobContext) -> dict[str, Any]:
                 write_json_atomic(config_file, run_child(ctx, "config"))
             cfg = _read(config_file)
             ctx.event("finetune", status="planning", budget_mb=cfg["budget_mb"])
+            train_cfg = config_from_dict(cfg["config"])
+            train_cfg = train_cfg.model_copy(update={"run": train_cfg.run.model_copy(
+                update={"output_dir": ctx.job_dir / "probes"})})
             try:
-                plan = plan_for_tree(cfg, Path(ctx.outputs["pull"]["path"]),
-                                     ft.trainable, cfg["budget_mb"],  # type: ignore[attr-defined]
-                                     ctx.job_dir / "probes",
-                                     cache=ctx.state_dir / "cache" / "memory_probes.json")
+                plan = plan_micro_batch(
+                    train_cfg, Path(ctx.outputs["pull"]["path"]),
+                    ft.trainable, cfg["budget_mb"],  # type: ignore[attr-defined]
+                    job_process_mb=rss_mb(os.getpid()),
+                    cache=ctx.state_dir / "cache" / "memory_probes.json").to_dict()
             except BudgetTooSmall as e:  # the job's answer, not a crash to retry
                 raise StepFailed("finetune", str(e)) from None
             write_json_atomic(plan_file, plan)

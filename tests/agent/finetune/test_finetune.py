@@ -102,15 +102,31 @@ def test_budget_bounds_peak_rss_and_keeps_the_result(tmp_path: Path) -> None:
 
 
 def test_fit_plan_picks_the_largest_divisor_that_fits() -> None:
-    plan = fit_plan(1000, 256, {4: 404.0, 16: 428.0}, "test")  # 400 MB + 2 MB/sample
+    points = {4: [404.0, 404.0], 8: [412.0, 412.0], 16: [428.0, 428.0]}  # 396 MB + 2 MB/sample
+    plan = fit_plan(1000, 256, points, "test")
     assert plan.per_sample_mb == pytest.approx(2.0) and plan.base_mb == pytest.approx(396.0)
-    # 0.92 * 1000 = 920 MB -> 262 samples fit -> capped at the effective batch.
+    # 0.95 * 1000 = 950 MB -> 277 samples fit -> capped at the effective batch.
     assert plan.micro_batch_size == 256 and plan.accumulation_steps == 1
-    plan = fit_plan(600, 256, {4: 404.0, 16: 428.0}, "test")  # (552 - 396) / 2 = 78 -> 64
+    plan = fit_plan(600, 256, points, "test")  # (570 - 396) / 2 = 87 -> the divisor 64
     assert plan.micro_batch_size == 64 and plan.accumulation_steps == 4
-    assert plan.predicted_peak_mb <= 600
-    with pytest.raises(BudgetTooSmall, match="raise --budget-mb"):
-        fit_plan(300, 256, {4: 404.0, 16: 428.0}, "test")
+    assert plan.predicted_tree_peak_mb <= 600
+    with pytest.raises(BudgetTooSmall, match=r"finetune\.budget_mb=300: .* raise the budget"):
+        fit_plan(300, 256, points, "test")
+
+
+def test_fit_plan_keeps_the_noise_and_the_job_process_off_the_budget() -> None:
+    # Repeats 4 MB apart at 16: the line goes through the worst of each, the spread is margin.
+    points = {4: [404.0, 403.0], 8: [412.0, 411.0], 16: [428.0, 424.0]}
+    quiet = fit_plan(600, 256, {m: [max(v)] * 2 for m, v in points.items()}, "test")
+    noisy = fit_plan(600, 256, points, "test")
+    assert noisy.margin_mb == pytest.approx(4.0) and quiet.margin_mb == 0
+    assert noisy.base_mb == quiet.base_mb and noisy.per_sample_mb == quiet.per_sample_mb
+    # A 100 MB worker beside the fine-tune: (570 - 100 - 4 - 396) / 2 = 35 -> 32.
+    tree = fit_plan(600, 256, points, "test", job_process_mb=100.0)
+    assert tree.micro_batch_size == 32 and tree.accumulation_steps == 8
+    assert tree.predicted_tree_peak_mb == pytest.approx(100 + 396 + 2 * 32)
+    with pytest.raises(BudgetTooSmall, match="100 MB job process"):
+        fit_plan(500, 256, points, "test", job_process_mb=100.0)
 
 
 def test_trainable_scopes() -> None:
