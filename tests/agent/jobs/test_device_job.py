@@ -229,8 +229,9 @@ def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
         rec = JobStore(device.state).get(job)
         assert rec is not None
         assert peak.peak_mb <= 1.05 * budget, f"tree peak {peak.peak_mb:.0f} MB > 1.05 x {budget}"
-        plan = {s.name: s.outputs for s in JobStore(device.state).steps(job)}[
-            "finetune"]["memory"]["plan"]
+        ft = {s.name: s for s in JobStore(device.state).steps(job)}["finetune"]
+        assert ft.status == "done" and ft.outputs is not None, (rec.state, rec.error)
+        plan = ft.outputs["memory"]["plan"]
         assert plan["budget_mb"] == budget and plan["probes_reused"] is (i == 1), plan
         mem = rec.result["memory"]
         assert mem["budget_mb"] == budget and mem["micro_batch"] == plan["micro_batch_size"]
