@@ -103,12 +103,10 @@ def _window_power(samples: list[dict[str, Any]], window_s: float = 10.0) -> tupl
 
 
 def plot(rows: list[Row], path: Path, scenario: str) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from hpc_core.plots import figure, write_png
 
     chosen = [r for r in rows if r.scenario == scenario]
-    fig = Figure(figsize=(10, 9), constrained_layout=True)
-    FigureCanvasAgg(fig)
+    fig = figure(figsize=(10, 9), layout="constrained")
     ax_t, ax_p, ax_s = fig.subplots(3, 1, sharex=True)
     colors = {"governor": "tab:blue", "bangbang": "tab:orange", "none": "tab:red"}
     first = chosen[0].result
@@ -133,9 +131,7 @@ def plot(rows: list[Row], path: Path, scenario: str) -> Path:
     ax_s.set_ylabel("steps / best constant duty")
     ax_s.set_xlabel("simulated time (min)")
     ax_s.set_ylim(0.8, 1.8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    return write_png(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:

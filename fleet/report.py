@@ -4,7 +4,6 @@ time with ``fleetctl rollout report ID``."""
 
 from __future__ import annotations
 
-import io
 import json
 import statistics
 from pathlib import Path
@@ -72,13 +71,11 @@ def table(report: dict[str, Any]) -> str:
 def plot_png(report: dict[str, Any]) -> bytes:
     """Finished executions over time, one cumulative line per wave from its start; failures
     marked x, bake periods shaded, rollbacks dashed, the rollout's end a grey line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from hpc_core.plots import figure, png_bytes
 
     t0 = report["created_at"]
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    fig = figure(figsize=(8, 4.5), layout="tight")
+    ax = fig.subplots()
     jobs = [e for e in report["executions"] if e["kind"] == "job" and e["finished_at"]]
     for w in report["waves"]:
         mine = sorted((e for e in jobs if e["wave"] == w["wave"]), key=lambda e: e["finished_at"])
@@ -104,11 +101,7 @@ def plot_png(report: dict[str, Any]) -> bytes:
     ax.set_ylabel("executions finished")
     ax.set_title(f"{report['rollout']}: {report['state']}")
     ax.legend(loc="upper left")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig)
 
 
 def write(report: dict[str, Any], out_dir: Path) -> dict[str, Path]:

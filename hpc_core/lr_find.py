@@ -11,7 +11,6 @@ loss is already blowing up).
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import sys
@@ -25,7 +24,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpc_core.atomic import write_bytes_atomic
 from hpc_core.config import ConfigError, TrainConfig, load_config
 
 
@@ -116,12 +114,10 @@ def suggest_lr(lrs: list[float], smoothed: list[float]) -> float:
 
 
 def plot(result: LRFindResult, path: Path) -> None:
-    import matplotlib
+    from hpc_core.plots import figure, write_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = figure(figsize=(7, 4), layout="tight")
+    ax = fig.subplots()
     n = len(result.smoothed)
     ax.plot(result.lrs[:n], result.losses[:n], alpha=0.3, label="loss")
     ax.plot(result.lrs[:n], result.smoothed, label="smoothed")
@@ -132,11 +128,7 @@ def plot(result: LRFindResult, path: Path) -> None:
     top = min(max(result.smoothed), 4 * min(result.smoothed))
     ax.set_ylim(top=top * 1.05)
     ax.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    write_bytes_atomic(path, buf.getvalue())
+    write_png(fig, path)
 
 
 def add_lr_find_args(p: argparse.ArgumentParser) -> None:

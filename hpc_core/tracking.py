@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import logging
 import os
@@ -88,23 +87,17 @@ def checkpoint_manifest(path: Path) -> dict[str, Any]:
 
 def curves_png(records: list[dict[str, Any]]) -> bytes:
     """Train loss and eval accuracy against step, from metrics.jsonl records."""
-    import matplotlib
+    from hpc_core.plots import figure, png_bytes
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = figure(figsize=(7, 4), layout="tight")
+    ax = fig.subplots()
     for key, axis in (("train/loss", ax), ("eval/acc", ax.twinx())):
         pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
         if pts:
             axis.plot(*zip(*pts, strict=True), color="C0" if key == "train/loss" else "C1")
             axis.set_ylabel(key)
     ax.set_xlabel("step")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig)
 
 
 class MlflowSink:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import io
 import logging
 import math
 import os
@@ -291,13 +290,12 @@ def write_reports(study: Any, trials: int, metric: str, out: Path) -> Path | Non
 
 
 def plot_history(study: Any, trials: int, metric: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from optuna.trial import TrialState
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    from hpc_core.plots import figure, write_png
+
+    fig = figure(figsize=(7, 4), layout="tight")
+    ax = fig.subplots()
     done = [t for t in counted(study, trials) if t.state == TrialState.COMPLETE]
     pruned = [t for t in counted(study, trials) if t.state == TrialState.PRUNED]
     ax.scatter([t.number for t in done], [t.value for t in done], label="complete", zorder=3)
@@ -320,11 +318,7 @@ def plot_history(study: Any, trials: int, metric: str, path: Path) -> None:
     ax.set_ylabel(metric)
     ax.set_title(f"study {study.study_name}")
     ax.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    write_bytes_atomic(path, buf.getvalue())
+    write_png(fig, path)
 
 
 def add_tune_args(p: argparse.ArgumentParser) -> None:

@@ -7,7 +7,6 @@ a crash never leaves half a report next to a finished job.
 
 from __future__ import annotations
 
-import io
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.pacing.hook import GovernorHook
-from hpc_core.atomic import write_bytes_atomic, write_json_atomic
+from hpc_core.atomic import write_json_atomic
 
 REPORT_FORMAT = "edgetrain.job_report/1"
 STATE_LEVEL = {"NORMAL": 0, "THROTTLED": 1, "PAUSED": 2}
@@ -115,12 +114,9 @@ def build_report(
 
 def plot_report(report: JobReport, path: Path) -> Path:
     """Five stacked panels sharing the time axis (minutes)."""
-    # Figure + Agg canvas directly: no pyplot, so no global backend state and no display.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from hpc_core.plots import figure, write_png
 
-    fig = Figure(figsize=(10, 11), constrained_layout=True)
-    FigureCanvasAgg(fig)
+    fig = figure(figsize=(10, 11), layout="constrained")
     axes = fig.subplots(5, 1, sharex=True)
     s = report.samples
     t = [x["t_s"] / 60 for x in s]
@@ -197,15 +193,7 @@ def plot_report(report: JobReport, path: Path) -> Path:
                 fontsize=8,
                 color="tab:cyan",
             )
-    return _save_png(fig, path)
-
-
-def _save_png(fig: Any, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    write_bytes_atomic(path, buf.getvalue())
-    return path
+    return write_png(fig, path, dpi=110)
 
 
 def write_report(report: JobReport, out_dir: Path, stem: str = "report") -> tuple[Path, Path]:
