@@ -11,7 +11,6 @@ from torch.utils.checkpoint import checkpoint
 
 from hpc_core import checkpoint as ckpt
 from hpc_core.config import ModelConfig
-from hpc_core.models import build_model
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
@@ -63,19 +62,13 @@ def load_upstream(path: Path) -> tuple[nn.Module, ModelConfig]:
     if (path / "manifest.json").is_file():
         from safetensors.torch import load_file
 
+        from hpc_core.model_spec import build_module
         from registry.manifest import Manifest
 
         manifest = Manifest.from_bytes((path / "manifest.json").read_bytes(), source=str(path))
-        spec = ModelConfig(**manifest.model.model_dump())
-        model = build_model(
-            spec.name,
-            num_classes=spec.num_classes,
-            in_channels=spec.in_channels,  # type: ignore[arg-type]
-            image_size=spec.image_size,
-            **spec.kwargs,
-        )  # type: ignore[arg-type]
+        model = build_module(manifest.model)  # the pull step verified signature and spec
         model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
-        return model, spec
+        return model, manifest.model
     model, cfg = ckpt.load_model(ckpt.resolve_checkpoint(path))
     return model, cfg.model
 
