@@ -92,34 +92,14 @@ def real_agents(
     signed registry folder, its own device key, and the device data to fine-tune on."""
     if not have_daemon():
         pytest.skip("agent.daemon is not built yet")
-    from registry.signing import generate_keypair
-    from tests.support.registry_fixtures import Publisher, _build_test_model
+    from tests.support.device import make_data, provision_states, publish_upstream
 
     started: list[RealAgent] = []
 
     def start(ids: list[str], groups: list[str]) -> list[RealAgent]:
-        reg = tmp_path / "registry"
-        (tmp_path / "ck").mkdir()
-        Publisher(reg, tmp_path / "ck", upstream_key).publish(_build_test_model(0), "1")
-        data = tmp_path / "device.npz"
-        py = [sys.executable]
-        subprocess.run([*py, str(REPO / "scripts/make_device_data.py"), "--distortion", "noise",
-                        "--out", str(data)], check=True, env=subprocess_env, capture_output=True)
-        pulls = []
-        for dev in ids:
-            state = tmp_path / dev
-            trusted = state / "trusted_keys"
-            trusted.mkdir(parents=True)
-            for pub in upstream_key.trusted_dir.iterdir():
-                (trusted / pub.name).write_bytes(pub.read_bytes())
-            _, pub = generate_keypair(state, "device")
-            (trusted / pub.name).write_bytes(pub.read_bytes())
-            pulls.append(subprocess.Popen(
-                [*py, "-m", "agent.cli", "pull", "digits@1", "--registry", str(reg),
-                 "--state-dir", str(state), "--no-progress"],
-                env=subprocess_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-        for p in pulls:
-            assert p.wait(120) == 0, p.stderr.read() if p.stderr else ""
+        reg = publish_upstream(tmp_path / "registry", tmp_path / "ck", upstream_key)
+        make_data(tmp_path / "device.npz", subprocess_env)
+        provision_states([tmp_path / dev for dev in ids], reg, upstream_key, subprocess_env)
         for dev in ids:
             state = tmp_path / dev
             cfg = state / "agent.yaml"
@@ -130,7 +110,7 @@ def real_agents(
                 "profile": "generic-x86",
             }))
             log = open(state / "daemon.log", "wb")  # noqa: SIM115
-            proc = subprocess.Popen([*py, "-m", "agent.daemon", "--config", str(cfg)],
+            proc = subprocess.Popen([sys.executable, "-m", "agent.daemon", "--config", str(cfg)],
                                     env=subprocess_env, stdout=log, stderr=log)
             log.close()
             started.append(RealAgent(dev, state, proc))

@@ -50,28 +50,35 @@ def make_data(out: Path, env: dict[str, str]) -> Path:
     return out
 
 
-def provision_state(state: Path, registry: Path, key: KeyPair, env: dict[str, str]) -> Path:
-    """Trusted keys, a device key pair, and ``agentctl pull digits@1`` into ``state``."""
+def provision_states(
+    states: list[Path], registry: Path, key: KeyPair, env: dict[str, str]
+) -> list[Path]:
+    """For each state dir: the upstream's trusted keys, a device key pair of its own, and
+    ``agentctl pull digits@1`` (the pulls run side by side)."""
     from registry.signing import generate_keypair
 
-    trusted = state / "trusted_keys"
-    trusted.mkdir(parents=True)
-    for pub in key.trusted_dir.iterdir():
+    pulls = []
+    for state in states:
+        trusted = state / "trusted_keys"
+        trusted.mkdir(parents=True)
+        for pub in key.trusted_dir.iterdir():
+            (trusted / pub.name).write_bytes(pub.read_bytes())
+        _, pub = generate_keypair(state, "device")
         (trusted / pub.name).write_bytes(pub.read_bytes())
-    _, pub = generate_keypair(state, "device")
-    (trusted / pub.name).write_bytes(pub.read_bytes())
-    r = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "pull", f"{MODEL}@{VERSION}", "--registry",
-         str(registry), "--state-dir", str(state), "--no-progress"],
-        env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    return state
+        pulls.append(subprocess.Popen(
+            [sys.executable, "-m", "agent.cli", "pull", f"{MODEL}@{VERSION}", "--registry",
+             str(registry), "--state-dir", str(state), "--no-progress"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    for p in pulls:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode(errors="replace")
+    return states
 
 
 def provision_template(root: Path, key: KeyPair, env: dict[str, str]) -> ProvisionedDevice:
     registry = publish_upstream(root / "registry", root / "ck", key)
     data = make_data(root / "device.npz", env)
-    state = provision_state(root / "state", registry, key, env)
+    (state,) = provision_states([root / "state"], registry, key, env)
     return ProvisionedDevice(registry, data, state)
 
 
