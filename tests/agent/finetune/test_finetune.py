@@ -105,9 +105,9 @@ def test_fit_plan_picks_the_largest_divisor_that_fits() -> None:
     points = {4: [404.0, 404.0], 8: [412.0, 412.0], 16: [428.0, 428.0]}  # 396 MB + 2 MB/sample
     plan = fit_plan(1000, 256, points, "test")
     assert plan.per_sample_mb == pytest.approx(2.0) and plan.base_mb == pytest.approx(396.0)
-    # 0.97 * 1000 = 970 MB -> 287 samples fit -> capped at the effective batch.
+    # (1000 - 396) / 2 = 302 samples fit -> capped at the effective batch.
     assert plan.micro_batch_size == 256 and plan.accumulation_steps == 1
-    plan = fit_plan(600, 256, points, "test")  # (582 - 396) / 2 = 93 -> the divisor 64
+    plan = fit_plan(600, 256, points, "test")  # (600 - 396) / 2 = 102 -> the divisor 64
     assert plan.micro_batch_size == 64 and plan.accumulation_steps == 4
     assert plan.predicted_tree_peak_mb <= 600
     with pytest.raises(BudgetTooSmall, match=r"finetune\.budget_mb=300: .* raise the budget"):
@@ -121,7 +121,7 @@ def test_fit_plan_keeps_the_noise_and_the_job_process_off_the_budget() -> None:
     noisy = fit_plan(600, 256, points, "test")
     assert noisy.margin_mb == pytest.approx(4.0) and quiet.margin_mb == 0
     assert noisy.base_mb == quiet.base_mb and noisy.per_sample_mb == quiet.per_sample_mb
-    # A 100 MB worker beside the fine-tune: (582 - 100 - 4 - 396) / 2 = 41 -> 32.
+    # A 100 MB worker beside the fine-tune: (600 - 100 - 4 - 396) / 2 = 50 -> 32.
     tree = fit_plan(600, 256, points, "test", job_process_mb=100.0)
     assert tree.micro_batch_size == 32 and tree.accumulation_steps == 8
     assert tree.predicted_tree_peak_mb == pytest.approx(100 + 396 + 2 * 32)
