@@ -46,8 +46,10 @@ class Peer:
     def __init__(
         self, broker: Broker, *, client_id: str | None = None, username: str | None = None,
         password: str | None = None, cert: tuple[Path, Path] | None = None,
-        tls: bool | None = None, timeout_s: float = 10.0,
+        tls: bool | None = None, timeout_s: float = 10.0, session_expiry_s: int | None = None,
     ) -> None:
+        """``session_expiry_s``: a persistent session (clean_start=False): reconnecting with
+        the same ``client_id`` gets what the broker queued for it meanwhile."""
         self.client = mqtt.Client(
             mqtt.CallbackAPIVersion.VERSION2, client_id=client_id or f"peer-{next(_ids)}",
             protocol=mqtt.MQTTv5,
@@ -68,7 +70,12 @@ class Peer:
         self.client.on_message = self._on_message
         self.client.on_connect = self._on_connect
         self.client.on_publish = self._on_publish
-        self.client.connect(broker.host, broker.port, keepalive=30)
+        props = None
+        if session_expiry_s:
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = session_expiry_s
+        self.client.connect(broker.host, broker.port, keepalive=30,
+                            clean_start=not session_expiry_s, properties=props)
         self.client.loop_start()
         with self.cond:
             self.cond.wait_for(lambda: self.connect_rc is not None, timeout_s)

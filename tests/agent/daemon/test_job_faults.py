@@ -134,9 +134,12 @@ def test_broker_down_10s_mid_job_the_result_still_arrives(
     mosquitto: Callable[..., Broker], agent: Callable[..., AgentProc], device: ProvisionedDevice
 ) -> None:
     broker = mosquitto(persistence=True)
-    fleet = Peer(broker).subscribe(T.result("dev-a"), T.status("dev-a"))
+    # A persistent session: what the daemon publishes while this peer reconnects is queued for
+    # it. The daemon retries every 0.2-0.3 s, so it is back on the broker before the peer.
+    fleet = Peer(broker, client_id="fleet-obs", session_expiry_s=600).subscribe(
+        T.result("dev-a"), T.status("dev-a"))
     a = agent(broker, state_dir=str(device.state),
-              mqtt={"reconnect_min_s": 2.0, "reconnect_max_s": 3.0})
+              mqtt={"reconnect_min_s": 0.2, "reconnect_max_s": 0.3})
     fleet.wait_for(lambda m: m.topic == T.status("dev-a") and m.json()["state"] == "online")
     store = JobStore(device.state)
     ft = command("finetune", args=device.finetune_args(steps=30, checkpoint_every=10))
@@ -148,7 +151,7 @@ def test_broker_down_10s_mid_job_the_result_still_arrives(
     broker.stop()
     time.sleep(10)
     broker.start()
-    fleet = Peer(broker).subscribe(T.result("dev-a"))  # before the daemon's back-off ends
+    fleet = Peer(broker, client_id="fleet-obs", session_expiry_s=600)
     end = fleet.wait_for(lambda m: _res(ft["id"])(m)
                          and m.json()["status"] in TERMINAL_STATUSES, timeout_s=90)[-1].json()
     assert end["status"] == "SUCCEEDED" and end["result"]["outcome"] == "committed", end
