@@ -57,11 +57,7 @@ def _reset_cpu_peak() -> None:
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # 5: reset the peak RSS (VmHWM) to the current RSS (Linux >= 4.0)
-
-
-def _cpu_peak_mb() -> float:
-    return peak_rss_mb()  # VmHWM: what _reset_cpu_peak resets
+        f.write("5")  # 5: reset VmHWM (what peak_rss_mb reads) to the current RSS (Linux >= 4.0)
 
 
 class BatchProber:
@@ -102,7 +98,7 @@ class BatchProber:
             peak = None
         else:
             peak = (
-                torch.cuda.max_memory_allocated(t.device) / 2**20 if self.cuda else _cpu_peak_mb()
+                torch.cuda.max_memory_allocated(t.device) / 2**20 if self.cuda else peak_rss_mb()
             )
         finally:
             del x, y
