@@ -12,7 +12,8 @@ Layout of one checkpoint directory::
 A run keeps them under ``<output_dir>/checkpoints/``: ``step_00000100/`` …, ``best`` (a
 symlink to the best step directory) and ``final/``. The whole directory is built under a
 temporary name, fsynced, then renamed into place, so a crash leaves either the old state or
-the new one.
+the new one. The layout itself (finding, reading, pruning; torch-free) is
+``hpc_core.checkpoint_layout``.
 """
 
 from __future__ import annotations
@@ -28,16 +29,23 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hpc_core.atomic import TMP_PREFIX, fsync_dir, fsync_file
+from hpc_core.checkpoint_layout import (  # noqa: F401 - the layout, re-exported for ckpt.X
+    FORMAT,
+    MARKER,
+    STEP_PREFIX,
+    CheckpointError,
+    best_target,
+    find_latest,
+    is_complete,
+    list_step_checkpoints,
+    prune_step_checkpoints,
+    read_trainer_state,
+    resolve_checkpoint,
+    set_best,
+    step_dir,
+)
 from hpc_core.config import TrainConfig, config_from_dict
 from hpc_core.models import build_model
-
-FORMAT = "edgetrain.checkpoint/1"
-MARKER = "COMPLETE"
-STEP_PREFIX = "step_"
-
-
-class CheckpointError(Exception):
-    """A checkpoint that is missing, incomplete or inconsistent."""
 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -172,23 +180,6 @@ def save_checkpoint(
     return dest
 
 
-def is_complete(path: Path) -> bool:
-    return (Path(path) / MARKER).is_file() and (Path(path) / "model.safetensors").is_file()
-
-
-def read_trainer_state(path: Path) -> dict[str, Any]:
-    path = Path(path)
-    if not is_complete(path):
-        raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
-    with open(path / "trainer_state.json") as f:
-        state = json.load(f)
-    if state.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{path}: unknown checkpoint format {state.get('format')!r}, want {FORMAT}"
-        )
-    return state
-
-
 def load_tensors(path: Path, name: str) -> dict[str, torch.Tensor]:
     file = Path(path) / name
     if not file.is_file():
@@ -214,80 +205,3 @@ def load_model(path: Path, device: str | torch.device = "cpu") -> tuple[nn.Modul
     )
     model.load_state_dict(load_tensors(path, "model.safetensors"), strict=True)
     return model.to(device), cfg
-
-
-# ---------------------------------------------------------------------------------------------
-# A run's checkpoints directory
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"{STEP_PREFIX}{step:08d}"
-
-
-def list_step_checkpoints(root: Path) -> list[Path]:
-    """Complete step checkpoints under ``root``, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.name.startswith(STEP_PREFIX) and not p.is_symlink()]
-    return sorted(
-        (p for p in found if is_complete(p)), key=lambda p: int(p.name[len(STEP_PREFIX) :])
-    )
-
-
-def find_latest(root: Path) -> Path | None:
-    steps = list_step_checkpoints(root)
-    return steps[-1] if steps else None
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint dir -> itself; a run dir or checkpoints root -> final/, else the latest step."""
-    path = Path(path)
-    if is_complete(path):
-        return path
-    for root in (path / "checkpoints", path):
-        if is_complete(root / "final"):
-            return root / "final"
-        latest = find_latest(root)
-        if latest is not None:
-            return latest
-    raise CheckpointError(
-        f"no complete checkpoint at {path} (looked for final/ and step_*/ with {MARKER})"
-    )
-
-
-def set_best(root: Path, target: Path) -> None:
-    """Point ``root/best`` at ``target`` by an atomic symlink swap."""
-    link = Path(root) / "best"
-    tmp = Path(root) / f"{TMP_PREFIX}best.{os.getpid()}"
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    os.symlink(Path(target).name, tmp)
-    os.replace(tmp, link)
-
-
-def best_target(root: Path) -> Path | None:
-    link = Path(root) / "best"
-    if not link.is_symlink():
-        return None
-    target = link.parent / os.readlink(link)
-    return target if is_complete(target) else None
-
-
-def prune_step_checkpoints(root: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` step checkpoints; the best one is kept."""
-    best = best_target(root)
-    steps = list_step_checkpoints(root)
-    doomed = [
-        p for p in steps[: max(0, len(steps) - keep_last)] if best is None or p.name != best.name
-    ]
-    for p in doomed:
-        # Rename first so a crash mid-delete leaves a tmp dir, not a half checkpoint with a marker.
-        trash = p.parent / f"{TMP_PREFIX}del-{p.name}"
-        os.replace(p, trash)
-        shutil.rmtree(trash, ignore_errors=True)
-    # Leftovers of crashed writes are never loaded; clean them up here.
-    for leftover in Path(root).glob(f"{TMP_PREFIX}*"):
-        if leftover.is_dir() and not leftover.name.endswith(f".{os.getpid()}"):
-            shutil.rmtree(leftover, ignore_errors=True)
-    return doomed

@@ -91,7 +91,7 @@ def check_against_spec(manifest: Manifest, *, allow_custom: bool = False) -> Non
 
 def read_checkpoint(source: Path) -> VersionContent:
     """Resolve a run or checkpoint dir and read its weights' layout, spec and metrics."""
-    from hpc_core.checkpoint import CheckpointError, read_trainer_state, resolve_checkpoint
+    from hpc_core.checkpoint_layout import CheckpointError, read_trainer_state, resolve_checkpoint
     from hpc_core.config import ConfigError, config_from_dict
 
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,17 @@ from typing import Any
 from hpc_core.atomic import write_bytes_atomic, write_json_atomic
 
 CONTEXT = "context.json"
+
+
+def _crash_inside(step: str) -> None:
+    """Fault injection (``EDGETRAIN_JOB_CRASH_AT=inside:STEP``) for a step too short for the
+    worker's wait loop to catch under way: kill -9 of the job process from here, then of
+    this child, at a known point of the step's work."""
+    from agent.jobs.machine import CRASH_ENV
+
+    if f"inside:{step}" in os.environ.get(CRASH_ENV, "").split(","):
+        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _context(job_dir: Path) -> dict[str, Any]:
@@ -247,6 +259,7 @@ def step_stage(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
     vfile = job_dir / "stage_version.txt"
     if not vfile.is_file():
         write_bytes_atomic(vfile, default_version(parent.version, key.name).encode())
+    _crash_inside("stage")  # the version is fixed, nothing is staged yet
     staged = stage_local(
         read_checkpoint(Path(ctx["finetuned"])), state_dir=state_dir, parent=parent,
         version=vfile.read_text().strip(), key=key,

@@ -90,7 +90,8 @@ def _plain(detail: dict[str, Any]) -> dict[str, Any]:
 
 CRASH_ENV = "EDGETRAIN_JOB_CRASH_AT"
 """Fault injection for the restart tests and drills: ``after:STEP`` SIGKILLs the job process
-right after STEP is recorded done; ``inside:STEP`` while STEP's child runs (see steps.py)."""
+right after STEP is recorded done; ``inside:STEP`` while STEP's child runs (steps.py; the
+short stage step's child kills the job itself, child.py)."""
 
 
 def crash_point(point: str) -> None:

@@ -78,7 +78,10 @@ def _last_line(path: Path) -> str:
 
 
 def _child_under_way(ctx: JobContext, step: str, elapsed: float) -> bool:
-    """Fault injection: the child is well inside its work (the fine-tune past a checkpoint)."""
+    """Fault injection: the child is well inside its work (the fine-tune past a checkpoint).
+    The stage takes a fraction of a second: its child kills the job itself (child.py)."""
+    if step == "stage":
+        return False
     if step == "finetune":
         prog = ctx.store.get(ctx.job_id).progress or {}  # type: ignore[union-attr]
         every = ctx.spec.finetune.checkpoint_every
