@@ -6,7 +6,8 @@
    beside the sum of the same steps run by hand, one after the other, on a second fresh
    device (each step function called directly: the same child processes, no worker, no
    transitions). Ratio whole / by hand; target <= 1.05. Both sides fine-tune the same
-   upstream with the same spec (micro-batch given, so no probes on either side).
+   upstream with the same spec (micro-batch given, so no probes on either side). One job
+   runs first as a warm-up and the pairs alternate which side goes first.
 2. Wall time of each stage of the whole job (from its step records).
 3. Whole-tree peak RSS (worker + probes + fine-tune child, summed from /proc every 10 ms) at
    budgets 450 and 700 MB over ``--runs`` jobs each (no export): max and median against
@@ -160,6 +161,9 @@ def main() -> int:
                   "INT8 export, 2 shared cores)")
             ratios, stage_runs, hand_runs, owns = [], [], [], []
             over = {"finetune": {"steps": a.steps, "lr": 0.003}}
+            # One job first, not counted: the first run of a session pays cold caches (the
+            # interpreter's, onnxruntime's) that neither side should carry.
+            run_whole(template, reg, work / "warmup", over)
             for i in range(a.pairs):
                 # Alternate which side goes first: the second one finds warmer caches.
                 order = ("whole", "hand") if i % 2 == 0 else ("hand", "whole")
