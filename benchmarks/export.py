@@ -28,11 +28,11 @@ import numpy as np
 import torch
 
 from exporters.job import ExportJob
-from exporters.pipeline import held_out, run_export
+from exporters.pipeline import run_export
 from exporters.runtime import OrtRunner, TorchRunner, batch_of, predict
 from hpc_core.checkpoint import load_model, resolve_checkpoint
 from hpc_core.config import config_from_dict
-from hpc_core.data import build_datasets
+from hpc_core.data import build_datasets, held_out
 from hpc_core.trainer import Trainer
 
 VARIANTS = [

@@ -49,7 +49,7 @@ from exporters.tensorrt_build import (
 from hpc_core.atomic import atomic_output
 from hpc_core.checkpoint import load_model, resolve_checkpoint
 from hpc_core.config import DataConfig, TrainConfig
-from hpc_core.data import build_datasets
+from hpc_core.data import build_datasets, held_out
 
 INSTALLED = ("model.onnx", "model.engine", "model.engine.json", "report.json")
 
@@ -86,18 +86,6 @@ def load_source(job: ExportJob) -> Source:
     cfg = cfg.model_copy(update={"data": data})
     shape = (int(m.in_channels or 1), int(m.image_size or 1), int(m.image_size or 1))
     return Source(model.eval(), cfg, ckpt_dir, train, val, shape)
-
-
-def held_out(ds: Dataset, limit: int | None) -> tuple[np.ndarray, np.ndarray]:
-    n = len(ds) if limit is None else min(limit, len(ds))  # type: ignore[arg-type]
-    x, y = getattr(ds, "x", None), getattr(ds, "y", None)
-    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-        return x[:n].numpy().astype(np.float32), y[:n].numpy()
-    items = [ds[i] for i in range(n)]
-    return (
-        torch.stack([a for a, _ in items]).numpy().astype(np.float32),
-        np.array([int(b) for _, b in items]),
-    )
 
 
 def _sha256(path: Path) -> str:

@@ -138,6 +138,19 @@ def load_npz_tensors(path: Path, image_size: int | None) -> tuple[torch.Tensor, 
     return _resize(xt, image_size), torch.from_numpy(y.astype(np.int64))
 
 
+def held_out(ds: Dataset, limit: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``limit`` samples of a split (all: None) as float32 images and int labels."""
+    n = len(ds) if limit is None else min(limit, len(ds))  # type: ignore[arg-type]
+    x, y = getattr(ds, "x", None), getattr(ds, "y", None)
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        return x[:n].numpy().astype(np.float32), y[:n].numpy()
+    items = [ds[i] for i in range(n)]
+    return (
+        torch.stack([a for a, _ in items]).numpy().astype(np.float32),
+        np.array([int(b) for _, b in items]),
+    )
+
+
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     n_val = max(1, round(n * val_fraction))

@@ -171,9 +171,8 @@ def _data_config(ctx: dict[str, Any]) -> dict[str, Any] | None:
 def _held_out(ctx: dict[str, Any], samples: int | None) -> tuple[Any, Any]:
     import numpy as np
 
-    from exporters.pipeline import held_out
     from hpc_core.config import DataConfig
-    from hpc_core.data import build_datasets
+    from hpc_core.data import build_datasets, held_out
 
     cfg = _data_config(ctx)
     if cfg is None:  # no data: a fixed random batch checks the model loads and stays finite

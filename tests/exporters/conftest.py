@@ -16,10 +16,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from exporters.onnx_export import OnnxExport, export_onnx
-from exporters.pipeline import held_out
 from hpc_core.checkpoint import load_model
 from hpc_core.config import DataConfig, config_from_dict
-from hpc_core.data import build_datasets
+from hpc_core.data import build_datasets, held_out
 from hpc_core.trainer import Trainer
 
 
