@@ -107,7 +107,8 @@ def tree_peak_run(dev: Device, job_id: str, budget: int, steps: int) -> tuple[fl
     rec = JobStore(dev.state).get(job_id)
     assert p.returncode == 0 and rec is not None, p.returncode
     assert rec.state is JobState.SUCCEEDED, rec.error
-    return peak.peak_mb, rec.result["memory"]
+    ft = next(s for s in JobStore(dev.state).steps(job_id) if s.name == "finetune")
+    return peak.peak_mb, {**rec.result["memory"], "plan": (ft.outputs or {})["memory"]["plan"]}
 
 
 def restart_after_kill(dev: Device) -> tuple[float, float]:
@@ -179,28 +180,32 @@ def main() -> int:
                 owns.append(own)
                 line(f"pair {i} ({order[0]} first): whole {whole:.1f} s / by hand {hand:.1f} s",
                      f"{whole / hand:.3f}", "<= 1.05")
-            line("ratio (median)", f"{statistics.median(ratios):.3f}", "<= 1.05")
-            line("the worker's own share (start, exit; median)",
-                 f"{statistics.median(owns):.2f} s", "-")
+            if ratios:
+                line("ratio (median)", f"{statistics.median(ratios):.3f}", "<= 1.05")
+                line("the worker's own share (start, exit; median)",
+                     f"{statistics.median(owns):.2f} s", "-")
             print("2. wall time of each stage (whole job; by hand beside it), s")
-            for name in stage_runs[-1]:
+            for name in stage_runs[-1] if stage_runs else ():
                 w = statistics.median(r[name] for r in stage_runs)
                 h = statistics.median(r.get(name, float("nan")) for r in hand_runs)
                 line(name, f"{w:.1f} (by hand {h:.1f})", "-")
             print(f"3. whole-tree peak vs budget ({a.runs} runs each, probes afresh each run)")
             for budget in (450, 700) if a.runs else ():
-                peaks, micros = [], []
+                peaks, micros, fixed = [], [], []
                 for i in range(a.runs):  # each on a fresh device with the upstream active
                     dev = make_device(template, reg, work / f"mem{budget}-{i}")
                     dev.install()
                     peak, mem = tree_peak_run(dev, "m", budget, a.budget_steps)
                     peaks.append(peak)
                     micros.append(mem["micro_batch"])
+                    fixed.append(mem["plan"]["base_mb"])
                     shutil.rmtree(dev.root, ignore_errors=True)
                 line(f"B={budget} MB: max / median tree peak",
                      f"{max(peaks):.0f} / {statistics.median(peaks):.0f} MB "
                      f"({max(peaks) / budget:.3f} B)", f"<= {1.05 * budget:.0f} MB (1.05 B)")
                 line(f"B={budget} MB: micro-batches chosen", str(sorted(set(micros))), "-")
+                line(f"B={budget} MB: probes' fixed cost (median)",
+                     f"{statistics.median(fixed):.0f} MB", "-")
             if a.no_restart:
                 return 0
             print("4. restart after kill -9 inside the fine-tune")

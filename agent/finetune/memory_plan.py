@@ -42,10 +42,9 @@ log = logging.getLogger(__name__)
 
 # No headroom beyond the measured noise margin: the probes run the real step and its
 # evaluation, and the whole tree's peak came within 3 MB of the prediction in every run. A
-# torch process's fixed cost alone is 330-400 MB on CPU here, and 60 MB of that moves with the
-# page cache (file-backed pages of libtorch mapped around each fault: 116 MB resident in a
-# long-installed venv, 178 MB in a freshly installed one), so a fixed percentage of headroom
-# refused 450 MB budgets that the tree held.
+# torch process's fixed cost is ~270 MB on CPU here once its cold library pages are dropped
+# (agent.finetune.cold_pages; 330-400 MB before, depending on the page cache), so a fixed
+# percentage of headroom would refuse 450 MB budgets that the tree holds.
 REPEATS = 2
 CACHE_ENTRIES = 64
 
@@ -243,14 +242,19 @@ def _probe_cuda(cfg: TrainConfig, init_checkpoint: Path, trainable: str, micro: 
 
 
 def _probe_main(spec_path: str) -> None:
+    from agent.finetune.cold_pages import drop_cold_pages
     from agent.finetune.model import prepare_model
     from hpc_core.metrics import peak_rss_mb
     from hpc_core.trainer import Trainer
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = config_from_dict(spec["config"])
+    # The fine-tune (agent.finetune.recipe) drops torch's cold pages at the same two points.
     model, _ = prepare_model(Path(spec["checkpoint"]), spec["trainable"])
-    Trainer(cfg, model=model).train()
+    drop_cold_pages()
+    trainer = Trainer(cfg, model=model)
+    drop_cold_pages()
+    trainer.train()
     print(json.dumps({"peak_mb": peak_rss_mb()}))
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from agent.finetune.cold_pages import drop_cold_pages
 from agent.finetune.job import FinetuneJob, FinetuneResult
 from agent.finetune.memory_plan import plan_micro_batch
 from agent.finetune.model import enable_activation_checkpointing, prepare_model
@@ -97,6 +98,7 @@ def run_finetune(
     installed_slot = (job.checkpoint / "manifest.json").is_file()
     init = job.checkpoint if installed_slot else ckpt.resolve_checkpoint(job.checkpoint)
     model, upstream = prepare_model(init, job.trainable)
+    drop_cold_pages()  # torch's start-up code: see agent.finetune.cold_pages
     precision = pick_precision(job, profile, device)
     budget = (
         job.budget_mb if job.budget_mb is not None else float(profile.memory.training_budget_mb)
@@ -118,6 +120,7 @@ def run_finetune(
     if job.activation_checkpointing:
         enable_activation_checkpointing(model)
     trainer = Trainer(cfg, model=model, hooks=hooks or [])
+    drop_cold_pages()  # and the optimizer's (torch._dynamo); the probes drop at the same points
     before = trainer.evaluate() if not (resume and ckpt.find_latest(trainer.ckpt_root)) else None
     result = trainer.train(resume="auto" if resume else None)
     report = {

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,7 +234,7 @@ def _budget_runs(base: Device, budget: int, runs: int, work: Path) -> list[dict[
             shutil.copytree(dev.state / "cache", base.state / "cache")
         shutil.rmtree(dev.root, ignore_errors=True)
         if refused(found[-1]["record"]):
-            break  # the planner's answer for this host: no run would fit either
+            break  # the planner's answer for this host: no other run would fit either
     return found
 
 
@@ -264,21 +263,10 @@ def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
         futures = {b: pool.submit(_budget_runs, bases[b], b, 10, tmp_path) for b in bases}
         results = {b: f.result() for b, f in futures.items()}
     for budget, runs in results.items():
-        if budget == 450 and len(runs) == 1 and refused(runs[0]["record"]):
-            # A torch process's fixed cost depends on the page cache: ~340 MB in a settled
-            # venv, up to ~400 MB right after pip wrote it (a fresh clone's CI). With the
-            # job process's ~45 MB, 450 MB then holds no sample and the planner says so
-            # before training: its probes still kept the tree in the budget, nothing was
-            # staged, and its figures show the need above the budget.
-            r = runs[0]
-            need = float(r["record"].error["message"].split("needs ~")[1].split(" MB")[0])
-            assert need > budget and r["peak"] <= 1.05 * budget, (r["peak"], r["record"].error)
-            assert r["after"] == r["before"]
-            warnings.warn(f"B=450: this host's torch needs ~{need:.0f} MB for one sample; "
-                          "the planner refused (see the benchmark for 10 planned runs)",
-                          stacklevel=1)
-            continue
-        assert len(runs) == 10
+        # No refusal at either budget: the probes and the fine-tune drop torch's cold library
+        # pages (agent.finetune.cold_pages), which is what once made 450 MB too small for
+        # one sample on a host with a freshly installed venv.
+        assert len(runs) == 10, f"B={budget}: {runs[-1]['record'].error}"
         for r in runs:
             what = f"B={budget} run {r['run']}"
             rec = r["record"]
@@ -306,16 +294,16 @@ def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
     # A budget that cannot hold one sample is the job's answer, not a worker crash to retry
     # (planned from the cache the 450 MB runs left).
     base = bases[450]
-    submit(base, "m300", finetune={"micro_batch": None, "budget_mb": 300, "steps": 6},
+    submit(base, "m250", finetune={"micro_batch": None, "budget_mb": 250, "steps": 6},
            steps={"export": False})
     done = subprocess.run([sys.executable, "-m", "agent.jobs.worker", "--state-dir",
-                           str(base.state), "--job-id", "m300", "--no-parent-check"],
+                           str(base.state), "--job-id", "m250", "--no-parent-check"],
                           cwd=REPO, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-2000:]
-    rec = JobStore(base.state).get("m300")
+    rec = JobStore(base.state).get("m250")
     assert rec is not None and rec.state is JobState.FAILED, rec
     assert rec.error["code"] == "JOB_FAILED"
-    assert "finetune.budget_mb=300" in rec.error["message"], rec.error
+    assert "finetune.budget_mb=250" in rec.error["message"], rec.error
 
 
 # -- bad input ----------------------------------------------------------------------------
