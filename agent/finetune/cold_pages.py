@@ -13,7 +13,8 @@ holds no private page (``madvise(MADV_DONTNEED)``): the page cache keeps the pag
 training step needs comes back on a minor fault, with no disk read, and what never runs again
 stays out of the process. Writable mappings and any mapping with an anonymous (copy-on-write)
 page — relocated data, patched code — are left alone: dropping those would lose their
-contents. Unlike ``MADV_PAGEOUT`` this does not evict the page cache, so it works the same
+contents; so are device mappings (a GPU driver's, flagged ``io``/``pf`` in smaps), locked and
+huge-page ones. Unlike ``MADV_PAGEOUT`` this does not evict the page cache, so it works the same
 when another torch process maps the same library (the two budgets of a test run side by side).
 
 The memory probes and the fine-tune call it at the same two points (after the model is
@@ -32,6 +33,9 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 MADV_DONTNEED = 4  # the same value on every Linux architecture torch runs on
+# VmFlags of mappings that are not plain page-cache pages: I/O or raw-PFN (device memory),
+# locked, hugetlbfs, excluded from core dumps (what drivers set on their mappings).
+_KEEP_FLAGS = frozenset({"io", "pf", "lo", "ht", "dd"})
 _HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) \S+ \S+ \S+\s*(.*)$")
 
 
@@ -43,12 +47,14 @@ class Mapping:
     path: str
     rss_kb: int = 0
     anonymous_kb: int = 0
+    flags: frozenset[str] = frozenset()
 
     @property
     def droppable(self) -> bool:
-        """Read-only, backed by a file, every resident page a clean page-cache page."""
-        return (self.path.startswith("/") and "w" not in self.perms
-                and self.anonymous_kb == 0 and self.rss_kb > 0)
+        """Read-only, backed by a regular file, every resident page a clean page-cache page."""
+        return (self.path.startswith("/") and not self.path.startswith("/dev/")
+                and "w" not in self.perms and self.anonymous_kb == 0 and self.rss_kb > 0
+                and not self.flags & _KEEP_FLAGS)
 
 
 def parse_smaps(text: str) -> list[Mapping]:
@@ -57,12 +63,12 @@ def parse_smaps(text: str) -> list[Mapping]:
         m = _HEADER.match(line)
         if m:
             maps.append(Mapping(int(m[1], 16), int(m[2], 16), m[3], m[4]))
-        elif maps and line.startswith(("Rss:", "Anonymous:")):
-            key, value = line.split()[:2]
-            if key == "Rss:":
-                maps[-1].rss_kb = int(value)
-            else:
-                maps[-1].anonymous_kb = int(value)
+        elif maps and line.startswith("Rss:"):
+            maps[-1].rss_kb = int(line.split()[1])
+        elif maps and line.startswith("Anonymous:"):
+            maps[-1].anonymous_kb = int(line.split()[1])
+        elif maps and line.startswith("VmFlags:"):
+            maps[-1].flags = frozenset(line.split()[1:])
     return maps
 
 

@@ -17,7 +17,8 @@ from agent.finetune.cold_pages import drop_cold_pages, parse_smaps
 REPO = Path(__file__).resolve().parents[3]
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps")
 
-# Recorded from /proc/self/smaps of a Python 3.11 process with torch imported (fields cut).
+# From /proc/self/smaps of a Python 3.11 process with torch imported (fields cut), and the
+# shape of a driver's device mapping and of a locked one.
 SMAPS = """\
 7f3a1c000000-7f3a1f2c4000 r-xp 00a5e000 fe:00 1843377                    /venv/lib/python3.11/site-packages/torch/lib/libtorch_cpu.so
 Size:              52496 kB
@@ -44,6 +45,16 @@ Size:                256 kB
 Rss:                   0 kB
 Anonymous:             0 kB
 VmFlags: rd sh mr mw me ms sd
+7f3a21000000-7f3a21100000 r--s 00000000 00:06 612                        /dev/nvmap
+Size:               1024 kB
+Rss:                1024 kB
+Anonymous:             0 kB
+VmFlags: rd sh mr mw me io pf dd
+7f3a22000000-7f3a22100000 r-xp 00000000 fe:00 1900002                    /opt/locked/libx.so
+Size:               1024 kB
+Rss:                1024 kB
+Anonymous:             0 kB
+VmFlags: rd ex mr mw me lo
 """  # noqa: E501 (the kernel's own column layout)
 
 
@@ -51,12 +62,16 @@ def test_parse_smaps_picks_only_clean_read_only_file_mappings() -> None:
     maps = parse_smaps(SMAPS)
     assert [(m.perms, m.rss_kb, m.anonymous_kb) for m in maps] == [
         ("r-xp", 61420, 0), ("r--p", 3120, 3120), ("rw-p", 128, 96), ("rw-p", 50100, 50100),
-        ("r--s", 0, 0)]
+        ("r--s", 0, 0), ("r--s", 1024, 0), ("r-xp", 1024, 0)]
     assert maps[0].path.endswith("libtorch_cpu.so") and maps[3].path == "[heap]"
     assert maps[0].start == 0x7F3A1C000000 and maps[0].end == 0x7F3A1F2C4000
     # Code: dropped. Relocated read-only data (copy-on-write pages), writable data, the heap:
-    # kept. A mapping with nothing resident: nothing to drop.
-    assert [m.droppable for m in maps] == [True, False, False, False, False]
+    # kept. A mapping with nothing resident: nothing to drop. A driver's device memory and a
+    # locked mapping: kept.
+    assert maps[5].flags == {"rd", "sh", "mr", "mw", "me", "io", "pf", "dd"}
+    assert [m.droppable for m in maps] == [True, False, False, False, False, False, False]
+    maps[5].path = "/opt/x/device.bin"  # not under /dev: its flags alone keep it
+    assert not maps[5].droppable
 
 
 def _rss_kb(start: int) -> tuple[int, int]:
