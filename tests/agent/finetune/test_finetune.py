@@ -90,7 +90,9 @@ def test_budget_bounds_peak_rss_and_keeps_the_result(tmp_path: Path) -> None:
     up = upstream(tmp_path / "up", 48, "group", steps=2)
     data = make_device_data(tmp_path / "device.npz", ["invert"], image_size=48)
     unbounded = _finetune_in_subprocess(up, data, tmp_path / "free", {"micro_batch": 256})
-    budget = 700.0
+    # 600 MB: the unbounded run peaks ~750 MB here (its cold library pages dropped), so the
+    # budget has to bind by a clear margin.
+    budget = 600.0
     bounded = _finetune_in_subprocess(up, data, tmp_path / "bound", {"budget_mb": budget})
     assert unbounded["rss_mb"] > budget, unbounded
     assert bounded["rss_mb"] <= 1.05 * budget, bounded
