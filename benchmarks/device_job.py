@@ -104,10 +104,11 @@ def tree_peak_run(dev: Device, job_id: str, budget: int, steps: int) -> tuple[fl
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with TreePeak(root=p.pid, interval_s=0.01) as peak:
         p.wait()
-    rec = JobStore(dev.state).get(job_id)
+    store = JobStore(dev.state)
+    rec = store.get(job_id)
     assert p.returncode == 0 and rec is not None, p.returncode
     assert rec.state is JobState.SUCCEEDED, rec.error
-    ft = next(s for s in JobStore(dev.state).steps(job_id) if s.name == "finetune")
+    ft = next(s for s in store.steps(job_id) if s.name == "finetune")
     return peak.peak_mb, {**rec.result["memory"], "plan": (ft.outputs or {})["memory"]["plan"]}
 
 
