@@ -234,6 +234,10 @@ class ExportJob(BaseModel):
     """First step of the fallback chain: int8 -> fp16 -> fp32."""
     target: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
     """onnxruntime: the ONNX file is the artefact; tensorrt: an engine built from it."""
+    int8_recipe: Literal["auto", "s8s8-symmetric", "u8s8-reduce-range"] = "auto"
+    """auto: s8s8-symmetric for TensorRT, for x86 with VNNI and for ARM; u8s8-reduce-range
+    (uint8 activations, weights in [-64, 64]) for ONNX Runtime on x86 without VNNI, where it
+    is the fast exact form. Set it to build for another host than this one."""
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     onnx: OnnxExportConfig = Field(default_factory=OnnxExportConfig)
     gates: GateConfig = Field(default_factory=GateConfig)
@@ -244,6 +248,11 @@ class ExportJob(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> ExportJob:
+        if self.target == "tensorrt" and self.int8_recipe == "u8s8-reduce-range":
+            raise ValueError(
+                "int8_recipe=u8s8-reduce-range cannot build a TensorRT engine: TensorRT takes "
+                "symmetric int8 only; use int8_recipe=auto or s8s8-symmetric"
+            )
         if self.target == "tensorrt" and self.gates.batch_size > self.tensorrt.max_batch:
             raise ValueError(
                 f"gates.batch_size={self.gates.batch_size} exceeds tensorrt.max_batch="

@@ -30,28 +30,38 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from exporters.calibration import representative_inputs
+from exporters.cpu_isa import detect_isa
 from exporters.flops import count_flops
 from exporters.gates import GateResult, judge, measure
+from exporters.int8_recipe import Int8Recipe, choose_recipe
 from exporters.job import ExportJob, Precision
 from exporters.onnx_export import OnnxExport, export_onnx
 from exporters.onnx_weights import check_semi_structured
+from exporters.ort_runner import OrtRunner
 from exporters.prune import PruneResult, prune_model
 from exporters.qdq_check import check_qdq
 from exporters.quantize import prepare_for_quantization, quantizable_nodes, quantize_int8
 from exporters.recovery import recover
-from exporters.report import Attempt, ExportReport, versions, write_report
-from exporters.runtime import OrtRunner, Runner, TorchRunner, predict
+from exporters.report import (
+    Attempt,
+    ExportReport,
+    artefact_info,
+    fallback_note,
+    versions,
+    write_report,
+)
+from exporters.runtime import Runner, TorchRunner, predict
 from exporters.tensorrt_build import (
     TensorRTRunner,
     build_engine,
     require_tensorrt,
 )
-from hpc_core.atomic import atomic_output
+from hpc_core.atomic import atomic_output, write_json_atomic
 from hpc_core.checkpoint import load_model, resolve_checkpoint
 from hpc_core.config import DataConfig, TrainConfig
 from hpc_core.data import build_datasets, held_out
 
-INSTALLED = ("model.onnx", "model.engine", "model.engine.json", "report.json")
+INSTALLED = ("model.onnx", "model.onnx.json", "model.engine", "model.engine.json", "report.json")
 
 
 @dataclass
@@ -110,6 +120,7 @@ class _Run:
     reference_logits: np.ndarray
     fidelity_logits: np.ndarray
     sparse: bool
+    recipe: Int8Recipe
     calib: np.ndarray | None = None
     prepared: Path | None = None
     sensitivity: list[tuple[str, float]] | None = None
@@ -141,6 +152,7 @@ class _Run:
             calib_inputs=self.calibration_inputs(),
             input_name=self.fp32.input_name,
             cfg=self.job.calibration,
+            recipe=self.recipe,
             cache_path=self.cache,
             nodes_to_exclude=exclude,
             nodes_to_quantize=only,
@@ -205,7 +217,8 @@ def _make_artefact(run: _Run, step: str, precision: Precision, exclude: list[str
     violations: list[str] = []
     if precision == "int8":
         onnx_path = run.quantize(run.work / f"{step}.onnx", exclude)
-        violations = [str(v) for v in check_qdq(onnx_path)]
+        violations = [str(v) for v in check_qdq(
+            onnx_path, activations_signed=run.recipe.activations_signed)]
     elif precision == "fp16" and run.job.target == "onnxruntime":
         onnx_path = _fp16_onnx(run.fp32.path, run.work / "fp16.onnx")
     else:
@@ -321,9 +334,14 @@ def run_export(job: ExportJob) -> ExportReport:
         }
         if bad or not eligible:
             raise RuntimeError(f"exported weights are not 2:4 in {bad or 'any layer'}")
+    isa = detect_isa()
+    recipe = choose_recipe(job.target, isa, job.int8_recipe)
+    if job.precision == "int8":
+        report.int8 = {"recipe": recipe.name, "reason": recipe.reason, "isa": isa.to_dict()}
     run = _Run(job, work, fp32, src.train, src.input_shape, inputs, labels, reference_logits,
-               fidelity_logits, sparse)
+               fidelity_logits, sparse, recipe)
     _run_attempts(run, report)
+    report.fallback = fallback_note(report)
     if report.sensitivity is None and run.sensitivity is not None:
         report.sensitivity = [{"node": n, "logit_mse": s} for n, s in run.sensitivity]
     if not job.keep_intermediates:
@@ -361,6 +379,9 @@ def _run_attempts(run: _Run, report: ExportReport) -> None:
         dest = job.out_dir / "model.onnx"
         _install(onnx_path, dest)
         report.artefact = dest.name
+        # What the file is and how it was made travels with it (into the slot, signed).
+        write_json_atomic(dest.with_name("model.onnx.json"),
+                          artefact_info(report, attempt, _sha256(dest)))
         if job.target == "tensorrt":
             engine = job.out_dir / "model.engine"
             _install(artefact, engine)

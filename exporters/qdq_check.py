@@ -16,6 +16,9 @@ Rules (each violation names its node and rule):
   (axis 0 for Conv, and for Gemm with transB=1 as exported from nn.Linear).
 - ``bias-dq``: no int32 DequantizeLinear (TensorRT accepts only 8-bit inputs to DQ; keep
   biases in float).
+- ``uint8`` and ``reduce-range``: (``u8s8-reduce-range`` recipe only, which is for ONNX
+  Runtime and never goes to TensorRT) activation zero-points are uint8 and int8 weights lie in
+  [-64, 64] (255 x 64 x 2 = 32,640 fits the 16-bit pair sums of x86 without VNNI).
 """
 
 from __future__ import annotations
@@ -68,9 +71,16 @@ def _weight_axis(dq: onnx.NodeProto, users: list[onnx.NodeProto], ndim: int) -> 
 
 
 def check_qdq(
-    model: onnx.ModelProto | str | Path, *, require_per_channel_weights: bool = True
+    model: onnx.ModelProto | str | Path,
+    *,
+    require_per_channel_weights: bool = True,
+    activations_signed: bool = True,
 ) -> list[Violation]:
-    """Every way ``model`` departs from symmetric int8 Q/DQ; an empty list means it passes."""
+    """Every way ``model`` departs from symmetric int8 Q/DQ; an empty list means it passes.
+
+    ``activations_signed=False`` checks the ONNX-Runtime-only ``u8s8-reduce-range`` recipe:
+    activations may then be uint8 with any zero-point; weights keep every other rule.
+    """
     model = load(model)
     violations: list[Violation] = []
     opset = _default_opset(model)
@@ -91,8 +101,19 @@ def check_qdq(
             violations.append(Violation(name, "bias-dq", "int32 DequantizeLinear (quantized "
                                         "bias): keep biases in float for TensorRT"))
             continue
+        is_weight = x_const is not None or (
+            node.op_type == "DequantizeLinear"
+            and made_by.get(x) is not None
+            and made_by[x].op_type == "QuantizeLinear"
+            and made_by[x].input[0] in consts
+        )
         zp = consts.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
-        if zp is None:
+        if not is_weight and not activations_signed:
+            # u8s8-reduce-range: uint8 activations over their whole range, any zero-point.
+            if zp is not None and zp.dtype != np.uint8:
+                violations.append(Violation(name, "uint8", f"activation zero-point type "
+                                            f"{zp.dtype}, want uint8 (u8s8 recipe)"))
+        elif zp is None:
             violations.append(Violation(name, "int8", "no zero-point: ONNX then means uint8"))
         else:
             if zp.dtype != np.int8:
@@ -101,16 +122,15 @@ def check_qdq(
                 violations.append(Violation(
                     name, "zero-point",
                     f"non-zero zero-point(s) {np.unique(zp)[:4].tolist()}: asymmetric"))
+        if (not activations_signed and x_const is not None and x_const.dtype == np.int8
+                and (x_const.min() < -64 or x_const.max() > 64)):
+            violations.append(Violation(
+                name, "reduce-range", f"int8 weights span [{x_const.min()}, {x_const.max()}]: "
+                "the u8s8 recipe needs weights in [-64, 64] or x86 without VNNI saturates"))
         scale = consts.get(node.input[1])
         if scale is None:
             violations.append(Violation(name, "scale", "scale is not a constant"))
             continue
-        is_weight = x_const is not None or (
-            node.op_type == "DequantizeLinear"
-            and made_by.get(x) is not None
-            and made_by[x].op_type == "QuantizeLinear"
-            and made_by[x].input[0] in consts
-        )
         if node.op_type == "QuantizeLinear" and x_const is not None:
             continue  # the Q of a weight Q/DQ pair: its DQ carries the same parameters
         if not is_weight:
@@ -149,10 +169,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("models", nargs="+", type=Path, metavar="MODEL.onnx")
     ap.add_argument("--allow-per-tensor-weights", action="store_true",
                     help="accept weights with one scale (TensorRT takes them; accuracy suffers)")
+    ap.add_argument("--recipe", choices=["s8s8-symmetric", "u8s8-reduce-range"],
+                    default="s8s8-symmetric",
+                    help="the INT8 recipe the file was made with: s8s8-symmetric (TensorRT's "
+                    "rules, the default) or u8s8-reduce-range (ONNX Runtime on x86 without "
+                    "VNNI: uint8 activations, weights in [-64, 64])")
     args = ap.parse_args(argv)
     failed = 0
     for path in args.models:
-        found = check_qdq(path, require_per_channel_weights=not args.allow_per_tensor_weights)
+        found = check_qdq(path, require_per_channel_weights=not args.allow_per_tensor_weights,
+                          activations_signed=args.recipe == "s8s8-symmetric")
         print(f"{path}: {'OK' if not found else f'{len(found)} violation(s)'}")
         for v in found:
             print(f"  {v}")

@@ -1,11 +1,13 @@
-"""INT8 post-training quantization with ONNX Runtime, in the one Q/DQ form both runtimes take.
+"""INT8 post-training quantization with ONNX Runtime, in Q/DQ form, by recipe.
 
-``quantize_static`` in QDQ format with int8 activations and weights, per-channel weights
-(axis 0 = output channels), and symmetric ranges for activations AND weights: every
-zero-point is 0, which TensorRT's explicit quantization requires (ONNX Runtime's
-``ActivationSymmetric`` defaults to False, which TensorRT rejects). Biases stay in float:
-ONNX Runtime would otherwise emit int32 DequantizeLinear nodes, which TensorRT's parser
-refuses. The same file then runs in ONNX Runtime (CPU/CUDA) and builds a TensorRT engine.
+``quantize_static`` in QDQ format with per-channel weights (axis 0 = output channels) and
+symmetric weight ranges. The activations follow the recipe (``exporters.int8_recipe``):
+``s8s8-symmetric`` makes every zero-point 0 and every tensor int8, which TensorRT's explicit
+quantization requires (ONNX Runtime's ``ActivationSymmetric`` defaults to False, which
+TensorRT rejects) — the same file then runs in ONNX Runtime and builds a TensorRT engine;
+``u8s8-reduce-range`` uses uint8 activations over their whole range and weights in [-64, 64], the
+fast exact form for ONNX Runtime on x86 without VNNI. Biases stay in float: ONNX Runtime
+would otherwise emit int32 DequantizeLinear nodes, which TensorRT's parser refuses.
 
 Where ONNX Runtime supports it (``calibration_cache_path``, new in 2026 releases; JetPack
 builds are older) the activation ranges are computed once and cached, so re-quantizing with
@@ -35,15 +37,19 @@ from exporters.calibration import (
     ort_calibration_method,
     ort_calibration_options,
 )
+from exporters.int8_recipe import Int8Recipe
 from exporters.onnx_weights import WEIGHTED_OPS
 from hpc_core.atomic import atomic_output
 
-# The symmetric-int8 recipe; the structural checker (exporters.qdq_check) verifies its output.
-QDQ_OPTIONS: dict[str, object] = {
-    "ActivationSymmetric": True,
-    "WeightSymmetric": True,
-    "QuantizeBias": False,
-}
+
+def qdq_options(recipe: Int8Recipe) -> dict[str, object]:
+    """``quantize_static`` extra options of ``recipe``; ``exporters.qdq_check`` verifies the
+    structure they produce."""
+    return {
+        "ActivationSymmetric": recipe.activations_signed,
+        "WeightSymmetric": True,
+        "QuantizeBias": False,
+    }
 
 
 CACHE_SUPPORTED = "calibration_cache_path" in inspect.signature(quantize_static).parameters
@@ -52,6 +58,7 @@ CACHE_SUPPORTED = "calibration_cache_path" in inspect.signature(quantize_static)
 @dataclass
 class QuantizeResult:
     path: Path
+    recipe: Int8Recipe
     excluded: list[str]
     size_bytes: int
     seconds: float
@@ -115,6 +122,7 @@ def quantize_int8(
     calib_inputs: np.ndarray,
     input_name: str,
     cfg: CalibrationConfig,
+    recipe: Int8Recipe,
     cache_path: Path | None = None,
     nodes_to_exclude: Sequence[str] = (),
     nodes_to_quantize: Sequence[str] | None = None,
@@ -135,17 +143,19 @@ def quantize_int8(
             str(tmp),
             reader,
             quant_format=QuantFormat.QDQ,
-            activation_type=QuantType.QInt8,
+            activation_type=QuantType.QInt8 if recipe.activations_signed else QuantType.QUInt8,
             weight_type=QuantType.QInt8,
             per_channel=True,
+            reduce_range=recipe.reduce_range,
             calibrate_method=ort_calibration_method(cfg.method),
             nodes_to_exclude=[*nodes_to_exclude, *float_parameter_nodes(fp32_path)],
             nodes_to_quantize=list(nodes_to_quantize) if nodes_to_quantize is not None else None,
-            extra_options={**QDQ_OPTIONS, **ort_calibration_options(cfg)},
+            extra_options={**qdq_options(recipe), **ort_calibration_options(cfg)},
             **cache,  # type: ignore[arg-type]
         )
     return QuantizeResult(
         path=Path(out_path),
+        recipe=recipe,
         excluded=list(nodes_to_exclude),
         size_bytes=Path(out_path).stat().st_size,
         seconds=time.perf_counter() - t0,

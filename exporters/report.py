@@ -44,6 +44,11 @@ class ExportReport:
     artefact_sha256: str | None = None
     fallback_reason: str | None = None
     """Why earlier steps were rejected, when the winner is not the first step."""
+    fallback: str | None = None
+    """One line for people when the first step did not win: what it measured and missed,
+    and what the winner left in float (``fallback_note``)."""
+    int8: dict[str, Any] | None = None
+    """INT8 jobs: the recipe, why it was chosen, and the host's ISA (``exporters.cpu_isa``)."""
     target: str = "onnxruntime"
     checkpoint: str = ""
     model: dict[str, Any] = field(default_factory=dict)
@@ -80,6 +85,39 @@ def versions() -> dict[str, str]:
     except ImportError:
         pass
     return out
+
+
+def fallback_note(report: ExportReport) -> str | None:
+    """'int8 missed its gates (top-1 drop 19.8 pts > 1 ...); int8-exclude-1 won with conv1 in
+    float', or None when the first attempt won (or nothing was tried)."""
+    if not report.attempts or report.attempts[0].passed:
+        return None
+    first = report.attempts[0]
+    m = first.measurement
+    why = first.error or "; ".join(first.failures) or "failed"
+    missed = f"{first.step} missed its gates ({why})"
+    if m is not None and not first.error:
+        missed = f"{first.step} missed its gates at top-1 drop {m.top1_drop_pts:.2f} pts ({why})"
+    win = next((a for a in report.attempts if a.passed), None)
+    if win is None:
+        return f"{missed}; no later step passed either"
+    kept = f" with {', '.join(win.excluded)} in float" if win.excluded else ""
+    return f"{missed}; {win.step} won{kept}"
+
+
+def artefact_info(report: ExportReport, winner: Attempt, sha256: str) -> dict[str, Any]:
+    """``model.onnx.json``: how the installed file was made, for whoever runs it later."""
+    return {
+        "format": "edgetrain.artefact-info/1",
+        "file": "model.onnx",
+        "sha256": sha256,
+        "step": winner.step,
+        "precision": winner.precision,
+        "excluded_layers": list(winner.excluded),
+        "int8": report.int8 if winner.precision == "int8" else None,
+        "fallback": fallback_note(report),
+        "versions": report.versions,
+    }
 
 
 def write_report(report: ExportReport, path: Path) -> None:
@@ -124,12 +162,16 @@ def render_table(report: ExportReport) -> str:
                    f"{report.prune.get('sparsity', 0) * 100:.1f}%, FLOPs "
                    f"{report.model.get('flops_before', 0) / 1e6:.2f}M -> "
                    f"{report.model.get('flops_after', 0) / 1e6:.2f}M")
+    if report.int8:
+        out.append(f"INT8 recipe: {report.int8['recipe']} ({report.int8['reason']})")
     out += lines
     for a in report.attempts:
         for f in a.failures:
             out.append(f"  {a.step}: {f}")
         if a.error:
             out.append(f"  {a.step}: error: {a.error}")
+    if report.fallback:
+        out.append(f"fallback: {report.fallback}")
     if report.status == "passed":
         out.append(f"winner: {report.winner} -> {report.artefact}")
     else:

@@ -1,4 +1,4 @@
-"""Run a model the way it will be served, and time it: torch eager or ONNX Runtime.
+"""Run a model and time it: torch eager here, ONNX Runtime in ``exporters.ort_runner``.
 
 A runner maps a float32 NCHW batch to float32 logits. TensorRT engines have their own runner
 in ``exporters.tensorrt_build`` (it needs a GPU).
@@ -9,11 +9,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-import onnxruntime as ort
 import torch
 from torch import nn
 
@@ -34,31 +32,6 @@ class TorchRunner:
     @torch.no_grad()
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return self.model(torch.from_numpy(x)).float().numpy()
-
-
-class OrtRunner:
-    """An ONNX Runtime session on the CPU (or the providers given)."""
-
-    def __init__(
-        self,
-        path: Path,
-        *,
-        threads: int = 0,
-        providers: list[str] | None = None,
-        name: str = "onnxruntime",
-    ) -> None:
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads  # 0 = ONNX Runtime's default (all cores)
-        opts.inter_op_num_threads = 1
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self.session = ort.InferenceSession(
-            str(path), opts, providers=providers or ["CPUExecutionProvider"]
-        )
-        self.input_name = self.session.get_inputs()[0].name
-        self.name = name
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        return self.session.run(None, {self.input_name: x})[0]
 
 
 def predict(

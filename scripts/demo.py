@@ -341,7 +341,8 @@ class Mission:
                 dev, camera,
                 f"{before:.1%} -> {after:.1%}" if before is not None and after is not None
                 else "-",
-                str(exp.get("winner") or "-"),
+                str(exp.get("winner") or "-")
+                + (f" [{exp['int8_recipe']}]" if exp.get("int8_recipe") else ""),
                 f"{exp['int8_drop_pts']:+.2f} pts" if exp.get("int8_drop_pts") is not None
                 else "-",
                 f"{exp['p50_ms_b1']:.2f}" if exp.get("p50_ms_b1") is not None else "-",
@@ -357,6 +358,13 @@ class Mission:
             print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)))
             if i == 0:
                 print("  ".join("-" * w for w in widths))
+        # The INT8 drop column is the winner's; a plain-INT8 miss is shown, never hidden.
+        for dev in DEVICES:
+            r = self.results.get(dev) or {}
+            note = ((JobOutcome.model_validate(r).model_extra or {}).get("export") or {}) \
+                .get("fallback") if r else None
+            if note:
+                print(f"{dev}: export fallback: {note}")
         print()
         pngs = sorted(self.out.glob("devices/*/state/**/report.png")) + sorted(
             (self.out / "reports").glob("*.png"))

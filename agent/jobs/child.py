@@ -137,12 +137,19 @@ def step_export(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
     report = run_export(job)
     out: dict[str, Any] = {
         "status": report.status, "winner": report.winner, "artefact": None,
-        "fallback_reason": report.fallback_reason, "seconds": round(report.seconds, 2),
+        "fallback_reason": report.fallback_reason, "fallback": report.fallback,
+        "int8_recipe": (report.int8 or {}).get("recipe"),
+        "isa": ((report.int8 or {}).get("isa") or {}).get("label"),
+        "seconds": round(report.seconds, 2),
     }
     if report.status == "passed":
         out["artefact"] = str(job.out_dir / "model.onnx")
+        # The file and how it was made (recipe, ISA, excluded layers): staged and signed together.
+        out["artefacts"] = [out["artefact"], str(job.out_dir / "model.onnx.json")]
         first = report.attempts[0].measurement if report.attempts else None
-        win = next(a for a in report.attempts if a.passed).measurement
+        winner = next(a for a in report.attempts if a.passed)
+        out["excluded_layers"] = list(winner.excluded)
+        win = winner.measurement
         if win is not None:
             out["int8_drop_pts"] = getattr(win, "top1_drop_pts", None)
             out["p50_ms_b1"] = getattr(getattr(win, "latency_b1", None), "p50_ms", None)
@@ -189,7 +196,8 @@ def _held_out(ctx: dict[str, Any], samples: int | None) -> tuple[Any, Any]:
 
 def _runner(slot: Path) -> tuple[Any, str]:
     from agent.finetune.model import load_upstream
-    from exporters.runtime import OrtRunner, TorchRunner
+    from exporters.ort_runner import OrtRunner
+    from exporters.runtime import TorchRunner
 
     onnx = slot / "artefacts" / "model.onnx"
     if onnx.is_file():
@@ -263,7 +271,7 @@ def step_stage(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
         read_checkpoint(Path(ctx["finetuned"])), state_dir=state_dir, parent=parent,
         version=vfile.read_text().strip(), key=key,
         trusted=load_trusted_keys(Path(ctx["trusted_keys"])),
-        artefacts=collect_artefacts([Path(ctx["artefact"])] if ctx.get("artefact") else []),
+        artefacts=collect_artefacts([Path(a) for a in ctx.get("artefacts") or []]),
     )
     return {"version": staged.version, "slot": staged.slot,
             "sequence": staged.manifest.sequence, "signer": key.name}

@@ -156,7 +156,10 @@ def summary_rows(rec: Any, steps: list[Any]) -> list[tuple[str, str]]:
         rows.append(("export", f"{ex.get('winner')} won"
                      + (f", top-1 drop {drop:.2f} pts" if drop is not None else "")
                      + (f", p50 {p50:.3f} ms at batch 1" if p50 is not None else "")
+                     + (f", recipe {ex['int8_recipe']}" if ex.get("int8_recipe") else "")
                      + f" ({ex.get('seconds', 0):.1f} s)"))
+        if ex.get("fallback"):
+            rows.append(("export fallback", ex["fallback"]))
     mem = ft.get("memory") or {}
     if mem:
         plan = mem.get("plan") or {}

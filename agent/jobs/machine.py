@@ -215,14 +215,19 @@ def outcome(ctx: JobContext) -> dict[str, Any]:
         res["uploaded"] = {"name": name, "version": o["upload"]["version"],
                            "parent": o["upload"]["parent"]}
     # Extra figures for the fleet and the summary (JobOutcome allows extra keys).
-    res["export"] = {k: o["export"].get(k) for k in ("winner", "int8_drop_pts", "p50_ms_b1")} \
-        if "export" in o else None
+    res["export"] = {k: o["export"].get(k) for k in EXPORT_FIGURES} if "export" in o else None
     res["health"] = health or None
     ft = o.get("finetune")
     res["memory"] = _memory(ft) if ft else None
     res["governor"] = _governor(ft) if ft else None
     res["report_png"] = ft.get("report_png") if ft else None
     return res
+
+
+EXPORT_FIGURES = ("winner", "int8_drop_pts", "p50_ms_b1", "int8_recipe", "isa", "fallback",
+                  "excluded_layers")
+"""What the fleet and the summary read of an export: the winner's figures, the recipe and
+host, and, when plain INT8 missed its gates, what it measured and what was left in float."""
 
 
 def _memory(ft: dict[str, Any]) -> dict[str, Any]:

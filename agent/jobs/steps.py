@@ -46,6 +46,13 @@ def signing_key_path(ctx: JobContext) -> Path:
     return getattr(ctx.spec, "signing_key", None) or ctx.state_dir / "device.key.pem"
 
 
+def export_artefacts(outputs: dict[str, Any]) -> list[str]:
+    """The files the export step installed (a job exported before model.onnx.json existed
+    recorded only ``artefact``)."""
+    ex = outputs.get("export", {})
+    return list(ex.get("artefacts") or ([ex["artefact"]] if ex.get("artefact") else []))
+
+
 def _write_context(ctx: JobContext, **extra: Any) -> None:
     o = ctx.outputs
     data = {
@@ -54,7 +61,7 @@ def _write_context(ctx: JobContext, **extra: Any) -> None:
         "upstream_path": o.get("pull", {}).get("path"),
         "upstream_version": o.get("pull", {}).get("version"),
         "finetuned": o.get("finetune", {}).get("checkpoint"),
-        "artefact": o.get("export", {}).get("artefact"),
+        "artefacts": export_artefacts(o),
         "train_config": _read(ctx.job_dir / "config.json").get("config"),
         "signing_key": str(signing_key_path(ctx)),
         "trusted_keys": str(trusted_dir(ctx)),
@@ -305,7 +312,7 @@ def upload(ctx: JobContext) -> dict[str, Any]:
         raise StepFailed("upload", f"the upstream {pulled['path']} is gone")
     key = load_signing_key(signing_key_path(ctx))
     version = ctx.spec.upload.version or ctx.outputs["stage"]["version"]
-    artefacts = [Path(a) for a in [ctx.outputs.get("export", {}).get("artefact")] if a]
+    artefacts = [Path(a) for a in export_artefacts(ctx.outputs)]
     content = read_checkpoint(Path(ctx.outputs["finetune"]["checkpoint"]))
     try:
         report = publish(

@@ -11,7 +11,7 @@ from torch import nn
 from exporters.channel_prune import ChannelPruneError, prune_channels
 from exporters.flops import count_flops
 from exporters.onnx_export import export_onnx
-from exporters.runtime import OrtRunner
+from exporters.ort_runner import OrtRunner
 from hpc_core.models import build_model
 
 

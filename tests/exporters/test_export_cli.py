@@ -13,6 +13,8 @@ from agent.cli import build_parser as agentctl_parser
 from agent.cli import main as agentctl
 from exporters.__main__ import main as exporters_main
 from exporters.cli import build_parser
+from exporters.cpu_isa import detect_isa
+from exporters.int8_recipe import choose_recipe
 
 FAST = ["--latency-iters", "3", "--batch", "8"]
 
@@ -53,7 +55,15 @@ def test_int8_export_end_to_end_as_a_user_runs_it(
     assert report["status"] == "passed" and report["winner"] == "int8"
     assert report["job"]["calibration"]["samples"] == 256
     assert report["checkpoint"] == str(cnn.checkpoint)  # the run dir resolved to final/
-    assert {p.name for p in out.iterdir()} == {"model.onnx", "model.fp32.onnx", "report.json"}
+    assert {p.name for p in out.iterdir()} == {
+        "model.onnx", "model.onnx.json", "model.fp32.onnx", "report.json"}
+    # The recipe this host calls for, and why, in the report and beside the file.
+    expected = choose_recipe("onnxruntime", detect_isa())
+    assert report["int8"]["recipe"] == expected.name
+    assert report["int8"]["isa"]["label"] == detect_isa().label
+    info = json.loads((out / "model.onnx.json").read_text())
+    assert info["int8"]["recipe"] == expected.name and info["step"] == "int8"
+    assert info["sha256"] == report["artefact_sha256"] and info["fallback"] is None
 
 
 def test_agentctl_export_prints_the_summary_table(

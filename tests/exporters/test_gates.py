@@ -8,7 +8,8 @@ import torch
 
 from exporters.gates import GateMeasurement, judge, measure, top1
 from exporters.job import GateConfig
-from exporters.runtime import Latency, OrtRunner, TorchRunner, predict
+from exporters.ort_runner import OrtRunner
+from exporters.runtime import Latency, TorchRunner, predict
 
 
 def _measurement(**kw: Any) -> GateMeasurement:

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from exporters.job import OnnxExportConfig
 from exporters.onnx_export import export_onnx, opset_of
-from exporters.runtime import OrtRunner
+from exporters.ort_runner import OrtRunner
 
 
 @pytest.mark.parametrize("batch", [1, 7, 64])

@@ -8,6 +8,8 @@ import onnx
 import pytest
 from pydantic import ValidationError
 
+from exporters.cpu_isa import detect_isa
+from exporters.int8_recipe import choose_recipe
 from exporters.job import ExportJob
 from exporters.onnx_weights import check_semi_structured, weight_refs
 from exporters.pipeline import load_source, run_export
@@ -23,7 +25,8 @@ def _job(trained: Any, out: Path, **fields: Any) -> ExportJob:
 
 def test_2_4_with_recovery_and_int8_stays_within_two_points(cnn: Any, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    report = run_export(_job(cnn, out, prune="2:4", precision="int8",
+    # The TensorRT recipe on any host, so the installed file can be held to TensorRT's rules.
+    report = run_export(_job(cnn, out, prune="2:4", precision="int8", int8_recipe="s8s8-symmetric",
                              recovery={"steps": 80}, gates={"max_top1_drop_pts": 2.0}))
     assert report.status == "passed" and report.winner == "int8", report.fallback_reason
     m = report.attempts[0].measurement
@@ -53,6 +56,13 @@ def test_an_impossible_gate_walks_the_fallback_chain(cnn: Any, tmp_path: Path) -
     assert all("gates.max_abs_logit_delta" in a.failures[0] for a in report.attempts[:5])
     assert report.fallback_reason is not None
     assert all(s in report.fallback_reason for s in steps[:5])
+    # The one line people see says what plain INT8 measured and missed, and who won.
+    first = report.attempts[0].measurement
+    assert first is not None and report.fallback is not None
+    assert report.fallback.startswith(
+        f"int8 missed its gates at top-1 drop {first.top1_drop_pts:.2f} pts")
+    assert "gates.max_abs_logit_delta" in report.fallback
+    assert report.fallback.endswith("; fp32 won")
     # Exclusions follow the measured per-layer sensitivity, worst first.
     assert report.sensitivity is not None and len(report.sensitivity) == 4
     ranked = [s["node"] for s in report.sensitivity]
@@ -104,3 +114,24 @@ def test_job_data_overrides_only_what_it_sets(cnn: Any, tmp_path: Path) -> None:
     assert src.config.data.image_size == 16  # the model's input size, not digits' native 8
     assert src.config.data.split_seed == 1
     assert src.input_shape == (1, 16, 16)
+
+
+def test_int8_recipe_follows_the_host_unless_set(cnn: Any, tmp_path: Path) -> None:
+    """auto: the host's recipe (u8s8-reduce-range on x86 without VNNI); a set recipe is kept
+    and its structure checked; TensorRT refuses the u8s8 one before any work."""
+    host = choose_recipe("onnxruntime", detect_isa())
+    auto = run_export(_job(cnn, tmp_path / "auto", precision="int8"))
+    assert auto.int8 is not None and auto.int8["recipe"] == host.name
+    assert auto.int8["isa"] == detect_isa().to_dict()
+    assert auto.winner == "int8" and auto.fallback is None, auto.fallback_reason
+    for name in ("s8s8-symmetric", "u8s8-reduce-range"):
+        report = run_export(_job(cnn, tmp_path / name, precision="int8", int8_recipe=name))
+        assert report.winner == "int8", report.fallback_reason
+        assert report.int8 is not None and report.int8["recipe"] == name
+        installed = tmp_path / name / "model.onnx"
+        signed = name == "s8s8-symmetric"
+        assert check_qdq(installed, activations_signed=signed) == []
+        assert (check_qdq(installed) == []) == signed  # TensorRT's rules: s8s8 only
+    with pytest.raises(ValidationError, match="int8_recipe=u8s8-reduce-range cannot build"):
+        ExportJob(checkpoint=tmp_path, out_dir=tmp_path, target="tensorrt",
+                  int8_recipe="u8s8-reduce-range")

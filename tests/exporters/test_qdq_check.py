@@ -10,9 +10,10 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
 from exporters.calibration import BatchReader, representative_inputs
+from exporters.int8_recipe import TENSORRT_RECIPE
 from exporters.job import CalibrationConfig
 from exporters.qdq_check import check_qdq
-from exporters.quantize import QDQ_OPTIONS, prepare_for_quantization, quantize_int8
+from exporters.quantize import prepare_for_quantization, qdq_options, quantize_int8
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def calib(cnn: Any) -> np.ndarray:
 
 def _ort_quantize(prepared: Path, calib: np.ndarray, out: Path, **overrides: Any) -> Path:
     """quantize_static with our recipe, one setting changed."""
-    options = dict(QDQ_OPTIONS)
+    options = qdq_options(TENSORRT_RECIPE)
     kwargs: dict[str, Any] = {
         "activation_type": QuantType.QInt8, "weight_type": QuantType.QInt8, "per_channel": True,
     }
@@ -44,7 +45,7 @@ def _rules(path: Path, **kw: Any) -> set[str]:
 
 def test_our_quantizer_output_passes(prepared: Path, calib: np.ndarray, tmp_path: Path) -> None:
     out = quantize_int8(prepared, tmp_path / "q.onnx", calib_inputs=calib, input_name="input",
-                        cfg=CalibrationConfig(samples=128))
+                        cfg=CalibrationConfig(samples=128), recipe=TENSORRT_RECIPE)
     assert check_qdq(out.path) == []
 
 
@@ -117,7 +118,7 @@ def test_command_line_exit_status(
     from exporters.qdq_check import main
 
     ours = quantize_int8(prepared, tmp_path / "q.onnx", calib_inputs=calib, input_name="input",
-                         cfg=CalibrationConfig(samples=128)).path
+                         cfg=CalibrationConfig(samples=128), recipe=TENSORRT_RECIPE).path
     asym = _ort_quantize(prepared, calib, tmp_path / "asym.onnx", ActivationSymmetric=False)
     assert main([str(ours)]) == 0
     assert main([str(ours), str(asym)]) == 1

@@ -10,10 +10,12 @@ from pydantic import ValidationError
 
 from exporters.calibration import representative_inputs
 from exporters.gates import top1
+from exporters.int8_recipe import TENSORRT_RECIPE
 from exporters.job import CalibrationConfig, ExportJob
+from exporters.ort_runner import OrtRunner
 from exporters.pipeline import run_export
 from exporters.quantize import prepare_for_quantization, quantize_int8
-from exporters.runtime import OrtRunner, predict
+from exporters.runtime import predict
 from exporters.tensorrt_build import (
     TensorRTConfig,
     TensorRTRunner,
@@ -69,7 +71,7 @@ def test_int8_sparse_engine_from_our_qdq_model(cnn: Any, cnn_fp32: Any, tmp_path
     prepared = prepare_for_quantization(cnn_fp32.path, tmp_path / "prep.onnx")
     calib = representative_inputs(cnn.splits()[0], 512)
     q = quantize_int8(prepared, tmp_path / "int8.onnx", calib_inputs=calib, input_name="input",
-                      cfg=CalibrationConfig())
+                      cfg=CalibrationConfig(), recipe=TENSORRT_RECIPE)
     cfg = TensorRTConfig(workspace_mb=256, timing_cache=tmp_path / "cache.bin", max_batch=32)
     info = build_engine(q.path, tmp_path / "m.engine", precision="int8", sparse_weights=True,
                         input_shape=cnn.input_shape, cfg=cfg)

@@ -4,6 +4,7 @@ slots, signed upload to a loopback HTTP registry; restarts after kill -9; bad in
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -18,8 +19,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from agent.jobs.machine import EXPORT_FIGURES
 from agent.jobs.spec import DeviceJob
 from agent.jobs.store import JobState, JobStore
+from exporters.cpu_isa import detect_isa
+from exporters.int8_recipe import choose_recipe
 from tests.agent.jobs.conftest import REPO, Device, make_device
 from tests.support.registry_server import RegistryServer
 
@@ -105,7 +109,14 @@ def test_whole_job_commits_an_int8_model_and_uploads_it_signed(clean_run: CleanR
     assert gain >= 0.20, res["health"]
     assert res["export"]["winner"] == "int8", res["export"]
     # The figures the fleet and the summary read, under these names.
-    assert set(res["export"]) == {"winner", "int8_drop_pts", "p50_ms_b1"}
+    assert set(res["export"]) == set(EXPORT_FIGURES)
+    assert res["export"]["fallback"] is None and res["export"]["excluded_layers"] == []
+    # The recipe this host calls for (u8s8-reduce-range on x86 without VNNI), and the slot
+    # carries how its file was made, signed with it.
+    assert res["export"]["int8_recipe"] == choose_recipe("onnxruntime", detect_isa()).name
+    info = json.loads((device.state / "models" / "digits" / "current" / "artefacts"
+                       / "model.onnx.json").read_text())
+    assert info["int8"]["recipe"] == res["export"]["int8_recipe"] and info["step"] == "int8"
     assert res["export"]["int8_drop_pts"] is not None and res["export"]["p50_ms_b1"] > 0
     mem = res["memory"]
     assert {"peak_tree_mb", "budget_mb", "micro_batch", "accumulation"} <= set(mem), mem

@@ -1,0 +1,68 @@
+"""The one way the project builds an ONNX Runtime session, and a runner around it.
+
+Gates, layer sensitivity, the device's health check, the benchmarks and the serving runtime
+all score models through :func:`ort_session`, so a number measured in one place is the number
+the others see. Torch-free: the device's runtime and health check load it without torch.
+
+Every session asks for ONNX Runtime's precise x64 INT8 kernels
+(``session.x64quantprecision=1``). Without it, ONNX Runtime fuses Q/DQ pairs into integer
+convolutions whose u8 x s8 kernel, on x86 without VNNI (AVX2 and AVX-512 without VNNI),
+adds pairs of products in a saturating 16-bit lane: a symmetric-int8 small_cnn scored 13 %
+instead of 98 % on such a host while every structural check passed. The option makes ONNX
+Runtime rewrite s8 weights to u8 and use its u8 x u8 kernel where, and only where, the fast
+one could overflow: on VNNI x86 and on ARM it changes nothing, and weights in [-64, 64] (the
+``u8s8-reduce-range`` recipe) cannot overflow so they keep the fast kernel. INT8 results then
+no longer depend on the CPU's instruction set.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+PRECISE_INT8 = ("session.x64quantprecision", "1")
+
+
+def ort_session(
+    path: Path,
+    *,
+    threads: int = 0,
+    providers: list[str] | None = None,
+    optimize: bool = True,
+) -> ort.InferenceSession:
+    """A session on ``path``; ``threads`` 0 = ONNX Runtime's default (all cores).
+
+    ``optimize=False`` turns graph optimization off: Q/DQ then stays unfused and every
+    operator runs in float, the reference the fused INT8 kernels are checked against.
+    """
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
+        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    opts.add_session_config_entry(*PRECISE_INT8)
+    return ort.InferenceSession(str(path), opts, providers=providers or ["CPUExecutionProvider"])
+
+
+class OrtRunner:
+    """Float32 batch in, float32 logits out, through :func:`ort_session`."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        threads: int = 0,
+        providers: list[str] | None = None,
+        optimize: bool = True,
+        name: str = "onnxruntime",
+    ) -> None:
+        self.session = ort_session(path, threads=threads, providers=providers, optimize=optimize)
+        self.input_name = self.session.get_inputs()[0].name
+        self.name = name
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.session.run(None, {self.input_name: x})[0]
