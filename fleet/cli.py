@@ -19,8 +19,15 @@ from typing import Any, get_args, get_origin
 
 from pydantic import ValidationError
 
-from agent.mqtt.contract import COMMAND_TYPES, Telemetry, Topics
+from agent.mqtt.contract import COMMAND_TYPES, Status, Topics
 from fleet import report as reports
+from fleet.broker_config import (
+    BrokerConfigError,
+    Listener,
+    ServerTls,
+    load_inventory,
+    write_broker_config,
+)
 from fleet.commands import send
 from fleet.controller import Controller, RolloutRun, summarize
 from fleet.inventory import Inventory, discover, render_table
@@ -138,19 +145,17 @@ def cmd_watch(a: argparse.Namespace) -> int:
         while (a.count is None or seen < a.count) and (
             deadline is None or time.monotonic() < deadline
         ):
-            for m in conn.drain(0.2):
-                kind, dev, sub = t.parse(m.topic)
+            for m in conn.receive(0.2):
                 line: dict[str, Any] | None = None
-                if kind == "status":
-                    st = inv.update(m.payload)
+                if m.kind == "status":
+                    st = inv.update(m.device, m.body if isinstance(m.body, Status) else None)
                     if st is not None and (a.group is None or a.group in st.groups):
                         line = {"kind": "status", **st.model_dump(mode="json")}
-                elif a.group is None or a.group in getattr(inv.devices.get(dev), "groups", []):
-                    obj = json.loads(m.payload or b"null")
-                    if kind == "telemetry":
-                        obj = Telemetry.model_validate(obj).model_dump(mode="json")
-                    line = {"kind": kind if sub is None else f"{kind}/{sub}", "device": dev,
-                            **(obj if isinstance(obj, dict) else {})}
+                elif m.body is not None and (
+                    a.group is None or a.group in getattr(inv.devices.get(m.device), "groups", [])
+                ):
+                    kind = m.kind if m.sub is None else f"{m.kind}/{m.sub}"
+                    line = {"kind": kind, "device": m.device, **m.body.model_dump(mode="json")}
                 if line is not None:
                     print(json.dumps(line), flush=True)
                     seen += 1
@@ -189,8 +194,11 @@ def cmd_send(a: argparse.Namespace) -> int:
                 raise UsageError(f"send: no device lists group {a.group!r}")
         else:
             devices = [a.device]
-        out = send(conn, a.type, args, devices=devices, group=a.group, wait=a.wait,
-                   timeout_s=a.timeout_s)
+        try:
+            out = send(conn, a.type, args, devices=devices, group=a.group, wait=a.wait,
+                       timeout_s=a.timeout_s)
+        except ValueError as e:
+            raise UsageError(f"send: {e}") from None
         conn.flush()
     finally:
         conn.stop()
@@ -201,6 +209,65 @@ def cmd_send(a: argparse.Namespace) -> int:
         print(f"command {out.command_id} ({a.type})")
         print(render_table(rows, ["device", "status", "code", "detail"]))
     return EXIT_OK if out.ok(a.wait) else EXIT_FAILED
+
+
+# --- provisioning ---------------------------------------------------------------------
+
+
+def cmd_broker_config(a: argparse.Namespace) -> int:
+    tls = None
+    if a.cafile or a.certfile or a.keyfile:
+        if not (a.cafile and a.certfile and a.keyfile):
+            raise UsageError("broker-config: --cafile, --certfile and --keyfile go together")
+        tls = ServerTls(a.cafile, a.certfile, a.keyfile, a.require_certificate)
+    elif a.require_certificate:
+        raise UsageError("broker-config: --require-certificate needs --cafile, --certfile, "
+                         "--keyfile")
+    try:
+        summary = write_broker_config(
+            load_inventory(a.inventory), a.out, a.secrets, topics=Topics(a.prefix),
+            devices=Listener.parse(a.device_listener, "--device-listener"),
+            operators=Listener.parse(a.operator_listener, "--operator-listener"), tls=tls,
+        )
+    except (BrokerConfigError, ValueError) as e:
+        raise UsageError(f"broker-config: {e}") from None
+    print(json.dumps(summary, indent=1))
+    return EXIT_OK
+
+
+_BROKER_CONFIG_HELP = """\
+Write mosquitto's listeners, password files and ACLs for an inventory of devices, so the
+broker proves who sent each message (the fleet believes the device id in the topic, never
+the payload's).
+
+  devices:                              # INVENTORY (YAML)
+    jetson-001: {groups: [line-3, canary]}
+    jetson-002: {groups: [line-3]}
+
+Device <id> logs in as <id> on the device listener, where mosquitto replaces every client id
+with the account name (use_username_as_clientid): no device can take another's id, kick it
+off or wipe its queued commands. It may write only PREFIX/dev/<id>/# and read only its own
+commands and those of its groups. Operator tools log in on the operator listener, one account
+each: fleet-controller (controller, rollout create), fleet-send (send), fleet-watch (devices,
+watch; read only). Packets over 64 KiB + 4 KiB of headers are refused; anonymous clients too.
+
+Passwords: SECRETS/devices/<id>.password and SECRETS/operators/<account>.password are used
+when present (0600, 16+ characters), else generated there (0600); a re-run keeps them. Copy a
+device's file to its /etc/edge-agent/mqtt.password (mqtt.password_file in agent.yaml). Every
+file under OUT is written atomically, 0600: chown them to the broker's user.
+"""
+
+_BROKER_CONFIG_EXAMPLE = """\
+example:
+  fleetctl broker-config --inventory fleet.yaml --out /etc/mosquitto/edgetrain \\
+      --secrets /root/edgetrain-secrets --device-listener 8883 \\
+      --cafile ca.crt --certfile broker.crt --keyfile broker.key
+  chown mosquitto: /etc/mosquitto/edgetrain/*
+  mosquitto -c /etc/mosquitto/edgetrain/mosquitto.conf
+  fleetctl --port 1884 --tls-ca ca.crt --username fleet-send \\
+      --password-file /root/edgetrain-secrets/operators/fleet-send.password \\
+      send --group line-3 ping --wait
+"""
 
 
 # --- rollouts -------------------------------------------------------------------------
@@ -411,6 +478,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=30.0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_send)
+
+    p = sub.add_parser("broker-config", help="mosquitto accounts and ACLs for an inventory",
+                       description=_BROKER_CONFIG_HELP, epilog=_BROKER_CONFIG_EXAMPLE,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--inventory", type=Path, required=True, metavar="YAML",
+                   help="devices and their groups (format above)")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR",
+                   help="where mosquitto.conf, passwd-* and acl-* go (paths in the conf are "
+                        "absolute: write them where the broker reads them)")
+    p.add_argument("--secrets", type=Path, required=True, metavar="DIR",
+                   help="plain-text passwords, read or generated (keep it off the broker)")
+    p.add_argument("--device-listener", default="1883", metavar="[ADDRESS:]PORT",
+                   help="where devices connect (default: port 1883 on every interface)")
+    p.add_argument("--operator-listener", default="127.0.0.1:1884", metavar="[ADDRESS:]PORT",
+                   help="where fleetctl connects (default: 127.0.0.1:1884)")
+    p.add_argument("--cafile", type=Path, help="TLS on both listeners: the CA of client "
+                   "certificates (with --require-certificate)")
+    p.add_argument("--certfile", type=Path, help="the broker's certificate")
+    p.add_argument("--keyfile", type=Path, help="the broker's key")
+    p.add_argument("--require-certificate", action="store_true",
+                   help="devices log in with a client certificate whose CN is their id "
+                        "(mutual TLS) instead of a password")
+    p.set_defaults(fn=cmd_broker_config)
 
     p = sub.add_parser("controller", help="drive (resume) every active rollout")
     p.add_argument("--rollout", action="append", help="only these (repeatable)")

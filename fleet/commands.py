@@ -11,9 +11,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
-from agent.mqtt.contract import TERMINAL_STATUSES, Command, Result, utc_now
+from agent.mqtt.contract import (
+    MAX_PAYLOAD_BYTES,
+    TERMINAL_STATUSES,
+    Command,
+    Result,
+    utc_now,
+)
 from fleet.mqtt import FleetConnection
 
 
@@ -60,6 +64,11 @@ def send(
                   args=args)
     t = conn.topics
     payload = cmd.to_payload()
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        # Devices refuse it anyway, and past the broker's max_packet_size the broker would
+        # drop this connection instead of answering.
+        raise ValueError(f"the command is {len(payload)} bytes; the limit is "
+                         f"{MAX_PAYLOAD_BYTES} (agent.mqtt.contract.MAX_PAYLOAD_BYTES)")
     if group is not None:
         conn.publish(t.group_command(group, type_), payload)
     else:
@@ -69,18 +78,14 @@ def send(
     want = set(devices)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for m in conn.drain(0.1):
-            if not m.topic.endswith("/res"):
+        for m in conn.receive(0.1):
+            # m.device is the topic's: a device cannot answer for another (fleet.mqtt).
+            r = m.body
+            if not isinstance(r, Result) or r.id != cid or m.device not in want:
                 continue
-            try:
-                r = Result.from_payload(m.payload)
-            except ValidationError:
-                continue
-            if r.id != cid or r.device not in want:
-                continue
-            prev = out.last.get(r.device)
+            prev = out.last.get(m.device)
             if prev is None or prev.status not in TERMINAL_STATUSES:
-                out.last[r.device] = r
+                out.last[m.device] = r
         done = TERMINAL_STATUSES if wait else TERMINAL_STATUSES | {"ACCEPTED", "IN_PROGRESS"}
         if all(d in out.last and out.last[d].status in done for d in want):
             break

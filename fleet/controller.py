@@ -123,19 +123,16 @@ class Controller:
 
     # --- messages in ------------------------------------------------------------------
 
-    def on_result(self, payload: bytes) -> None:
-        try:
-            r = Result.from_payload(payload)
-        except ValidationError:
-            log.warning("unreadable result ignored")
-            return
+    def on_result(self, device: str, r: Result) -> None:
+        """One result from ``device``: the id in its topic (see fleet.mqtt.device_message)."""
         run = self.by_exec.get(r.id)
         if run is None:
             return  # another sender's command (fleetctl send, another controller)
         e = run.execs[r.id]
-        if r.device != e.device:
+        if device != e.device:
+            # Execution ids are guessable: a device may answer for another's execution.
             log.warning("result from the wrong device ignored",
-                        extra={"exec": e.id, "device": r.device})
+                        extra={"exec": e.id, "device": device})
             return
         status: str | None = r.status
         if status == "DUPLICATE":
@@ -403,10 +400,9 @@ class Controller:
         self.flush()
         last_scan = time.monotonic()
         while True:
-            for msg in self.conn.drain(poll_s):
-                kind = msg.topic.rsplit("/", 1)[-1]
-                if kind == "res":
-                    self.on_result(msg.payload)
+            for msg in self.conn.receive(poll_s):
+                if isinstance(msg.body, Result):
+                    self.on_result(msg.device, msg.body)
             now = time.time()
             for run in self.runs.values():
                 if run.rollout.state in ROLLOUT_ACTIVE:

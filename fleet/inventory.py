@@ -11,8 +11,6 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from pydantic import ValidationError
-
 from agent.mqtt.contract import Status, Telemetry
 from fleet.mqtt import FleetConnection
 
@@ -23,18 +21,15 @@ class Inventory:
         self.telemetry: dict[str, Telemetry] = {}
         self.last_change = time.monotonic()
 
-    def update(self, payload: bytes) -> Status | None:
-        """Apply one status message; returns it when it changed what we know."""
-        if not payload:
+    def update(self, device: str, st: Status | None) -> Status | None:
+        """Apply one status from ``device`` (the id in its topic, see
+        fleet.mqtt.device_message); returns it when it changed what we know."""
+        if st is None:
             return None  # a cleared retained status: the device was decommissioned
-        try:
-            st = Status.from_payload(payload)
-        except ValidationError:
-            return None
-        old = self.devices.get(st.device)
+        old = self.devices.get(device)
         if old is not None and (st.conn_seq, st.ts) < (old.conn_seq, old.ts):
             return None
-        self.devices[st.device] = st
+        self.devices[device] = st
         self.last_change = time.monotonic()
         return st
 
@@ -64,12 +59,12 @@ def discover(conn: FleetConnection, *, settle_s: float = 0.5, max_s: float = 5.0
     inv = Inventory()
     start = time.monotonic()
     while time.monotonic() - start < max_s:
-        msgs = conn.drain(settle_s)
+        msgs = conn.receive(settle_s)
         if not msgs:
             break
         for m in msgs:
-            if m.topic.endswith("/status"):
-                inv.update(m.payload)
+            if m.kind == "status":
+                inv.update(m.device, m.body if isinstance(m.body, Status) else None)
     return inv
 
 

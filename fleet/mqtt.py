@@ -2,25 +2,42 @@
 
 The fleet side never blocks in a paho callback (an exception there silently kills paho's
 loop thread): ``on_message`` hands each message to a queue and returns.
+
+This is also where a device's identity is decided, once: the sender of a message is the
+device id in its topic (``{prefix}/dev/{id}/...``), which the broker's per-device ACL lets only
+that device's account write (``fleetctl broker-config``). A payload whose ``device`` field names
+another device is dropped here; code further in only sees :class:`DeviceMessage`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import socket
 import ssl
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from agent.mqtt.contract import DEFAULT_PREFIX, Topics
+from agent.mqtt.contract import (
+    DEFAULT_PREFIX,
+    Event,
+    Result,
+    Status,
+    Telemetry,
+    Topics,
+    check_id,
+)
+
+log = logging.getLogger("fleet.mqtt")
 
 SESSION_EXPIRY_S = 7 * 24 * 3600
 """The controller's session outlives a restart: results sent while it was down wait for it."""
@@ -78,6 +95,55 @@ def connect_props(persistent: bool) -> Properties | None:
     props = Properties(PacketTypes.CONNECT)
     props.SessionExpiryInterval = SESSION_EXPIRY_S
     return props
+
+
+DeviceBody = Status | Telemetry | Result | Event
+_MODELS: dict[str, Any] = {"status": Status, "telemetry": Telemetry, "res": Result, "evt": Event}
+
+
+@dataclass(frozen=True)
+class DeviceMessage:
+    """One message a device sent, validated, with its sender taken from the topic."""
+
+    device: str
+    """The device id from the topic: the only identity the fleet believes."""
+    kind: str
+    """status | telemetry | res | evt"""
+    sub: str | None
+    """The event kind of an ``evt`` topic."""
+    body: DeviceBody | None
+    """None only for a cleared retained status (a decommissioned device)."""
+
+
+def device_message(topics: Topics, topic: str, payload: bytes) -> DeviceMessage | None:
+    """The typed message on a device topic, or None (logged) for a foreign topic, an
+    unreadable payload, or a payload that claims to come from another device."""
+    try:
+        kind, device, sub = topics.parse(topic)
+        check_id(device)  # it becomes a key in the store and a row in reports
+    except ValueError:
+        log.warning("message on a foreign topic ignored", extra={"topic": topic})
+        return None
+    model = _MODELS.get(kind)
+    if model is None:
+        return None  # commands: the fleet's own (or another operator's) sends
+    if kind == "status" and not payload:
+        return DeviceMessage(device, kind, sub, None)
+    try:
+        body = model.from_payload(payload)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "(payload)"
+        log.warning("unreadable message ignored",
+                    extra={"topic": topic, "error": f"{where}: {err['msg']}"})
+        return None
+    claimed = getattr(body, "device", device)  # telemetry names no device
+    if claimed != device:
+        # The ACL proves who wrote this topic; the payload is only what the writer says.
+        log.warning("message claiming another device ignored",
+                    extra={"topic": topic, "claimed_device": claimed})
+        return None
+    return DeviceMessage(device, kind, sub, body)
 
 
 class FleetConnection:
@@ -150,19 +216,21 @@ class FleetConnection:
         # what makes a send survive a crash (it is re-sent with the same id on restart).
         self.client.publish(topic, payload, qos=qos, retain=retain)
 
-    def drain(self, timeout_s: float, max_n: int = 5000) -> list[mqtt.MQTTMessage]:
-        """Messages that arrived, waiting up to ``timeout_s`` for the first."""
-        out: list[mqtt.MQTTMessage] = []
+    def receive(self, timeout_s: float, max_n: int = 5000) -> list[DeviceMessage]:
+        """Device messages that arrived, waiting up to ``timeout_s`` for the first; each
+        checked by :func:`device_message` (the rest are dropped there)."""
+        raw: list[mqtt.MQTTMessage] = []
         try:
-            out.append(self.inbox.get(timeout=timeout_s))
+            raw.append(self.inbox.get(timeout=timeout_s))
         except queue.Empty:
-            return out
-        while len(out) < max_n:
+            return []
+        while len(raw) < max_n:
             try:
-                out.append(self.inbox.get_nowait())
+                raw.append(self.inbox.get_nowait())
             except queue.Empty:
                 break
-        return out
+        out = [device_message(self.topics, m.topic, m.payload) for m in raw]
+        return [m for m in out if m is not None]
 
     def flush(self, timeout_s: float = 5.0) -> None:
         """Wait until paho has no outgoing packet left (so an exit does not drop sends)."""
