@@ -313,3 +313,119 @@ def mobilenet_v2(
     if width_mult <= 0:
         raise ValueError(f"width_mult must be > 0, got {width_mult}")
     return MobileNetV2(num_classes, in_channels, width_mult, dropout)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention through ``scaled_dot_product_attention``: PyTorch picks its
+    flash or memory-efficient kernel where one applies, so the (tokens x tokens) score matrix
+    is never kept for backward on the devices that have them.
+
+    Both ONNX exporters (dynamo at opset 18, torchscript at 17) write the call out as
+    Mul/MatMul/Softmax/MatMul, since opsets before 23 have no Attention op: the exported graph
+    needs no fused kernel and no attention branch for export."""
+
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.dropout = dropout
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        out = nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(out.transpose(1, 2).reshape(b, n, d))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LayerNorm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: float, dropout: float) -> None:
+        super().__init__()
+        hidden = int(dim * mlp_ratio)
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads, dropout)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, dim)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class ViT(nn.Module):
+    """A small vision transformer: strided-conv patches, learned positions, pre-LN blocks,
+    mean-pooled tokens and a linear head (no CLS token: a mean exports as one ReduceMean)."""
+
+    def __init__(
+        self,
+        num_classes: int,
+        in_channels: int,
+        image_size: int,
+        patch: int,
+        dim: int,
+        depth: int,
+        heads: int,
+        mlp_ratio: float,
+        dropout: float,
+    ) -> None:
+        super().__init__()
+        tokens = (image_size // patch) ** 2
+        self.patch_embed = nn.Conv2d(in_channels, dim, patch, stride=patch)
+        self.pos_embed = nn.Parameter(torch.zeros(1, tokens, dim))
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        self.blocks = nn.Sequential(
+            *(TransformerBlock(dim, heads, mlp_ratio, dropout) for _ in range(depth))
+        )
+        self.norm = nn.LayerNorm(dim)
+        # Registered last: agent.finetune's trainable=head and last_n:K count layers in
+        # registration order, so the head must be the final Linear.
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x).flatten(2).transpose(1, 2) + self.pos_embed
+        return self.head(self.norm(self.blocks(x)).mean(dim=1))
+
+
+def _default_patch(image_size: int) -> int:
+    # About an 8x8 token grid (64 tokens: 32 px -> patch 4), but 2x2 patches at least so the
+    # 8 px digits get 16 tokens; the largest divisor at or under that keeps every size legal.
+    target = max(2, image_size // 8)
+    return max(p for p in range(1, target + 1) if image_size % p == 0)
+
+
+@register("vit")
+def vit(
+    *,
+    num_classes: int,
+    in_channels: int,
+    image_size: int,
+    patch: int | None = None,
+    dim: int = 64,
+    depth: int = 3,
+    heads: int = 4,
+    mlp_ratio: float = 2.0,
+    dropout: float = 0.0,
+) -> nn.Module:
+    if patch is None:
+        patch = _default_patch(image_size)
+    if patch < 1 or image_size % patch:
+        fits = [p for p in range(1, image_size + 1) if image_size % p == 0]
+        raise ValueError(
+            f"vit: model.kwargs.patch={patch} does not divide image_size={image_size}: use one "
+            f"of {fits}, or leave patch unset ({_default_patch(image_size)} here)"
+        )
+    if heads < 1 or dim % heads:
+        raise ValueError(
+            f"vit: model.kwargs.dim={dim} is not a multiple of model.kwargs.heads={heads}: "
+            "each head takes dim // heads channels"
+        )
+    if depth < 1:
+        raise ValueError(f"vit: model.kwargs.depth must be >= 1, got {depth}")
+    return ViT(num_classes, in_channels, image_size, patch, dim, depth, heads, mlp_ratio, dropout)
