@@ -6,19 +6,28 @@
 2. The LR finder on configs/digits.yaml: wall time, steps and its suggestion.
 3. ``hpc-train estimate`` for a 2-epoch digits run against the measured run on this machine:
    predicted / measured training time (start-up excluded from both).
+4. ``hpc-train batch-find --limit-mb 700`` on configs/digits.yaml: the batch it reports, its
+   probes and wall time; then, at that batch, repeated fresh probes and repeated 3-epoch
+   trainings in fresh processes (peak RSS of each: the claim is that every training stays
+   under the limit), and the same trainings with glibc's mmap threshold pinned, which shows
+   where the run-to-run spread that the headroom covers comes from.
 
-    python benchmarks/upstream.py [--threads 1] [--trial-steps 120]
+    python benchmarks/upstream.py [--threads 1] [--trial-steps 120] [--only batch-find]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from hpc_core.batch_find import find_batch_size, probe
 from hpc_core.config import load_config
 from hpc_core.estimate import DEFAULT_PRICES, estimate, load_prices
 from hpc_core.lr_find import lr_range_test
@@ -54,17 +63,64 @@ def study(pruner: str, steps: int, out: Path) -> tuple[float, float, int]:
         }
     )
     t0 = time.perf_counter()
-    s = run_worker(base, space, trials=6, storage=f"sqlite:///{out}/study.db", out=out)
+    s = run_worker(base, space, trials=6, storage=f"sqlite:///{out}/study.db", out=out).study
     wall = time.perf_counter() - t0
-    trials = counted(s, 6)
+    trials = counted(s)
     pruned = sum(t.state == optuna.trial.TrialState.PRUNED for t in trials)
     return wall, s.best_value, pruned
+
+
+_TRAIN_AND_REPORT_PEAK = """
+import sys
+from hpc_core.config import load_config
+from hpc_core.metrics import peak_rss_mb
+from hpc_core.trainer import Trainer
+
+Trainer(load_config(sys.argv[1], sys.argv[2:])).train()
+print(peak_rss_mb())
+"""
+
+
+def train_peak_mb(batch: int, out: Path, env: dict[str, str]) -> float:
+    """Peak RSS of a fresh process training 3 epochs at ``batch`` (as `hpc-train train`)."""
+    sets = [f"training.global_batch_size={batch}", "training.epochs=3", "logging.progress=off"]
+    run = subprocess.run(
+        [sys.executable, "-c", _TRAIN_AND_REPORT_PEAK, str(CONFIG), *sets, f"run.output_dir={out}"],
+        env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return float(run.stdout)
+
+
+def batch_find_truth(root: Path, limit_mb: float, threads: int, repeats: int = 3) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    cfg = load_config(CONFIG, [f"run.output_dir={root / 'bf'}", "logging.progress=off"])
+    t0 = time.perf_counter()
+    r = find_batch_size(cfg, limit_mb=limit_mb, multiple_of=8)
+    wall = time.perf_counter() - t0
+    b = r.batch_size
+    print(f"## batch-find --limit-mb {limit_mb:.0f} --multiple-of 8 (headroom 10 %: probes may "
+          f"peak at {r.probe_limit_mb} MB)")  # fmt: skip
+    print(f"batch {b} ({r.limited_by}) after {len(r.probes)} probes, {wall:.0f} s")
+    probes = [probe(cfg, b, None).peak_mb for _ in range(repeats)]
+    trains = [train_peak_mb(b, root / f"t{i}", env) for i in range(repeats)]
+    pinned_env = {**env, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    pinned = [train_peak_mb(b, root / f"p{i}", pinned_env) for i in range(repeats)]
+    print(f"| at batch {b}, {repeats} fresh processes each | peak RSS MB |")
+    print("|---|---|")
+    print(f"| probe | {', '.join(f'{v:.1f}' for v in probes if v is not None)} |")
+    print(f"| 3-epoch training | {', '.join(f'{v:.1f}' for v in trains)} |")
+    print(f"| 3-epoch training, MALLOC_MMAP_THRESHOLD_=131072 | "
+          f"{', '.join(f'{v:.1f}' for v in pinned)} |")  # fmt: skip
+    verdict = "within" if max(trains) <= limit_mb else "OVER"
+    print(f"every training {verdict} the {limit_mb:.0f} MB limit (max {max(trains):.1f} MB)\n")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--trial-steps", type=int, default=120)
+    p.add_argument("--only", choices=["batch-find"], default=None)
+    p.add_argument("--limit-mb", type=float, default=700.0, help="batch-find's limit")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     import logging
@@ -73,6 +129,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        if args.only == "batch-find":
+            batch_find_truth(root, args.limit_mb, args.threads)
+            return
         print(f"## 6-trial study, {args.trial_steps} steps per trial, {args.threads} thread(s)")
         print("| pruner | wall s | pruned trials | best eval/acc |")
         print("|---|---|---|---|")
@@ -100,7 +159,9 @@ def main() -> None:
         measured = time.perf_counter() - t0
         print("## estimate vs measured, 2-epoch digits run on this machine")
         print(f"predicted {e.total_s:.2f} s, measured {measured:.2f} s, "
-              f"ratio predicted/measured = {e.total_s / measured:.2f}")  # fmt: skip
+              f"ratio predicted/measured = {e.total_s / measured:.2f}\n")  # fmt: skip
+
+        batch_find_truth(root, args.limit_mb, args.threads)
 
 
 if __name__ == "__main__":

@@ -82,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     tu = sub.add_parser(
         "tune",
         help="hyperparameter search with Optuna (one worker per process, shared storage)",
-        description="Run trials of a study until it holds --trials of them; any number of "
-        "workers may share the study through --storage.",
+        description="Run trials of a study until it holds --trials finished or running ones "
+        "(failed trials are replaced); any number of workers may share the study through "
+        "--storage.",
     )
     add_tune_args(tu)
     tu.set_defaults(func=run_tune)
@@ -97,9 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     lf.set_defaults(func=run_lr_find)
     bf = sub.add_parser(
         "batch-find",
-        help="largest batch one training step fits in memory",
-        description="Double the batch until a step runs out of memory or passes --limit-mb, "
-        "then bisect. The model and optimizer are restored after each probe.",
+        help="largest batch a training run fits in memory",
+        description="Double the batch until a probe (steps, an evaluation and a checkpoint "
+        "save, in a fresh process) runs out of memory or passes --limit-mb less the headroom, "
+        "then bisect; never above the training set's size.",
     )
     add_batch_find_args(bf)
     bf.set_defaults(func=run_batch_find)

@@ -10,6 +10,7 @@ import difflib
 import hashlib
 import json
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -171,6 +172,14 @@ class DistributedConfig(StrictModel):
     """Collective timeout; a rank stuck longer than this fails the job."""
 
 
+class WandbConfig(StrictModel):
+    project: str = "edgetrain"
+    """W&B project the run is logged under."""
+    mode: Literal["offline", "online"] = "offline"
+    """offline: the run is written to output_dir/wandb/ only, no network (upload it later with
+    `wandb sync`); online: streamed to the W&B server (needs `wandb login` or WANDB_API_KEY)."""
+
+
 class LoggingConfig(StrictModel):
     log_every_steps: int = Field(default=10, ge=1)
     """Write train/* metrics every N optimizer steps."""
@@ -182,6 +191,10 @@ class LoggingConfig(StrictModel):
     """Also log to MLflow (needs the tracking extra)."""
     mlflow_tracking_uri: str | None = None
     """MLflow tracking URI or server URL (null = a SQLite store in output_dir/mlflow.db)."""
+    wandb: WandbConfig | None = None
+    """Also log to Weights & Biases (needs the tracking extra): {project: edgetrain, mode:
+    offline}; offline writes output_dir/wandb/ only (`wandb sync` uploads it later), online
+    needs `wandb login`. null = off."""
 
 
 class FaultConfig(StrictModel):
@@ -325,11 +338,19 @@ def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | 
     model: type[BaseModel] = root
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
-        ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        ann = _section(getattr(field, "annotation", None))
+        if ann is None:
             return None
         model = ann
     return model
+
+
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The config model a field holds: ``X`` for ``X`` and for an optional ``X | None``."""
+    for a in (annotation, *typing.get_args(annotation)):
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            return a
+    return None
 
 
 def format_errors(err: ValidationError, root: type[BaseModel]) -> list[str]:

@@ -1,4 +1,4 @@
-"""Metric sinks: metrics.jsonl always, TensorBoard and MLflow when configured and installed."""
+"""Metric sinks: metrics.jsonl always; TensorBoard, MLflow and W&B when configured."""
 
 from __future__ import annotations
 
@@ -8,11 +8,14 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hpc_core.config import LoggingConfig
+
+if TYPE_CHECKING:
+    from hpc_core.tracking import RunStatus
 
 
 def peak_rss_mb() -> float:
@@ -38,14 +41,14 @@ def peak_device_mb(device: torch.device) -> float | None:
 class MetricsLogger:
     """Writes one JSON object per line: ``{"step": N, "time": unix_s, "<metric>": value, ...}``.
 
-    TensorBoard and MLflow (``hpc_core.tracking``) get the same names. Each train/* line also
+    TensorBoard, MLflow and W&B (``hpc_core.tracking``) get the same names. Each train/* line also
     carries system metrics (``sys/cpu_percent``, ``sys/rss_mb``, ``sys/gpu_*`` on CUDA).
     """
 
     def __init__(
         self, output_dir: Path, cfg: LoggingConfig, run_name: str, config: dict[str, Any]
     ) -> None:
-        from hpc_core.tracking import MlflowSink, SystemSampler, TensorBoardSink
+        from hpc_core.tracking import MlflowSink, SystemSampler, TensorBoardSink, WandbSink
 
         output_dir.mkdir(parents=True, exist_ok=True)
         self.path = output_dir / "metrics.jsonl"
@@ -58,6 +61,8 @@ class MetricsLogger:
             self._sinks.append(
                 MlflowSink(output_dir, cfg.mlflow_tracking_uri, run_name, _flatten(config))
             )
+        if cfg.wandb is not None:
+            self._sinks.append(WandbSink(output_dir, cfg.wandb, run_name, _flatten(config)))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if "train/loss" in metrics:
@@ -75,12 +80,13 @@ class MetricsLogger:
             + "\n"
         )
 
-    def close(self) -> None:
+    def close(self, status: RunStatus = "FINISHED", error: str | None = None) -> None:
+        """Close every sink, recording how the run ended (``error``: what failed it)."""
         self._file.close()
         if self._sinks:
             records = read_metrics(self.path)
             for sink in self._sinks:
-                sink.close(records)
+                sink.close(records, status, error)
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -74,7 +74,8 @@ class StudyConfig(_Strict):
     name: str | None = None
     """Study name in the storage (null = the config's run.name)."""
     metric: str = "eval/acc"
-    """Trainer metric to optimise; reported at every evaluation to the pruner."""
+    """Evaluation metric to optimise (eval/acc or eval/loss); reported at every evaluation to
+    the pruner. A name the evaluation does not report fails the trial at its first one."""
     direction: Literal["maximize", "minimize"] = "maximize"
     sampler: Literal["tpe", "random"] = "tpe"
     pruner: Literal["median", "hyperband", "none"] = "median"
@@ -84,6 +85,13 @@ class StudyConfig(_Strict):
     """Trials sampled at random (TPE) and never pruned (median) before the model kicks in."""
     n_warmup_steps: int = Field(default=0, ge=0)
     """Median pruner: optimizer steps before a trial may be pruned."""
+    max_consecutive_failures: int = Field(default=3, ge=1)
+    """A worker stops after this many of its trials failed in a row (a broken base config or a
+    mistyped metric fails every trial); failed trials do not count toward --trials."""
+    heartbeat_s: int | None = Field(default=60, ge=1)
+    """Seconds between a running trial's heartbeats in the storage; a trial silent for twice
+    as long (its worker was killed) is marked failed and its slot goes to another trial.
+    null = no heartbeat: a killed worker's trial stays running."""
 
 
 class SearchSpace(_Strict):

@@ -1,11 +1,14 @@
-"""Experiment tracking sinks beside metrics.jsonl: MLflow, TensorBoard, and system metrics.
+"""Experiment tracking sinks beside metrics.jsonl: MLflow, W&B, TensorBoard, system metrics.
 
 Every sink receives the same metric names as metrics.jsonl (``train/loss``, ``eval/acc``,
 ``sys/rss_mb`` ...). MLflow's embedded default is a SQLite store in the run's folder
 (``output_dir/mlflow.db``, artefacts in ``output_dir/mlartifacts``); set
 ``logging.mlflow_tracking_uri`` to a tracking server's URL (or another database) to share one.
-At the end of a run the MLflow sink attaches the final checkpoint's manifest (each file's size
-and sha256, step, config digest, metrics), metrics.jsonl and a plot of the curves.
+W&B runs offline by default, in ``output_dir/wandb/`` (``wandb sync`` uploads them later).
+At the end of a run the MLflow and W&B sinks attach the same artefacts (``write_artefacts``):
+the final checkpoint's manifest (each file's size and sha256, step, config digest, metrics),
+its trainer_state.json, metrics.jsonl and a plot of the curves; and they record how the run
+ended: FINISHED, FAILED (an exception) or KILLED (a stop signal, Ctrl-C).
 """
 
 from __future__ import annotations
@@ -15,16 +18,23 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+
+from hpc_core.atomic import write_bytes_atomic
+from hpc_core.config import WandbConfig
 
 log = logging.getLogger(__name__)
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+
+RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
+"""How a run ended, in MLflow's words: FAILED = an exception, KILLED = a signal or Ctrl-C."""
 
 
 class SystemSampler:
@@ -100,7 +110,33 @@ def curves_png(records: list[dict[str, Any]]) -> bytes:
     return png_bytes(fig)
 
 
+def write_artefacts(output_dir: Path, records: list[dict[str, Any]], dest: Path) -> list[Path]:
+    """Write the run's artefacts under ``dest``, the same for every sink, and return their
+    paths: metrics.jsonl, plots/curves.png and, when the run saved a final (else best)
+    checkpoint, checkpoint_manifest.json and checkpoint/trainer_state.json."""
+    written = [dest / "metrics.jsonl", dest / "plots/curves.png"]
+    ckpts = output_dir / "checkpoints"
+    final = next(
+        (p for p in (ckpts / "final", ckpts / "best") if (p / "trainer_state.json").exists()),
+        None,
+    )
+    if final is not None:
+        manifest = json.dumps(checkpoint_manifest(final.resolve()), indent=1)
+        (dest / "checkpoint_manifest.json").write_text(manifest)
+        (dest / "checkpoint").mkdir(exist_ok=True)
+        shutil.copyfile(final / "trainer_state.json", dest / "checkpoint/trainer_state.json")
+        written += [dest / "checkpoint_manifest.json", dest / "checkpoint/trainer_state.json"]
+    (dest / "plots").mkdir(exist_ok=True)
+    (dest / "plots/curves.png").write_bytes(curves_png(records))
+    shutil.copyfile(output_dir / "metrics.jsonl", dest / "metrics.jsonl")
+    return written
+
+
 class MlflowSink:
+    # Present while a run is open: found at the next start, it means the process that opened
+    # that run died without closing it (kill -9, the OOM killer), so the run is marked FAILED.
+    OPEN_RUN = "mlflow_open_run.json"
+
     def __init__(
         self, output_dir: Path, tracking_uri: str | None, run_name: str, params: dict[str, Any]
     ) -> None:
@@ -112,6 +148,7 @@ class MlflowSink:
         self.output_dir = output_dir
         uri = tracking_uri or f"sqlite:///{output_dir.resolve()}/mlflow.db"
         mlflow.set_tracking_uri(uri)
+        self._close_dead_run()
         name = "edgetrain"
         if mlflow.get_experiment_by_name(name) is None:
             # Local stores keep artefacts beside the database; a server decides for itself.
@@ -124,29 +161,81 @@ class MlflowSink:
                 log.debug("experiment %s exists already", name)
         mlflow.set_experiment(name)
         self.run = mlflow.start_run(run_name=run_name)
+        record = {"run_id": self.run.info.run_id, "tracking_uri": uri}
+        write_bytes_atomic(output_dir / self.OPEN_RUN, json.dumps(record).encode())
         mlflow.log_params(params)
         log.info("mlflow run %s in %s", self.run.info.run_id, uri)
+
+    def _close_dead_run(self) -> None:
+        path = self.output_dir / self.OPEN_RUN
+        if not path.exists():
+            return
+        record = json.loads(path.read_text())
+        client = self.mlflow.tracking.MlflowClient(tracking_uri=record["tracking_uri"])
+        run = client.get_run(record["run_id"])
+        if run.info.status == "RUNNING":
+            error = "the process died without closing the run (killed: SIGKILL or out of memory)"
+            client.set_tag(run.info.run_id, "error", error)
+            client.set_terminated(run.info.run_id, "FAILED")
+            log.warning("mlflow run %s was left RUNNING: marked FAILED", run.info.run_id)
+        path.unlink()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.mlflow.log_metrics(metrics, step=step)
 
-    def close(self, records: list[dict[str, Any]]) -> None:
-        ckpts = self.output_dir / "checkpoints"
-        final = next(
-            (p for p in (ckpts / "final", ckpts / "best") if (p / "trainer_state.json").exists()),
-            None,
-        )
+    def close(self, records: list[dict[str, Any]], status: RunStatus, error: str | None) -> None:
         with tempfile.TemporaryDirectory() as tmp:
-            if final is not None:
-                manifest = Path(tmp) / "checkpoint_manifest.json"
-                manifest.write_text(json.dumps(checkpoint_manifest(final.resolve()), indent=1))
-                self.mlflow.log_artifact(str(manifest))
-                self.mlflow.log_artifact(str(final / "trainer_state.json"), "checkpoint")
-            plot = Path(tmp) / "curves.png"
-            plot.write_bytes(curves_png(records))
-            self.mlflow.log_artifact(str(plot), "plots")
-        self.mlflow.log_artifact(str(self.output_dir / "metrics.jsonl"))
-        self.mlflow.end_run()
+            write_artefacts(self.output_dir, records, Path(tmp))
+            self.mlflow.log_artifacts(tmp)
+        if error is not None:
+            self.mlflow.set_tag("error", error[:5000])  # MLflow's limit for a tag's value
+        self.mlflow.end_run(status)
+        (self.output_dir / self.OPEN_RUN).unlink(missing_ok=True)
+
+
+class WandbSink:
+    """Weights & Biases: the same params, metrics and artefacts as MLflow. Offline by default:
+    the run is written to ``output_dir/wandb/offline-run-*/`` and nothing leaves the machine."""
+
+    def __init__(
+        self, output_dir: Path, cfg: WandbConfig, run_name: str, params: dict[str, Any]
+    ) -> None:
+        try:
+            import wandb
+        except ImportError as e:
+            raise RuntimeError("logging.wandb needs `pip install edgetrain[tracking]`") from e
+        self.output_dir = output_dir
+        self.run = wandb.init(
+            project=cfg.project,
+            name=run_name,
+            mode=cfg.mode,
+            dir=output_dir,
+            config=params,
+            # console=off: W&B would otherwise wrap the process's stdout and stderr; the
+            # training log already goes where the user sends it.
+            settings=wandb.Settings(console="off", silent=True, save_code=False, disable_git=True),
+        )
+        # Our step as the x-axis: W&B's own step may only grow, and after a rollback the
+        # trainer logs earlier steps again.
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+        log.info("wandb run %s (%s) in %s", self.run.id, cfg.mode, self.run.dir)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log({"step": step, **metrics})
+
+    def close(self, records: list[dict[str, Any]], status: RunStatus, error: str | None) -> None:
+        # Files in the run's folder are the run's files: W&B uploads them (now, or at sync).
+        files = Path(self.run.dir)
+        for f in write_artefacts(self.output_dir, records, files):
+            self.run.save(str(f), base_path=str(files), policy="now")
+        self.run.summary["status"] = status
+        if error is not None:
+            self.run.summary["error"] = error
+        if status == "KILLED":
+            self.run.mark_preempting()
+        # W&B has no KILLED state: a non-zero exit code is FAILED, and the summary says which.
+        self.run.finish(exit_code=0 if status == "FINISHED" else 1)
 
 
 class TensorBoardSink:
@@ -163,5 +252,5 @@ class TensorBoardSink:
         for k, v in metrics.items():
             self.writer.add_scalar(k, v, step)
 
-    def close(self, records: list[dict[str, Any]]) -> None:
+    def close(self, records: list[dict[str, Any]], status: RunStatus, error: str | None) -> None:
         self.writer.close()

@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -50,6 +50,9 @@ from hpc_core.distributed import all_reduce_max, all_reduce_sum, barrier, init_d
 from hpc_core.faults import FaultInjector, StopSignals, is_oom
 from hpc_core.metrics import MetricsLogger, peak_device_mb, peak_rss_mb, want_progress
 from hpc_core.models import build_model
+
+if TYPE_CHECKING:
+    from hpc_core.tracking import RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +271,9 @@ class Trainer:
             self.dist.world_size,
         )
         reason = "completed"
+        # How the run ended, for the tracking sinks: FAILED unless it returns.
+        status: RunStatus = "FAILED"
+        error: str | None = None
         try:
             while self.state.step < self.total_steps:
                 outcome = self._run_epoch(progress)
@@ -276,13 +282,20 @@ class Trainer:
                 if outcome is not None:
                     reason = outcome
                     break
-            return self._finish(reason)
+            result = self._finish(reason)
+            stopped_by_signal = reason in {s.name for s in StopSignals.SIGNALS}
+            status = "KILLED" if stopped_by_signal else "FINISHED"
+            return result
+        except BaseException as e:
+            status = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED"
+            error = f"{type(e).__name__} after step {self.state.step}: {e}"
+            raise
         finally:
             self.signals.uninstall()
             if progress is not None:
                 progress.close()
             if self.logger is not None:
-                self.logger.close()
+                self.logger.close(status, error)
 
     def _run_epoch(self, progress: Any) -> str | None:
         """Steps until the epoch ends (None), a rollback ("rollback") or a stop (its reason)."""

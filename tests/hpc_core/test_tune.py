@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,8 +21,13 @@ optuna = pytest.importorskip("optuna")
 
 from hpc_core.cli import main  # noqa: E402
 from hpc_core.config import load_config  # noqa: E402
-from hpc_core.search_space import load_space  # noqa: E402
-from hpc_core.tune import make_storage  # noqa: E402
+from hpc_core.search_space import SearchSpace, load_space  # noqa: E402
+from hpc_core.tune import (  # noqa: E402
+    hyperband_max_resource,
+    make_storage,
+    run_worker,
+    summary_markdown,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -312,3 +320,145 @@ def test_space_file_errors_exit_2_naming_the_path(
 def test_example_space_file_is_valid() -> None:
     space = load_space(REPO / "configs/space_digits.yaml")
     assert "optimizer.lr" in space.params
+
+
+# Trials of 20 steps, evaluated every 10: failures are the subject here, not the search.
+SHORT = [*SETS, "training.max_steps=20"]
+
+
+def _short_args(space: Path, out: Path, trials: int) -> list[str]:
+    args = ["tune", "--config", str(REPO / "configs/digits.yaml"), "--space", str(space)]
+    args += ["--trials", str(trials), "--out", str(out), "--log-format", "json"]
+    args += ["--worker-index", "0"]
+    for s in SHORT:
+        args += ["--set", s]
+    return args
+
+
+def _space(tmp_path: Path, name: str, study: str) -> Path:
+    p = tmp_path / name
+    p.write_text(
+        f"study: {{seed: 0, n_startup_trials: 2, {study}}}\n"
+        "params:\n"
+        "  optimizer.lr: {type: float, low: 1.0e-3, high: 3.0e-2, log: true}\n"
+        "  model.kwargs.width: {type: categorical, choices: [4, 8]}\n"
+    )
+    return p
+
+
+def test_diverging_and_mistyped_metric_trials_fail_and_others_complete(
+    tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "tune"
+    url = f"sqlite:///{out}/study.db"
+    # A worker started with a mistyped metric: its trial fails at the first evaluation (step 10,
+    # not after the whole run), and with max_consecutive_failures=1 the worker stops.
+    typo = _space(tmp_path, "typo.yaml", "metric: eval/accuracy, max_consecutive_failures: 1")
+    assert main(_short_args(typo, out, trials=3)) == 1
+    err = capsys.readouterr().err
+    assert "stopped after 1 failed trials in a row" in err
+    assert "trials still running" not in err
+    (typo_trial,) = _trials(url)
+    assert typo_trial.state == optuna.trial.TrialState.FAIL
+    assert typo_trial.user_attrs["error"] == (
+        "MetricNotReported: study.metric 'eval/accuracy' is not reported by the evaluation at "
+        "step 10 (it reports eval/acc, eval/loss): fix study.metric in the space file"
+    )
+    assert typo_trial.user_attrs["steps"] == 10
+
+    # The next trial of the study diverges: lr 1e4 makes the gradient norm non-finite.
+    study = optuna.load_study(study_name="digits", storage=make_storage(url))
+    with pytest.warns(UserWarning, match="out of range"):  # the space stops at 3e-2
+        study.enqueue_trial({"optimizer.lr": 1.0e4, "model.kwargs.width": 4})
+        good = _space(tmp_path, "good.yaml", "metric: eval/acc")
+        assert main(_short_args(good, out, trials=3)) == 0
+    captured = capsys.readouterr()
+    trials = _trials(url)
+    states = [t.state for t in trials]
+    FAIL = optuna.trial.TrialState.FAIL
+    # Failed trials do not count toward --trials 3: the worker ran three more after them.
+    assert [s == FAIL for s in states] == [True, True, False, False, False], states
+    assert all(t.user_attrs["steps"] == 20 or t.state.name == "PRUNED" for t in trials[2:])
+    diverged = trials[1]
+    assert diverged.params["optimizer.lr"] == 1.0e4
+    assert diverged.user_attrs["error"].startswith("TrainingDiverged: non-finite")
+    assert diverged.user_attrs["steps"] < 20
+    # The error and its traceback are in the worker's log (JSON lines on stderr).
+    logged = [json.loads(line) for line in captured.err.splitlines() if line.startswith("{")]
+    (entry,) = [r for r in logged if r["msg"].startswith("trial 1 failed")]
+    assert entry["level"] == "error" and "TrainingDiverged" in entry["exc"]
+    summary = (out / "summary.md").read_text()
+    done = re.match(r"(\d) complete, (\d) pruned, 2 fail, 0 running", summary)
+    assert done and int(done[1]) + int(done[2]) == 3, summary
+    assert "MetricNotReported: study.metric 'eval/accuracy'" in summary
+    assert "TrainingDiverged: non-finite" in summary
+    best = load_config(out / "best_config.yaml")
+    assert best.optimizer.lr < 1.0
+
+
+def test_a_sigterm_during_a_trial_fails_it_and_stops_the_worker(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    monkeypatch.setenv("HPC_FAULT_SIGTERM_STEP", "3")  # what a preempted worker receives
+    out = tmp_path / "tune"
+    space = _space(tmp_path, "space.yaml", "metric: eval/acc")
+    assert main(_short_args(space, out, trials=3)) == 1  # nothing completed
+    (trial,) = _trials(f"sqlite:///{out}/study.db")
+    assert trial.state == optuna.trial.TrialState.FAIL
+    assert trial.user_attrs["error"] == "interrupted: SIGTERM at step 3"
+    # It was this worker's only trial and it no longer runs: the reports are written.
+    assert "| fail |" in (out / "summary.md").read_text()
+    assert "no trial completed" in capsys.readouterr().err
+
+
+def test_summary_waits_for_trials_running_elsewhere(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "tune"
+    url = f"sqlite:///{out}/study.db"
+    space = _space(tmp_path, "space.yaml", "metric: eval/acc, heartbeat_s: null")
+    out.mkdir()
+    # Another worker's trial, still running while this worker finishes its own.
+    study = optuna.create_study(
+        study_name="digits", storage=make_storage(url), direction="maximize"
+    )
+    elsewhere = study.ask()
+    assert main(_short_args(space, out, trials=2)) == 0
+    assert "trials still running in other workers" in capsys.readouterr().err
+    assert not (out / "summary.md").exists() and not (out / "best_config.yaml").exists()
+    study.tell(elsewhere, 0.0)
+    # The last worker to finish (here: one that finds nothing left to run) writes them once.
+    assert main(_short_args(space, out, trials=2)) == 0
+    assert (out / "summary.md").read_text().startswith("2 complete, 0 pruned, 0 fail, 0 running")
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_a_killed_workers_trial_is_failed_by_its_stale_heartbeat(tmp_path: Path) -> None:
+    out = tmp_path / "tune"
+    url = f"sqlite:///{out}/study.db"
+    out.mkdir()
+    study = optuna.create_study(
+        study_name="digits", storage=make_storage(url, heartbeat_s=1), direction="maximize"
+    )
+    # A trial whose worker died: one heartbeat, then silence past the grace period (2 beats).
+    dead = study.ask()
+    study._storage.record_heartbeat(dead._trial_id)
+    time.sleep(2.5)
+    space = _space(tmp_path, "space.yaml", "metric: eval/acc, heartbeat_s: 1")
+    base = load_config(REPO / "configs/digits.yaml", SHORT)
+    result = run_worker(base, load_space(space), trials=1, storage=url, out=out)
+    assert result.stopped == "done" and result.finished
+    states = [t.state.name for t in result.study.get_trials()]
+    assert states == ["FAIL", "COMPLETE"], states
+    assert "no heartbeat: its worker died" in summary_markdown(result.study, "eval/acc")
+
+
+def test_hyperband_max_resource_is_the_real_step_count() -> None:
+    base = load_config(REPO / "configs/digits.yaml")  # 12 epochs x 22 steps of 64 of 1,438
+    space = load_space(REPO / "configs/space_digits.yaml")
+    # 6 brackets (floor(log3(264)) + 1) where the old guess of 10**6 steps made 13.
+    assert hyperband_max_resource(base, space) == 264
+    # A space that changes the step count from trial to trial: Optuna takes the first
+    # finished trial's.
+    epochs = SearchSpace.model_validate(
+        {"params": {"training.epochs": {"type": "int", "low": 2, "high": 12}}}
+    )
+    assert hyperband_max_resource(base, epochs) == "auto"
