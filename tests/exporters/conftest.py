@@ -41,14 +41,17 @@ class Trained:
         return held_out(self.splits()[1], None)
 
 
-def _train(out: Path, model: dict[str, Any], image_size: int | None, epochs: int) -> Trained:
+def _train(
+    out: Path, model: dict[str, Any], image_size: int | None, epochs: int, lr: float = 0.003,
+    batch: int = 64,
+) -> Trained:
     cfg = config_from_dict({
         "run": {"name": "exporters-fixture", "output_dir": str(out), "seed": 0},
         "data": {"source": "digits", "image_size": image_size},
         "model": model,
-        "optimizer": {"name": "adamw", "lr": 0.003, "weight_decay": 0.01},
+        "optimizer": {"name": "adamw", "lr": lr, "weight_decay": 0.01},
         "schedule": {"warmup_steps": 20, "decay": "cosine"},
-        "training": {"global_batch_size": 64, "epochs": epochs, "device": "cpu"},
+        "training": {"global_batch_size": batch, "epochs": epochs, "device": "cpu"},
         "checkpoint": {"best_metric": None},
         "logging": {"progress": "off", "log_every_steps": 50},
         "faults": {"handle_signals": False},
