@@ -52,8 +52,16 @@ def build(run: RolloutRun) -> dict[str, Any]:
             "sent_at": e.sent_at, "started_at": e.started_at, "finished_at": e.finished_at,
             "metric_before": e.metric_before, "metric_after": e.metric_after,
             "error_code": e.error_code, "error_message": e.error_message,
+            "export": export_summary(e.result),
         } for e in execs],
     }
+
+
+def export_summary(result: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What a device's export chose (winner, INT8 recipe, ISA) and, when plain INT8 missed
+    its gates, what it measured and what was left in float: a fallback is never hidden."""
+    export = (result or {}).get("export")
+    return export if isinstance(export, dict) else None
 
 
 WAVE_COLUMNS = ["wave", "state", "devices", "sent", "running", "succeeded", "failed", "canceled"]
@@ -65,7 +73,9 @@ def table(report: dict[str, Any]) -> str:
         head += f" ({report['reason']})"
     cols = [*WAVE_COLUMNS, f"median_drop_{report['plan']['abort_metric']}"]
     tail = f"rolled back: {report['rolled_back']}, rollback failed: {report['rollback_failed']}"
-    return "\n".join([head, render_table(report["waves"], cols), tail])
+    fallbacks = [f"{e['device']}: export fallback: {e['export']['fallback']}"
+                 for e in report["executions"] if (e.get("export") or {}).get("fallback")]
+    return "\n".join([head, render_table(report["waves"], cols), tail, *fallbacks])
 
 
 def plot_png(report: dict[str, Any]) -> bytes:
