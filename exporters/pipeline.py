@@ -2,7 +2,13 @@
 
 Steps, in order, each gated on the artefact it produced:
 
-1. ``int8``: the whole model in symmetric Q/DQ INT8;
+1. ``int8``: the whole model in Q/DQ INT8, with the recipe the target and host call for
+   (``exporters.int8_recipe``);
+1b. ``int8-s8s8``: only when step 1 used the fast ``u8s8-reduce-range`` recipe that an
+   x86 host without VNNI gets by default: the whole model again in symmetric int8, which that
+   host runs on its slower exact kernel; weights in [-64, 64] cost some models a few points
+   (small_cnn at 32 px: 3.1 against 0.6), and this step wins them back before any layer is
+   left in float;
 2. ``int8-exclude-<k>``: the k layers most sensitive to quantization left in float,
    k = 1 .. ``fallback.max_excluded_layers`` (sensitivity measured per layer: quantize that
    layer alone, compare logits with FP32 on calibration data);
@@ -121,6 +127,7 @@ class _Run:
     fidelity_logits: np.ndarray
     sparse: bool
     recipe: Int8Recipe
+    """The first INT8 step's recipe."""
     calib: np.ndarray | None = None
     prepared: Path | None = None
     sensitivity: list[tuple[str, float]] | None = None
@@ -128,8 +135,14 @@ class _Run:
     """Why planned steps were skipped; ends up in the report's fallback_reason."""
 
     @property
-    def cache(self) -> Path:
-        return self.work / "calibration_ranges.json"
+    def exact_recipe(self) -> Int8Recipe:
+        """The recipe of the INT8 fallback steps: symmetric int8, exact on every host."""
+        if self.recipe.activations_signed:
+            return self.recipe
+        return Int8Recipe("s8s8-symmetric", "fallback: u8s8-reduce-range missed its gates")
+
+    def cache(self, recipe: Int8Recipe) -> Path:
+        return self.work / f"calibration_ranges.{recipe.name}.json"
 
     def calibration_inputs(self) -> np.ndarray:
         if self.calib is None:
@@ -143,7 +156,8 @@ class _Run:
         return self.prepared
 
     def quantize(
-        self, out: Path, exclude: Sequence[str] = (), only: Sequence[str] | None = None
+        self, out: Path, recipe: Int8Recipe, exclude: Sequence[str] = (),
+        only: Sequence[str] | None = None,
     ) -> Path:
         """Quantize the FP32 model; the ranges of the first call are reused where possible."""
         quantize_int8(
@@ -152,8 +166,8 @@ class _Run:
             calib_inputs=self.calibration_inputs(),
             input_name=self.fp32.input_name,
             cfg=self.job.calibration,
-            recipe=self.recipe,
-            cache_path=self.cache,
+            recipe=recipe,
+            cache_path=self.cache(recipe),
             nodes_to_exclude=exclude,
             nodes_to_quantize=only,
         )
@@ -167,16 +181,21 @@ class _Run:
             ref = predict(OrtRunner(prepared), x)
             scores = []
             for node in quantizable_nodes(prepared):
-                path = self.quantize(self.work / "sensitivity.onnx", only=[node])
+                path = self.quantize(self.work / "sensitivity.onnx", self.exact_recipe,
+                                     only=[node])
                 out = predict(OrtRunner(path), x)
                 scores.append((node, float(np.mean((out - ref) ** 2))))
             self.sensitivity = sorted(scores, key=lambda s: -s[1])
         return self.sensitivity
 
 
-def plan_steps(job: ExportJob, run: _Run) -> Iterator[tuple[str, Precision, int]]:
-    """(step name, precision, layers excluded) in fallback order; exclusions are planned
-    only once plain INT8 has failed (ranking layers costs one quantization per layer)."""
+Step = tuple[str, Precision, int, Int8Recipe | None]
+"""(step name, precision, layers excluded, INT8 recipe)"""
+
+
+def plan_steps(job: ExportJob, run: _Run) -> Iterator[Step]:
+    """The steps in fallback order; exclusions are planned only once plain INT8 has failed
+    (ranking layers costs one quantization per layer)."""
     order: list[Precision] = ["int8", "fp16", "fp32"]
     first = order.index(job.precision)
     fb = job.fallback
@@ -184,7 +203,10 @@ def plan_steps(job: ExportJob, run: _Run) -> Iterator[tuple[str, Precision, int]
         if precision != job.precision and not fb.enabled:
             return
         if precision == "int8":
-            yield "int8", "int8", 0
+            yield "int8", "int8", 0, run.recipe
+            exact = run.exact_recipe
+            if fb.enabled and exact != run.recipe:
+                yield "int8-s8s8", "int8", 0, exact
             if fb.enabled and fb.max_excluded_layers:
                 try:
                     n = len(run.layer_sensitivity())
@@ -193,11 +215,11 @@ def plan_steps(job: ExportJob, run: _Run) -> Iterator[tuple[str, Precision, int]
                                      "exclusion steps skipped")
                     n = 0
                 for k in range(1, min(fb.max_excluded_layers, n - 1) + 1):
-                    yield f"int8-exclude-{k}", "int8", k
+                    yield f"int8-exclude-{k}", "int8", k, exact
         elif precision == "fp16" and (precision == job.precision or fb.fp16):
-            yield "fp16", "fp16", 0
+            yield "fp16", "fp16", 0, None
         elif precision == "fp32" and (precision == job.precision or fb.fp32):
-            yield "fp32", "fp32", 0
+            yield "fp32", "fp32", 0, None
 
 
 def _fp16_onnx(fp32: Path, out: Path) -> Path:
@@ -210,15 +232,16 @@ def _fp16_onnx(fp32: Path, out: Path) -> Path:
     return out
 
 
-def _make_artefact(run: _Run, step: str, precision: Precision, exclude: list[str]) -> tuple[
-    Path, Path, list[str]
-]:
+def _make_artefact(
+    run: _Run, step: str, precision: Precision, exclude: list[str], recipe: Int8Recipe | None
+) -> tuple[Path, Path, list[str]]:
     """(ONNX file, served artefact, Q/DQ violations) of one step."""
     violations: list[str] = []
     if precision == "int8":
-        onnx_path = run.quantize(run.work / f"{step}.onnx", exclude)
+        assert recipe is not None
+        onnx_path = run.quantize(run.work / f"{step}.onnx", recipe, exclude)
         violations = [str(v) for v in check_qdq(
-            onnx_path, activations_signed=run.recipe.activations_signed)]
+            onnx_path, activations_signed=recipe.activations_signed)]
     elif precision == "fp16" and run.job.target == "onnxruntime":
         onnx_path = _fp16_onnx(run.fp32.path, run.work / "fp16.onnx")
     else:
@@ -354,13 +377,15 @@ def run_export(job: ExportJob) -> ExportReport:
 def _run_attempts(run: _Run, report: ExportReport) -> None:
     job = run.job
     rejected: list[str] = []
-    for step, precision, k in plan_steps(job, run):
+    for step, precision, k, recipe in plan_steps(job, run):
         t = time.perf_counter()
         exclude = [n for n, _ in run.layer_sensitivity()[:k]] if k else []
-        attempt = Attempt(step=step, precision=precision, excluded=exclude)
+        attempt = Attempt(step=step, precision=precision, excluded=exclude,
+                          recipe=recipe.name if recipe else None)
         report.attempts.append(attempt)
         try:
-            onnx_path, artefact, violations = _make_artefact(run, step, precision, exclude)
+            onnx_path, artefact, violations = _make_artefact(
+                run, step, precision, exclude, recipe)
         except Exception as e:  # one step failing to build is what the next step is for
             attempt.error = f"{type(e).__name__}: {e}"
             attempt.seconds = time.perf_counter() - t

@@ -24,6 +24,8 @@ class Attempt:
     precision: str
     excluded: list[str] = field(default_factory=list)
     """Layers left in float (int8 fallback steps)."""
+    recipe: str | None = None
+    """INT8 steps: the recipe the file was quantized with (``exporters.int8_recipe``)."""
     artefact: str | None = None
     passed: bool = False
     failures: list[str] = field(default_factory=list)
@@ -48,7 +50,8 @@ class ExportReport:
     """One line for people when the first step did not win: what it measured and missed,
     and what the winner left in float (``fallback_note``)."""
     int8: dict[str, Any] | None = None
-    """INT8 jobs: the recipe, why it was chosen, and the host's ISA (``exporters.cpu_isa``)."""
+    """INT8 jobs: the first INT8 step's recipe, why it was chosen, and the host's ISA
+    (``exporters.cpu_isa``); each attempt names its own recipe."""
     target: str = "onnxruntime"
     checkpoint: str = ""
     model: dict[str, Any] = field(default_factory=dict)
@@ -114,7 +117,8 @@ def artefact_info(report: ExportReport, winner: Attempt, sha256: str) -> dict[st
         "step": winner.step,
         "precision": winner.precision,
         "excluded_layers": list(winner.excluded),
-        "int8": report.int8 if winner.precision == "int8" else None,
+        "int8": {**(report.int8 or {}), "recipe": winner.recipe}
+        if winner.precision == "int8" else None,
         "fallback": fallback_note(report),
         "versions": report.versions,
     }

@@ -138,7 +138,6 @@ def step_export(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "status": report.status, "winner": report.winner, "artefact": None,
         "fallback_reason": report.fallback_reason, "fallback": report.fallback,
-        "int8_recipe": (report.int8 or {}).get("recipe"),
         "isa": ((report.int8 or {}).get("isa") or {}).get("label"),
         "seconds": round(report.seconds, 2),
     }
@@ -149,6 +148,7 @@ def step_export(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
         first = report.attempts[0].measurement if report.attempts else None
         winner = next(a for a in report.attempts if a.passed)
         out["excluded_layers"] = list(winner.excluded)
+        out["int8_recipe"] = winner.recipe  # what serves: a fallback step may have changed it
         win = winner.measurement
         if win is not None:
             out["int8_drop_pts"] = getattr(win, "top1_drop_pts", None)

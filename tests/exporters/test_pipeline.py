@@ -47,15 +47,21 @@ def test_2_4_with_recovery_and_int8_stays_within_two_points(cnn: Any, tmp_path: 
 
 
 def test_an_impossible_gate_walks_the_fallback_chain(cnn: Any, tmp_path: Path) -> None:
+    """The fast recipe first, then symmetric int8 (exact on every host), then layers left in
+    float, FP16, FP32: the recipe is set so the chain is the same on every host."""
     out = tmp_path / "out"
-    report = run_export(_job(cnn, out, precision="int8", gates={"max_abs_logit_delta": 1e-4}))
+    report = run_export(_job(cnn, out, precision="int8", int8_recipe="u8s8-reduce-range",
+                             gates={"max_abs_logit_delta": 1e-4}))
     steps = [a.step for a in report.attempts]
-    assert steps == ["int8", "int8-exclude-1", "int8-exclude-2", "int8-exclude-3", "fp16", "fp32"]
+    assert steps == ["int8", "int8-s8s8", "int8-exclude-1", "int8-exclude-2", "int8-exclude-3",
+                     "fp16", "fp32"]
+    assert [a.recipe for a in report.attempts] == [
+        "u8s8-reduce-range", *["s8s8-symmetric"] * 4, None, None]
     assert report.status == "passed" and report.winner == "fp32"
-    assert [a.passed for a in report.attempts] == [False] * 5 + [True]
-    assert all("gates.max_abs_logit_delta" in a.failures[0] for a in report.attempts[:5])
+    assert [a.passed for a in report.attempts] == [False] * 6 + [True]
+    assert all("gates.max_abs_logit_delta" in a.failures[0] for a in report.attempts[:6])
     assert report.fallback_reason is not None
-    assert all(s in report.fallback_reason for s in steps[:5])
+    assert all(s in report.fallback_reason for s in steps[:6])
     # The one line people see says what plain INT8 measured and missed, and who won.
     first = report.attempts[0].measurement
     assert first is not None and report.fallback is not None
@@ -66,10 +72,10 @@ def test_an_impossible_gate_walks_the_fallback_chain(cnn: Any, tmp_path: Path) -
     # Exclusions follow the measured per-layer sensitivity, worst first.
     assert report.sensitivity is not None and len(report.sensitivity) == 4
     ranked = [s["node"] for s in report.sensitivity]
-    for k, attempt in enumerate(report.attempts[1:4], start=1):
+    for k, attempt in enumerate(report.attempts[2:5], start=1):
         assert attempt.excluded == ranked[:k]
     deltas = [a.measurement.max_abs_logit_delta for a in report.attempts if a.measurement]
-    assert deltas[0] > deltas[4] > deltas[5]  # int8 > fp16 > fp32
+    assert deltas[0] > deltas[5] > deltas[6]  # int8 > fp16 > fp32
     installed = onnx.load(str(out / "model.onnx"))
     assert not any(n.op_type == "QuantizeLinear" for n in installed.graph.node)
     assert json.loads((out / "report.json").read_text())["winner"] == "fp32"
@@ -127,6 +133,7 @@ def test_int8_recipe_follows_the_host_unless_set(cnn: Any, tmp_path: Path) -> No
     for name in ("s8s8-symmetric", "u8s8-reduce-range"):
         report = run_export(_job(cnn, tmp_path / name, precision="int8", int8_recipe=name))
         assert report.winner == "int8", report.fallback_reason
+        assert report.attempts[0].recipe == name
         assert report.int8 is not None and report.int8["recipe"] == name
         installed = tmp_path / name / "model.onnx"
         signed = name == "s8s8-symmetric"
@@ -135,3 +142,12 @@ def test_int8_recipe_follows_the_host_unless_set(cnn: Any, tmp_path: Path) -> No
     with pytest.raises(ValidationError, match="int8_recipe=u8s8-reduce-range cannot build"):
         ExportJob(checkpoint=tmp_path, out_dir=tmp_path, target="tensorrt",
                   int8_recipe="u8s8-reduce-range")
+
+
+def test_symmetric_int8_needs_no_recipe_step(cnn: Any, tmp_path: Path) -> None:
+    """The s8s8 step exists to win back what weights in [-64, 64] cost; a job already on
+    symmetric int8 (TensorRT, VNNI and ARM hosts) goes straight to excluding layers."""
+    report = run_export(_job(cnn, tmp_path, precision="int8", int8_recipe="s8s8-symmetric",
+                             gates={"max_abs_logit_delta": 1e-4},
+                             fallback={"max_excluded_layers": 1, "fp16": False}))
+    assert [a.step for a in report.attempts] == ["int8", "int8-exclude-1", "fp32"]
