@@ -122,7 +122,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="run dir or checkpoint dir")
     p.add_argument("--registry", required=True, metavar="DIR_OR_URI",
                    help="registry folder, file:// URI, s3://BUCKET/PREFIX (needs boto3) or an "
-                   "http(s) URL that takes PUT")
+                   "http(s) URL that takes PUT (registry.serve: the publisher's token in "
+                   "$EDGETRAIN_REGISTRY_TOKEN, sent only to the registry in $EDGETRAIN_REGISTRY)")
     p.add_argument("--name", required=True, metavar="N", help="model name, e.g. digits-cnn")
     p.add_argument("--version", required=True, metavar="V", help="new version, e.g. 3 or 2025.06.1")
     p.add_argument("--sign-key", required=True, metavar="KEY",

@@ -3,7 +3,10 @@
 Manifest schema and names (``manifest``, ``names``), strict JSON (``jsonsafe``), safetensors
 headers and pickle refusal (``safetensors_io``), chunk layout (``chunks``), Ed25519 signing
 and scoped trusted keys (``signing``), stores behind one ``open_store`` (``stores``), network
-behaviour and the one retry loop (``transfer``), references (``refs``), and the three
-operations: ``publish``, ``pull`` (verify + fetch chunks) and ``upload`` (device -> cloud).
+behaviour and the one retry loop (``transfer``), a client's token bound to one registry
+(``credentials``), references (``refs``), and the three operations: ``publish``, ``pull``
+(verify + fetch chunks) and ``upload`` (device -> cloud). ``serve`` is the HTTP registry,
+with its principals (``principals``), per-object write rules (``write_rules``) and bounds
+(``bounded_http``).
 Every error is a ``registry.errors.RegistryError`` carrying its exit code.
 """

@@ -30,6 +30,11 @@ class StoreNotFoundError(StoreError):
     """The object does not exist in the registry."""
 
 
+class StoreConflictError(StoreError):
+    """The registry refused a write that conflicts with what it holds (HTTP 409): the object
+    exists with other bytes, or the version's sequence was taken meanwhile."""
+
+
 class StoreTransientError(StoreError):
     """A network or server hiccup: worth retrying after a back-off."""
 

@@ -6,10 +6,13 @@ half-published version invisible: chunks first, then ``manifest.sig``, then
 ``manifest.json``; a reader that finds the manifest finds everything it names.
 
 Each version gets the next ``sequence`` of its model: one above both the registry's counter
-(``NAME/sequence.json``, written after the manifest) and the parent's sequence. The counter
+(``NAME/_sequence.json``, written after the manifest) and the parent's sequence. The counter
 is a convenience for the publisher, not trusted data: devices trust only the signed number.
-One publisher per model name at a time is assumed (two racing publishers could assign the
-same sequence; a device then accepts either, never a lower one).
+``registry.serve`` assigns sequences atomically: when another upload took the number first it
+answers the manifest with 409, and the version is signed again with the next number. A folder
+or S3 registry cannot tell, so there one publisher per model name at a time is assumed (two
+racing publishers could assign the same sequence; a device then accepts either, never a
+lower one).
 
 Reading an hpc_core checkpoint needs torch and lives in ``hpc_core.model_spec``; this module
 takes what it read as a :class:`VersionContent`.
@@ -30,7 +33,13 @@ from registry.chunks import (
     artefact_sources,
     lay_out,
 )
-from registry.errors import MalformedJsonError, PublishError, RefusedError, VersionExistsError
+from registry.errors import (
+    MalformedJsonError,
+    PublishError,
+    RefusedError,
+    StoreConflictError,
+    VersionExistsError,
+)
 from registry.jsonsafe import loads_strict
 from registry.manifest import MAX_MANIFEST_BYTES, ChunkRef, Manifest, TrainingInfo, utc_now
 from registry.names import (
@@ -209,13 +218,50 @@ def publish_version(
         on_chunk=put_chunk, parent=parent, training=training, artefacts=artefacts,
         chunk_size=chunk_size, pack_below=pack_below,
     )
-    store.put(signature_key(name, version), signed.signature_bytes)
-    store.put(manifest_key(name, version), signed.manifest_bytes)  # last: the version exists
+    signed = _commit(store, signed, key, parent_seq)
+    sequence = signed.manifest.sequence
     store.put(sequence_key(name), json.dumps({"sequence": sequence, "version": version}).encode())
     return PublishReport(
         signed.manifest, store.uri, counts["written"], counts["bytes_written"], counts["reused"],
         counts["bytes_reused"],
     )
+
+
+_SEQUENCE_RACES = 64
+"""Re-signings after lost sequence races before giving up; each loss means another upload of
+the same model committed, so this bounds only a registry that keeps refusing."""
+
+
+def resign(signed: SignedVersion, sequence: int, key: SigningKey) -> SignedVersion:
+    """The same version under another sequence number, signed again."""
+    manifest = signed.manifest.model_copy(update={"sequence": sequence})
+    manifest_bytes = manifest.to_bytes()
+    return SignedVersion(manifest, manifest_bytes, key.sign_manifest(manifest_bytes))
+
+
+def _commit(store: RegistryStore, signed: SignedVersion, key: SigningKey,
+            parent_seq: int) -> SignedVersion:
+    """Write the signature, then the manifest (last: now the version exists). Returns what was
+    committed, re-signed with a later sequence if the registry said another upload took it."""
+    m = signed.manifest
+    for _ in range(_SEQUENCE_RACES):
+        try:
+            store.put(signature_key(m.name, m.version), signed.signature_bytes)
+            store.put(manifest_key(m.name, m.version), signed.manifest_bytes)
+            return signed
+        except StoreConflictError as e:
+            if store.exists(manifest_key(m.name, m.version)):
+                raise VersionExistsError(
+                    f"{m.ref} already exists in {store.uri}; versions are immutable, pick a "
+                    "new one"
+                ) from e
+            highest = published_sequence(store, m.name)
+            if highest < m.sequence:  # not a lost race: the registry refused it for cause
+                raise PublishError(f"{m.ref}: {e}") from e
+            signed = resign(signed, max(highest, parent_seq) + 1, key)
+            m = signed.manifest
+    raise PublishError(f"{m.ref}: the registry refused {_SEQUENCE_RACES} sequence numbers in "
+                       f"a row; last tried {m.sequence}")
 
 
 def collect_artefacts(paths: Iterable[Path]) -> list[ArtefactSource]:

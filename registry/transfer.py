@@ -106,7 +106,12 @@ class Deadline:
 
 
 class RateWatch:
-    """Counts bytes of one response; too few in a whole window raises SlowTransferError."""
+    """Counts bytes of one response; too few in a whole window raises SlowTransferError.
+
+    A read must not block past the end of a window that still lacks bytes, or one read could
+    wait for the whole body (http.client fills its buffer before it returns): the reader asks
+    :meth:`wait_s` how long the next read may block, and calls :meth:`check` when it timed out.
+    """
 
     def __init__(self, cfg: TransferConfig, what: str) -> None:
         self.min_rate, self.window_s, self.what = (
@@ -116,9 +121,14 @@ class RateWatch:
         self._bytes = 0
 
     def moved(self, nbytes: int) -> None:
+        self._bytes += nbytes
+        self.check()
+
+    def check(self) -> None:
+        """Raise SlowTransferError if a whole window passed with too few bytes; start the next
+        window if it passed with enough."""
         if not self.min_rate:
             return
-        self._bytes += nbytes
         elapsed = time.monotonic() - self._start
         if elapsed < self.window_s:
             return
@@ -128,6 +138,15 @@ class RateWatch:
                 f"{self.min_rate} B/s"
             )
         self._start, self._bytes = time.monotonic(), 0
+
+    def wait_s(self, read_timeout_s: float) -> float:
+        """How long the next read may block: the read timeout, cut to the rest of the window
+        while the window still lacks bytes."""
+        self.check()
+        if not self.min_rate or self._bytes >= self.min_rate * self.window_s:
+            return read_timeout_s
+        left = self.window_s - (time.monotonic() - self._start)
+        return min(read_timeout_s, max(left, 0.0) + 0.01)
 
 
 def backoff_delay(attempt: int, cfg: TransferConfig, retry_after_s: float | None = None) -> float:

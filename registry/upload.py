@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
+from registry.credentials import RegistryCredential
 from registry.errors import PublishError
 from registry.manifest import ChunkRef, Manifest
 from registry.names import check_version
@@ -80,10 +81,12 @@ def upload(
     metrics: dict[str, float] | None = None,
     cfg: TransferConfig | None = None,
     progress: Callable[[int, int], None] | None = None,
+    credential: RegistryCredential | None = None,
 ) -> PublishReport:
     """Publish fine-tuned ``content`` to ``target`` as a child of the installed ``parent``.
 
     ``progress(done, total)`` counts the version's bytes as chunks are checked or sent.
+    ``credential``: this device's registry token, sent only if ``target`` is its registry.
     """
     cfg = cfg or TransferConfig()
     content = merge_metrics(content, metrics)
@@ -98,7 +101,7 @@ def upload(
         if progress is not None:
             progress(done, total)
 
-    store = _RetryingStore(open_store(target, cfg), cfg)
+    store = _RetryingStore(open_store(target, cfg, credential), cfg)
     return publish_version(
         store, name=parent.name, version=version, parent=parent.version,
         parent_seq=parent.sequence, model=content.model, training=content.training,

@@ -2,7 +2,8 @@
 
 1. upstream: ``torchrun`` trains small_cnn on digits with 2 DDP processes (gloo, CPU);
 2. registry: ``hpc-train keygen`` + ``publish`` a signed version, served over loopback HTTP
-   by ``python -m registry.serve`` (uploads need a token);
+   by ``python -m registry.serve``; each device gets its own upload token
+   (``registry.serve add-principal``) and may write only its own versions;
 3. broker: a throwaway mosquitto with one account per device, an ACL that keeps each device
    to its own topics, and an operator account for the fleet;
 4. devices: three ``edge-agent`` daemons on the simulated board (``sim`` profile and
@@ -41,6 +42,7 @@ import paho.mqtt.client as mqtt
 import yaml
 
 from agent.mqtt.contract import JobOutcome, Result, Status, Telemetry, Topics
+from registry.credentials import REGISTRY_ENV, TOKEN_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -79,9 +81,11 @@ class Mission:
     def __init__(self, out: Path, view: View, job_args: dict[str, Any]) -> None:
         self.out, self.say, self.job_args = out, view, job_args
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                    "EDGETRAIN_REGISTRY_TOKEN": secrets.token_hex(16)}
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        for var in (TOKEN_ENV, REGISTRY_ENV):  # each device gets its own, nothing else any
+            self.env.pop(var, None)
         self.registry_url = ""
+        self.registry_lock = threading.Lock()
         self.broker_port = 0
         self.results: dict[str, dict[str, Any]] = {}
         self.stage: dict[str, str] = {}
@@ -145,7 +149,15 @@ class Mission:
         self.run("registry", [str(BIN / "hpc-train"), "publish", str(run), "--registry",
                               str(reg), "--name", MODEL, "--version", "1",
                               "--sign-key", str(keys / "upstream.key.pem")])
-        server = self.start("registry", [sys.executable, "-m", "registry.serve", str(reg)],
+        # Who may upload: upstream (any version its key covers) and, added as each device is
+        # provisioned, that device (its own versions only). The server re-reads both files.
+        trusted, secrets_dir = self.out / "registry-trusted", self.out / "registry-secrets"
+        trusted.mkdir()
+        shutil.copy(keys / "upstream.pub.pem", trusted)
+        self.add_principal("upstream", "upstream", secrets_dir / "upstream.token")
+        server = self.start("registry", [sys.executable, "-m", "registry.serve", str(reg),
+                                         "--principals", str(self.out / "principals.yaml"),
+                                         "--trusted-keys", str(trusted)],
                             self.out / "registry.log")
         deadline = time.monotonic() + 20
         while not self.registry_url:
@@ -156,7 +168,13 @@ class Mission:
                 raise DemoError(f"registry server did not start:\n{text}")
             time.sleep(0.05)
         self.say("registry", f"published {MODEL}@1, signed by the upstream key; served at "
-                             f"{self.registry_url} (uploads need the token)")
+                             f"{self.registry_url} (uploads: each principal its own token)")
+
+    def add_principal(self, name: str, kind: str, token: Path) -> None:
+        argv = [sys.executable, "-m", "registry.serve", "add-principal", "--principals",
+                str(self.out / "principals.yaml"), "--name", name, "--kind", kind,
+                "--token-out", str(token)]
+        self.say("registry", self.run("registry", argv, cwd=REPO).strip())
 
     # --- 3. broker -----------------------------------------------------------------------
 
@@ -206,12 +224,18 @@ class Mission:
                        "--scope", f"{MODEL}@*+{dev}.*"])
         for f in (f"{dev}.pub.pem", f"{dev}.scope"):
             shutil.copy(state / f, trusted / f)
+            shutil.copy(state / f, self.out / "registry-trusted" / f)
+        with self.registry_lock:  # one principals file for all devices
+            self.add_principal(dev, "device", home / "registry.token")
         self.run(dev, [str(BIN / "agentctl"), "pull", f"{MODEL}@1", "--registry",
                        self.registry_url, "--state-dir", str(state), "--no-progress"])
         self.run(dev, [sys.executable, str(REPO / "scripts/make_device_data.py"),
                        "--distortion", camera, "--out", str(data / "camera.npz")])
+        # data_root: the data sets a command may name ("data": "camera.npz"); commands
+        # carry no paths, keys or registries (agent.yaml is the device's only trust source).
         cfg = {"device_id": dev, "groups": [GROUP], "state_dir": str(state),
-               "profile": "sim", "sensors": "sim", "telemetry_s": 2, "socket_group": None,
+               "data_root": str(data), "profile": "sim", "sensors": "sim", "telemetry_s": 2,
+               "socket_group": None,
                "mqtt": {"host": "127.0.0.1", "port": self.broker_port, "username": dev,
                         "password_file": str(self.out / "broker" / f"{dev}.password")},
                "registry": {"url": self.registry_url,
@@ -226,10 +250,13 @@ class Mission:
             homes = dict(zip(DEVICES, pool.map(self.provision, DEVICES, DEVICES.values()),
                              strict=True))
         for dev, home in homes.items():
-            # Relative data paths in a job resolve against the daemon's working directory,
-            # so one rollout's args ("data/camera.npz") fit every device.
+            # One rollout's args ("data": "camera.npz") fit every device: each resolves the
+            # name under its own data_root.
+            # Its own registry token, bound to the registry it uploads to and sent nowhere else.
+            env = {**self.env, REGISTRY_ENV: self.registry_url,
+                   TOKEN_ENV: (home / "registry.token").read_text().strip()}
             self.start(dev, [str(BIN / "edge-agent"), "--config", str(home / "agent.yaml")],
-                       home / "agent.log", cwd=home)
+                       home / "agent.log", cwd=home, env=env)
 
     # --- live view -----------------------------------------------------------------------
 
@@ -423,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     job_args = {
-        "model": MODEL, "data": "data/camera.npz",
+        "model": MODEL, "data": "camera.npz",
         "finetune": {"epochs": args.epochs, "trainable": "all", "lr": 0.002, "budget_mb": 600,
                      "sim_time_scale": 300},
         "steps": {"upload": True},

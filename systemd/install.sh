@@ -1,8 +1,9 @@
 #!/bin/sh
 # Install edge-agent as a systemd service. Idempotent: run it again after an upgrade.
 #   sudo systemd/install.sh [VENV]        (VENV default: the repository's .venv)
-# Creates the edge-agent user and group, /etc/edge-agent (config, credentials),
-# /var/lib/edge-agent (state), links /usr/local/bin/edge-agent, installs the unit.
+# Creates the edge-agent user and group, /etc/edge-agent (config, credentials: each 0600
+# edge-agent), /etc/edge-agent/trusted_keys (root's), /var/lib/edge-agent (state, 0700),
+# links /usr/local/bin/edge-agent, installs the unit.
 set -eu
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -28,7 +29,11 @@ for g in video render; do
 done
 
 install -d -m 0750 -o root -g edge-agent "$root/etc/edge-agent"
-install -d -m 0750 -o edge-agent -g edge-agent "$root/var/lib/edge-agent"
+# Trusted keys: root's to write, nobody else's (the agent refuses a folder others can write).
+install -d -m 0755 -o root -g root "$root/etc/edge-agent/trusted_keys"
+# State: the service user's alone (0700); data sets a command may name live under data/.
+install -d -m 0700 -o edge-agent -g edge-agent "$root/var/lib/edge-agent"
+install -d -m 0700 -o edge-agent -g edge-agent "$root/var/lib/edge-agent/data"
 if [ ! -e "$root/etc/edge-agent/agent.yaml" ]; then
     install -m 0640 -o root -g edge-agent "$here/agent.example.yaml" \
         "$root/etc/edge-agent/agent.yaml"

@@ -33,9 +33,10 @@ def registry_of(args: argparse.Namespace) -> str | None:
 
 
 def trusted_keys_of(args: argparse.Namespace) -> Any:
-    from registry.signing import load_trusted_keys
+    """The trusted keys, checked on disk like the daemon's (``agent.storage.trust``)."""
+    from agent.storage.trust import load_trusted
 
-    return load_trusted_keys(
+    return load_trusted(
         Path(args.trusted_keys) if args.trusted_keys else state_dir_of(args) / "trusted_keys"
     )
 
@@ -50,7 +51,8 @@ def add_state_args(p: argparse.ArgumentParser, trusted: bool = True) -> None:
         p.add_argument(
             "--trusted-keys",
             metavar="DIR",
-            help="folder of trusted *.pub.pem keys (default: STATE_DIR/trusted_keys)",
+            help="folder of trusted *.pub.pem keys, owned by root or this user and not "
+            "group/world-writable (default: STATE_DIR/trusted_keys)",
         )
 
 

@@ -1,9 +1,13 @@
 """agentctl commands that talk to the running ``edge-agent`` over its control socket.
 
-``STATE_DIR/agent.sock`` (mode 0660, group edge-agent), the MQTT command schema, no broker
-needed: ``status``, ``cancel``, ``deploy``, ``logs``, ``send`` (any contract command, e.g.
-rollback or set_power_mode, through the daemon's queue), and ``finetune --daemon`` /
-``finetune --follow``, which submit the device job to the daemon instead of running it here.
+The daemon's ``control_socket`` (``--socket``, ``$EDGE_AGENT_SOCKET``, else STATE_DIR/agent.sock
+or /run/edge-agent/agent.sock; root, the service user and the admin group only), the MQTT
+command schema, no broker needed: ``status``, ``cancel``, ``deploy``, ``logs``, ``send`` (any
+contract command, e.g. rollback or set_power_mode, through the daemon's queue), and
+``finetune --daemon`` / ``finetune --follow``, which submit the device job to the daemon
+instead of running it here. What goes through the daemon is a command like any other: names
+and numbers only (``--data cam0`` is DATA_ROOT/cam0), the registry, keys and paths are the
+daemon's own (agent.yaml).
 
 Without a daemon the foreground commands work as before (``agentctl finetune`` runs the job
 in this process, ``agentctl jobs``/``job`` read the store); ``cancel`` then flags the job in
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -24,17 +29,29 @@ from typing import Any
 from agent.cli.common import add_state_args, fail, state_dir_of
 
 SOCKET_NAME = "agent.sock"
+SOCKET_ENV = "EDGE_AGENT_SOCKET"
+RUN_SOCKET = Path("/run/edge-agent/agent.sock")
+"""Where the systemd unit's example config puts it (RuntimeDirectory, enterable by the group)."""
+TRUST_FLAGS = {("registry",): "--registry", ("trusted_keys",): "--trusted-keys",
+               ("signing_key",): "--signing-key", ("upload", "registry"): "--upload-to",
+               ("export", "tensorrt", "timing_cache"): "--trt-timing-cache"}
+"""Foreground-only flags: the daemon takes these from agent.yaml (or resolves a name)."""
 TERMINAL = {"REJECTED", "EXPIRED", "SUCCEEDED", "FAILED", "CANCELED", "TIMED_OUT"}
 
 EPILOG = """\
-These talk to the edge-agent daemon of --state-dir over STATE_DIR/agent.sock (the broker may
-be unreachable). Without a daemon: cancel flags the job in the store, logs reads the file,
-status/deploy/send fail with exit 3.
+These talk to the edge-agent daemon over its control socket (--socket, $EDGE_AGENT_SOCKET,
+else STATE_DIR/agent.sock, else /run/edge-agent/agent.sock; the broker may be unreachable).
+Without a daemon: cancel flags the job in the store, logs reads the file, status/deploy/send
+fail with exit 3.
+
+A command sent here carries what an MQTT command may: model, version, job knobs and names
+(--data cam0 = the daemon's data_root/cam0). Where to pull from and upload to, what to trust
+and what to sign with are the daemon's (agent.yaml), never the command's.
 
 examples:
   agentctl status --state-dir /var/lib/edge-agent
-  agentctl finetune --model digits --data /data/cam0 --follow      # through the daemon
-  agentctl deploy digits 7 --registry http://reg:8080 --follow
+  agentctl finetune --model digits --data cam0 --follow      # through the daemon
+  agentctl deploy digits 7 --data cam0 --follow              # from agent.yaml's registry.url
   agentctl send rollback --args '{"name": "digits", "reason": "drill"}' --follow
   agentctl cancel ft-20261123T0500Z ; agentctl logs ft-20261123T0500Z -n 100
 
@@ -44,7 +61,12 @@ or bad arguments, 3 no daemon listening
 
 
 def socket_of(args: argparse.Namespace) -> Path:
-    return state_dir_of(args) / SOCKET_NAME
+    if getattr(args, "socket", None):
+        return Path(args.socket)
+    if os.environ.get(SOCKET_ENV):
+        return Path(os.environ[SOCKET_ENV])
+    in_state = state_dir_of(args) / SOCKET_NAME
+    return RUN_SOCKET if not in_state.is_socket() and RUN_SOCKET.is_socket() else in_state
 
 
 def daemon_up(args: argparse.Namespace) -> bool:
@@ -193,10 +215,9 @@ def run_cancel(args: argparse.Namespace) -> int:
 
 
 def run_deploy(args: argparse.Namespace) -> int:
-    spec: dict[str, Any] = {"model": args.model, "version": args.version,
-                            "registry": args.registry}
+    spec: dict[str, Any] = {"model": args.model, "version": args.version}
     if args.data:
-        spec["data"] = str(Path(args.data).resolve())
+        spec["data"] = args.data
     cmd = envelope("deploy", spec, id=args.id, timeout_s=args.timeout_s)
     if args.follow:
         return follow_job(args, cmd, args.progress)
@@ -238,19 +259,26 @@ def finetune_through_daemon(foreground: Callable[[argparse.Namespace], int]) -> 
         if args.resume:
             return fail(2, "finetune: --resume runs a stored job here; the daemon resumes "
                         "its own jobs (drop --daemon/--follow)")
-        from agent.jobs.spec import DeviceJob
+        from agent.jobs.spec import FinetuneArgs
         from hpc_core.config import ConfigError
         from hpc_core.job_args import job_tree, validate_job
 
+        tree = job_tree(args)
+        for path, name in TRUST_FLAGS.items():
+            if _dig(tree, path) is not None:
+                return fail(2, f"finetune --daemon/--follow: {name} is the daemon's own "
+                            "(agent.yaml): a command carries no registry, key or path; drop "
+                            "it, or run the job here without --daemon/--follow")
         if not daemon_up(args):
             return _no_daemon(args, "finetune --daemon/--follow")
         try:
-            spec = validate_job(DeviceJob, job_tree(args), "device job")
+            spec = validate_job(FinetuneArgs, tree, "finetune command")
         except ConfigError as e:
             return fail(2, f"finetune: {' '.join(str(e).split())[:400]}")
         job_id = args.job_id or "ft-" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        cmd = envelope("finetune", _absolute(spec.model_dump(mode="json")), id=job_id,
-                       timeout_s=args.timeout_s)
+        # Only what was given: the daemon fills in the rest (its board's profile, sensors).
+        cmd = envelope("finetune", spec.model_dump(mode="json", exclude_unset=True),
+                       id=job_id, timeout_s=args.timeout_s)
         if args.follow:
             return follow_job(args, cmd, args.progress)
         return send_command(args, cmd, follow=False)
@@ -258,13 +286,12 @@ def finetune_through_daemon(foreground: Callable[[argparse.Namespace], int]) -> 
     return run
 
 
-def _absolute(spec: dict[str, Any]) -> dict[str, Any]:
-    """Local paths made absolute: the daemon does not run in this shell's directory."""
-    for key in ("data", "trusted_keys", "signing_key", "registry"):
-        v = spec.get(key)
-        if v and "://" not in str(v) and (key != "registry" or Path(v).exists()):
-            spec[key] = str(Path(v).resolve())
-    return spec
+def _dig(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for k in path:
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(k)  # type: ignore[assignment]
+    return tree
 
 
 # -- registration ------------------------------------------------------------------------------
@@ -275,6 +302,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         p = sub.add_parser(name, help=help, description=help, epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         add_state_args(p, trusted=False)
+        _socket_flag(p)
         return p
 
     p = add("status", "the running daemon: broker link, active model, job, queue, outbox")
@@ -284,11 +312,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("job_id")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run_cancel)
-    p = add("deploy", "pull, stage, check and commit a registry version (through the daemon)")
+    p = add("deploy", "pull, stage, check and commit a version of the daemon's registry "
+            "(registry.url in agent.yaml)")
     p.add_argument("model")
     p.add_argument("version")
-    p.add_argument("--registry", required=True, help="registry URL or folder")
-    p.add_argument("--data", help="held-out device data for the health check")
+    p.add_argument("--data", metavar="NAME",
+                   help="held-out data set for the health check: a name under the daemon's "
+                   "data_root")
     _job_flags(p)
     p.set_defaults(func=run_deploy)
     p = add("send", "send any contract command to the daemon (same schema as MQTT)")
@@ -308,11 +338,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="submit the job to the running edge-agent and return once queued")
         g.add_argument("--follow", action="store_true",
                        help="submit it to the daemon and show its progress to the end")
+        _socket_flag(g)
         ft.set_defaults(func=finetune_through_daemon(ft.get_default("func")))
 
 
+def _socket_flag(p: argparse._ActionsContainer) -> None:
+    p.add_argument("--socket", metavar="PATH",
+                   help=f"the daemon's control socket (default: ${SOCKET_ENV}, else "
+                   f"STATE_DIR/{SOCKET_NAME}, else {RUN_SOCKET})")
+
+
 def _job_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--id", help="command id (the idempotency key; default: generated)")
+    p.add_argument("--id", help="command id, the idempotency key: 1-128 of A-Z a-z 0-9 . _ : -, "
+                   "starting with a letter or digit (default: generated)")
     p.add_argument("--timeout-s", type=float)
     p.add_argument("--follow", action="store_true", help="wait for the end, showing progress")
     p.add_argument("--progress", choices=("auto", "live", "json", "plain"), default="auto")

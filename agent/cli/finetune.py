@@ -38,6 +38,12 @@ examples:
   agentctl finetune --job-id nightly-7 --resume     # continue it after a reboot or SIGTERM
   agentctl jobs; agentctl job nightly-7             # history, and one job's steps
 
+In the foreground (run as root or the service user) the flags may name paths, a registry and
+keys. With --daemon/--follow the job goes to the running edge-agent as a command, which
+carries names and numbers only: --data is a data set under the daemon's data_root, and
+--registry, --trusted-keys, --signing-key, --upload-to and --trt-timing-cache are refused (the
+daemon's come from agent.yaml).
+
 exit codes: 0 committed, 1 the job failed or rolled back (the summary says why), 2 invalid
 arguments (nothing created), 75 suspended by SIGTERM (resume with --resume)
 """

@@ -7,7 +7,12 @@ raises out of :meth:`CommandHandler.handle` (a bug becomes REJECTED INTERNAL).
 
 The ``id`` is the idempotency key across both stores: jobs live in the job store, every other
 command (and every rejection of a non-job command) in the outbox database's ``commands``
-table, so a repeat gets DUPLICATE with where the original stands.
+table, so a repeat gets DUPLICATE with where the original stands (until the record is pruned:
+``limits.keep_*``).
+
+A job command's args are the job's allow-list resolved against this device's own settings
+(:func:`~agent.daemon.jobspec.validate_job`): trust and paths come from agent.yaml, never from
+the command. At most ``limits.max_queued_jobs`` jobs wait; one more is REJECTED and not stored.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from pydantic import ValidationError
 
 from agent.daemon.announce import Announcer, error_info, job_status
 from agent.daemon.jobspec import validate_job
-from agent.jobs.store import JobStore
+from agent.jobs.spec import DeviceSettings
+from agent.jobs.store import JobStore, QueueFull
 from agent.mqtt.contract import (
     JOB_TYPES,
     CancelArgs,
@@ -45,7 +51,7 @@ class CommandHandler:
         cancel: Callable[[str], tuple[str, dict[str, Any] | None]],
         set_power_mode: Callable[[str], tuple[str, dict[str, Any]]],
         wake_runner: Callable[[], None],
-        job_defaults: dict[str, Any] | None = None,
+        settings: DeviceSettings, max_queued: int,
     ) -> None:
         self.store = store
         self.ann = announcer
@@ -53,16 +59,20 @@ class CommandHandler:
         self._cancel = cancel
         self._set_power_mode = set_power_mode
         self._wake = wake_runner
-        self._job_defaults = job_defaults or {}
+        self._settings = settings
+        self._max_queued = max_queued
 
     # -- entry point ----------------------------------------------------------------------
 
     def handle(
         self, payload: bytes, topic_type: str, *, source: str = "mqtt",
         reply: dict[str, Any] | None = None, wrong_target: str | None = None,
+        bad_envelope: str | None = None,
     ) -> list[Result]:
+        """``wrong_target``/``bad_envelope``: why the transport already condemned this command
+        (another device's topic, an unusable response topic); it is REJECTED with that."""
         try:
-            return self._handle(payload, topic_type, source, reply, wrong_target)
+            return self._handle(payload, topic_type, source, reply, wrong_target, bad_envelope)
         except Exception as e:  # the daemon survives its own bugs and says so
             log.exception("command on cmd/%s failed inside the daemon", topic_type)
             error = {"code": "INTERNAL", "message": f"{type(e).__name__}: {e}"[:500],
@@ -77,7 +87,7 @@ class CommandHandler:
 
     def _handle(
         self, payload: bytes, topic_type: str, source: str, reply: dict[str, Any] | None,
-        wrong_target: str | None,
+        wrong_target: str | None, bad_envelope: str | None,
     ) -> list[Result]:
         try:
             cmd = parse_command(payload, topic_type)
@@ -86,7 +96,9 @@ class CommandHandler:
         try:
             if wrong_target:
                 raise CommandRejected("WRONG_TARGET", wrong_target)
-            spec = (validate_job(cmd.type, cmd.args, self._job_defaults)
+            if bad_envelope:
+                raise CommandRejected("BAD_ENVELOPE", bad_envelope)
+            spec = (validate_job(cmd.type, cmd.args, self._settings)
                     if cmd.type in JOB_TYPES else None)
         except CommandRejected as e:
             e.command_id = cmd.id
@@ -159,10 +171,17 @@ class CommandHandler:
         stored_reply = dict(reply or {})
         if cmd.expires_at is not None:
             stored_reply["expires_at"] = cmd.expires_at.timestamp()
-        rec, created = self.store.submit(
-            cmd.id, cmd.type, spec, timeout_s=cmd.timeout_s, source=source,
-            reply=stored_reply or None,
-        )
+        try:
+            rec, created = self.store.submit(
+                cmd.id, cmd.type, spec, timeout_s=cmd.timeout_s, source=source,
+                reply=stored_reply or None, max_queued=self._max_queued,
+            )
+        except QueueFull as e:
+            # Not stored, so the same id is accepted once the queue has room (retryable).
+            error = {"code": "UNAVAILABLE", "retryable": True,
+                     "message": f"queue full: {e} (limits.max_queued_jobs)"}
+            return self.ann.send(lambda tx: [self.ann.put_result(
+                tx, cmd.id, "REJECTED", reply=reply, error=error, record=False)])
         if not created:  # a concurrent twin (socket and MQTT at once)
             return self._duplicate(cmd.id, reply) or []
         res = self.ann.announce_job(rec)

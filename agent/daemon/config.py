@@ -5,6 +5,11 @@ Environment overrides name the dotted path with ``__`` between levels, values pa
     EDGE_AGENT_DEVICE_ID=jetson-042  EDGE_AGENT_MQTT__PORT=8883  EDGE_AGENT_GROUPS='[lab, a]'
 
 Unknown keys are errors (also in the environment), reported with their path and a hint.
+
+This file (and provisioning) is the device's only source of trust and of where to talk: the
+trusted keys, the signing key, the registry and upload target, the broker, the data root and
+every path. A command names a data set or a cache; :meth:`AgentConfig.job_settings` turns this
+config into what resolves those names (``agent.jobs.spec.resolve``).
 """
 
 from __future__ import annotations
@@ -12,10 +17,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from agent.jobs.spec import DeviceSettings
 from agent.mqtt.contract import DEFAULT_PREFIX, Topics, check_id
 from hpc_core.config import ConfigError, apply_overrides, format_errors, read_yaml
 
@@ -70,9 +76,15 @@ class MqttConfig(_Strict):
 
 class RegistryConfig(_Strict):
     url: str | None = None
-    """Registry URL or folder the device pulls models from."""
+    """Registry URL or folder the device pulls models from (deploy, a fine-tune's --version)."""
+    upload_url: str | None = None
+    """Where the device publishes its fine-tunes (null: url)."""
+    token_file: Path | None = None
+    """This device's own registry token (one line, mode 0600), sent only to url's origin, only
+    over https (plain http to loopback only), only on requests that need it."""
     trusted_keys: Path | None = None
-    """Folder of trusted ``*.pub.pem`` keys (default: STATE_DIR/trusted_keys)."""
+    """Folder of trusted ``*.pub.pem`` keys, owned by root or the service user and not
+    group/world-writable (default: STATE_DIR/trusted_keys)."""
     signing_key: Path | None = None
     """This device's private key: signs the models it fine-tunes, stages and uploads (default:
     the job's, STATE_DIR/device.key.pem). Its file name is the signer's name and uploads are
@@ -94,6 +106,24 @@ class LimitsConfig(_Strict):
     """Smallest gap between two IN_PROGRESS results of one job."""
     job_history: int = Field(default=500, ge=10)
     """Jobs checked at start-up for results that were persisted but never announced."""
+    max_queued_jobs: int = Field(default=16, ge=1)
+    """Jobs waiting in the queue at most; a job command beyond it is REJECTED (UNAVAILABLE,
+    retryable) and not stored."""
+    keep_finished_jobs: int = Field(default=200, ge=10)
+    """Finished jobs (and their folders and logs) kept, newest first; older ones are pruned.
+    A command id repeated after its record was pruned runs again."""
+    keep_history_s: float = Field(default=30 * 24 * 3600, gt=0)
+    """Finished jobs and command records older than this (seconds) are pruned."""
+    keep_command_records: int = Field(default=2000, ge=10)
+    """Records of answered non-job commands (ping, cancel, ...) kept for DUPLICATE answers."""
+    max_response_topic_bytes: int = Field(default=256, ge=16, le=4096)
+    """Longest MQTT v5 ResponseTopic a command may ask the results to be copied to."""
+    max_correlation_bytes: int = Field(default=256, ge=8, le=4096)
+    """Longest MQTT v5 CorrelationData echoed back."""
+    control_connections: int = Field(default=8, ge=1)
+    """Control-socket clients served at once; one more is told so and closed."""
+    control_timeout_s: float = Field(default=10.0, gt=0)
+    """A control-socket client must send its request, and read each answer line, within this."""
 
 
 class AgentConfig(_Strict):
@@ -103,7 +133,14 @@ class AgentConfig(_Strict):
     """Groups whose commands this device obeys (``{prefix}/group/{g}/cmd/+``)."""
     mqtt: MqttConfig = Field(default_factory=MqttConfig)
     state_dir: Path = Path("/var/lib/edge-agent")
-    """Job store, outbox, model slots and the control socket live here."""
+    """Job store, outbox, model slots and keys live here (created 0700, files 0600)."""
+    data_root: Path | None = None
+    """Data sets a command may name (``data: cam0`` -> DATA_ROOT/cam0; default:
+    STATE_DIR/data). Commands never carry paths."""
+    control_socket: Path | None = None
+    """The control socket agentctl talks to (default: STATE_DIR/agent.sock). Put it in a
+    folder the admin group can enter (systemd: /run/edge-agent/agent.sock) for non-root
+    operators: the state dir is 0700."""
     profile: str = "auto"
     """Device profile name, or auto (detected from the board)."""
     sensors: Literal["auto", "jtop", "tegrastats", "sysfs", "sim", "none"] = "auto"
@@ -112,7 +149,8 @@ class AgentConfig(_Strict):
     telemetry_s: float = Field(default=10.0, ge=0)
     """Seconds between telemetry messages (0: no telemetry)."""
     socket_group: str | None = "edge-agent"
-    """Group that may use the control socket (mode 0660); null keeps the daemon's own group."""
+    """Admin group: besides root and the service user, its members may use the control
+    socket (mode 0660, checked per connection with SO_PEERCRED); null: nobody else."""
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
 
     @field_validator("device_id")
@@ -125,19 +163,74 @@ class AgentConfig(_Strict):
     def _groups(cls, v: list[str]) -> list[str]:
         return [check_id(g, "group") for g in v]
 
-    def job_defaults(self) -> dict[str, Any]:
-        """What a job command leaves out and this device knows: filled in before validation."""
-        return {
-            "registry": self.registry.url,
-            "trusted_keys": str(self.registry.trusted_keys or self.state_dir / "trusted_keys"),
-            "signing_key": str(self.registry.signing_key) if self.registry.signing_key else None,
+    @model_validator(mode="after")
+    def _absolute(self) -> AgentConfig:
+        # The worker runs in the state dir, not the daemon's working directory: every path it
+        # is handed must be absolute.
+        self.state_dir = self.state_dir.absolute()
+        for obj, name in ((self, "data_root"), (self, "control_socket"),
+                          (self.registry, "trusted_keys"), (self.registry, "signing_key"),
+                          (self.registry, "token_file"), (self.mqtt, "password_file")):
+            value = getattr(obj, name)
+            if value is not None:
+                object.__setattr__(obj, name, value.absolute())
+        return self
+
+    def job_settings(self) -> DeviceSettings:
+        """What resolves a job command on this device: every path, registry and key."""
+        return DeviceSettings(
+            state_dir=self.state_dir, data_root=self.data_root or self.state_dir / "data",
+            registry=self.registry.url, upload_registry=self.registry.upload_url,
+            trusted_keys=self.trusted_keys_dir, signing_key=self.signing_key_path,
             # The board this daemon runs on and the sensors it reads pace the fine-tune too.
-            "finetune": {"profile": self.profile, "sensors": self.sensors},
-        }
+            profile=self.profile, sensors=self.sensors,
+        )
+
+    @property
+    def trusted_keys_dir(self) -> Path:
+        return self.registry.trusted_keys or self.state_dir / "trusted_keys"
+
+    @property
+    def signing_key_path(self) -> Path:
+        return self.registry.signing_key or self.state_dir / "device.key.pem"
 
     @property
     def socket_path(self) -> Path:
-        return self.state_dir / "agent.sock"
+        return self.control_socket or self.state_dir / "agent.sock"
+
+    def check_files(self) -> list[str]:
+        """Problems with the files this config trusts, one line each naming the key and the
+        path: secrets open to group or others, a trusted-keys folder or broker CA anyone else
+        could write.
+        Missing optional files (no device key yet, no trusted keys yet) are not problems."""
+        from agent.storage.trust import check_secret_file, check_trusted_dir, check_trusted_file
+        from registry.errors import KeyFileError
+
+        secrets = [("mqtt.password_file", self.mqtt.password_file),
+                   ("mqtt.tls.key", self.mqtt.tls.key if self.mqtt.tls else None),
+                   ("registry.token_file", self.registry.token_file),
+                   ("registry.signing_key", self.registry.signing_key)]
+        if self.registry.signing_key is None and self.signing_key_path.exists():
+            secrets.append(("registry.signing_key", self.signing_key_path))
+        problems = []
+        for key, path in secrets:
+            if path is None:
+                continue
+            try:
+                check_secret_file(path, "secret")
+            except KeyFileError as e:
+                problems.append(f"  {key}: {e}")
+        if self.mqtt.tls is not None:
+            try:  # the broker's CA decides whom the device takes commands from
+                check_trusted_file(self.mqtt.tls.ca, "CA bundle")
+            except KeyFileError as e:
+                problems.append(f"  mqtt.tls.ca: {e}")
+        if self.registry.trusted_keys is not None or self.trusted_keys_dir.exists():
+            try:
+                check_trusted_dir(self.trusted_keys_dir)
+            except KeyFileError as e:
+                problems.append(f"  registry.trusted_keys: {e}")
+        return problems
 
     @property
     def topics(self) -> Topics:

@@ -1,7 +1,10 @@
 """The control socket: ``agentctl`` talks to the running daemon with the cloud unreachable.
 
-``<state_dir>/agent.sock``, mode 0660, group ``edge-agent``. One JSON object per line each way.
-Requests (``op``):
+``control_socket`` (default ``<state_dir>/agent.sock``), mode 0660, group ``socket_group``. Who
+connects is checked per connection with ``SO_PEERCRED``: root, the service user or a member of
+``socket_group``; anyone else is told so and closed. At most ``limits.control_connections``
+clients at once, and each must send its request and read each answer within
+``limits.control_timeout_s``. One JSON object per line each way. Requests (``op``):
 
 - ``{"op": "command", "command": {<contract Command>}, "follow": true}``: the same command
   schema as MQTT; answered with ``{"result": <Result>}`` lines (with ``follow``, until the
@@ -18,8 +21,10 @@ import grp
 import json
 import logging
 import os
+import pwd
 import queue
 import socket
+import struct
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,11 +33,15 @@ from typing import Any
 from agent.daemon.announce import Announcer
 from agent.daemon.commands import CommandHandler
 from agent.jobs.store import JobRecord, JobStore
-from agent.mqtt.contract import TERMINAL_STATUSES, Result
+from agent.mqtt.contract import COMMAND_ID_RE, TERMINAL_STATUSES, Result
 
 log = logging.getLogger("agent.daemon.control")
 
 MAX_REQUEST_BYTES = 256 * 1024
+UCRED = "iII"
+"""struct ucred (SO_PEERCRED): pid_t, uid_t, gid_t."""
+MAX_LIST, MAX_LOG_LINES = 1000, 5000
+"""Largest answers to ``jobs`` and ``logs``."""
 
 
 def job_summary(rec: JobRecord) -> dict[str, Any]:
@@ -46,6 +55,7 @@ class ControlServer:
     def __init__(
         self, path: Path, handler: CommandHandler, announcer: Announcer, store: JobStore,
         *, status: Callable[[], dict[str, Any]], log_dir: Path, group: str | None,
+        max_connections: int = 8, timeout_s: float = 10.0,
     ) -> None:
         self.path = path
         self.handler = handler
@@ -54,12 +64,16 @@ class ControlServer:
         self._status = status
         self.log_dir = log_dir
         self.group = group
+        self.timeout_s = timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.max_connections = max_connections
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # A folder of its own (e.g. /run/edge-agent) is one the admin group may enter.
+        self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
         self.path.unlink(missing_ok=True)  # a stale socket from a killed daemon
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # Bind under a restrictive umask so the socket never exists with wider permissions.
@@ -99,10 +113,54 @@ class ControlServer:
                 if not self._stop.is_set():
                     log.exception("control socket accept failed")
                 return
+            conn.settimeout(self.timeout_s)
+            who = self._refused(conn)
+            if who is None and not self._slots.acquire(blocking=False):
+                who = (f"{self.max_connections} clients are connected already "
+                       "(limits.control_connections): try again")
+            if who is not None:
+                with conn, contextlib.suppress(OSError):
+                    conn.sendall(json.dumps({"error": who}).encode() + b"\n")
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="control-client",
                              daemon=True).start()
 
+    def _refused(self, conn: socket.socket) -> str | None:
+        """Why this peer may not talk to the daemon (SO_PEERCRED), or None."""
+        try:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                    struct.calcsize(UCRED))
+            pid, uid, gid = struct.unpack(UCRED, creds)
+        except OSError as e:
+            return f"cannot tell who is connecting: {e}"
+        if uid in (0, os.geteuid()) or self._in_admin_group(uid, gid):
+            return None
+        log.warning("control socket: refused uid %d (pid %d): not root, the service user or "
+                    "in group %s", uid, pid, self.group)
+        return (f"uid {uid} may not use this daemon: only root, the service user or members "
+                f"of {self.group or '(no admin group configured)'}")
+
+    def _in_admin_group(self, uid: int, gid: int) -> bool:
+        if not self.group:
+            return False
+        try:
+            g = grp.getgrnam(self.group)
+        except KeyError:
+            return False
+        if gid == g.gr_gid:
+            return True
+        try:
+            return pwd.getpwuid(uid).pw_name in g.gr_mem
+        except KeyError:
+            return False
+
     def _serve(self, conn: socket.socket) -> None:
+        try:
+            self._serve_one(conn)
+        finally:
+            self._slots.release()
+
+    def _serve_one(self, conn: socket.socket) -> None:
         with conn:
             try:
                 f = conn.makefile("rwb")
@@ -122,6 +180,9 @@ class ControlServer:
                 self._dispatch(req, f)
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the client went away (Ctrl-C on --follow): nothing to answer
+            except TimeoutError:
+                log.info("control client silent or not reading for %.0fs: closed",
+                         self.timeout_s)
             except Exception as e:
                 log.exception("control request failed")
                 with contextlib.suppress(OSError):
@@ -132,10 +193,11 @@ class ControlServer:
         if op == "status":
             _send(f, {"status": self._status()})
         elif op == "jobs":
-            limit = int(req.get("limit", 20))
+            limit = min(int(req.get("limit", 20)), MAX_LIST)
             _send(f, {"jobs": [job_summary(r) for r in self.store.list(limit=limit)]})
         elif op == "logs":
-            _send(f, {"lines": self._logs(str(req.get("job_id", "")), int(req.get("lines", 50)))})
+            _send(f, {"lines": self._logs(str(req.get("job_id", "")),
+                                          min(int(req.get("lines", 50)), MAX_LOG_LINES))})
         elif op == "command":
             self._command(req, f)
         else:
@@ -186,7 +248,7 @@ class ControlServer:
 
 def read_log(log_dir: Path, job_id: str, lines: int) -> list[str]:
     """The last ``lines`` lines of a job's worker log (``<state_dir>/logs/<id>.log``)."""
-    if not job_id or "/" in job_id or job_id.startswith("."):
+    if not COMMAND_ID_RE.fullmatch(job_id):
         return [f"no job id {job_id!r}"]
     try:
         text = (log_dir / f"{job_id}.log").read_bytes()[-(lines * 400):].decode(

@@ -1,8 +1,11 @@
-"""A job command's ``args`` checked against the device job's own spec models before it is queued.
+"""A job command's ``args``: checked against the job's allow-list, then resolved on this device.
 
-The models belong to the job (``agent.jobs.spec.SPECS``: finetune -> DeviceJob, deploy ->
-DeployJob, rollback -> RollbackJob; torch-free); the daemon only looks them up, so a bad
-finetune command is REJECTED with the field's path at once, not FAILED minutes later. The
+Two models per job type, both the job's own (``agent.jobs.spec``; torch-free): the args a
+command may carry (``COMMAND_ARGS``: finetune -> FinetuneArgs, deploy -> DeployArgs,
+rollback -> RollbackArgs; ``extra="forbid"``, names instead of paths) and the resolved spec the
+worker runs (``SPECS``), which takes every registry, key, upload target and path from the
+device's :class:`~agent.jobs.spec.DeviceSettings` (agent.yaml). A command that tries to set
+one of those is REJECTED BAD_ARGS naming the field, at once, not FAILED minutes later. The
 contract checks the envelope (and rollback's own args) first; the spec is the last word.
 """
 
@@ -10,35 +13,30 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent.mqtt.contract import CommandRejected
+from pydantic import ValidationError
+
+from agent.jobs.spec import DeviceSettings
+from agent.mqtt.contract import CommandRejected, error_from_validation
 
 
-def validate_job(
-    type_: str, args: dict[str, Any], defaults: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """The validated spec as JSON-able data, stored as the job's spec and run by the worker;
-    pydantic's ValidationError on bad args, or CommandRejected(UNAVAILABLE) for a job type
-    this build cannot run. ``defaults`` (the device's registry, trusted keys and signing key,
-    from its config) fill the spec's fields of those names that the command leaves out, so one
-    rollout's args fit every device."""
-    from agent.jobs.spec import SPECS
+def validate_job(type_: str, args: dict[str, Any], settings: DeviceSettings) -> dict[str, Any]:
+    """The resolved spec as JSON-able data, stored as the job's spec and run by the worker.
+    pydantic's ValidationError on args outside the allow-list, CommandRejected(BAD_ARGS)
+    on args this device cannot resolve (a data set it does not have, an upload with no
+    registry configured), CommandRejected(UNAVAILABLE) for a job type this build cannot run."""
+    from agent.jobs.spec import COMMAND_ARGS, ArgsRefused, resolve
 
-    model = SPECS.get(type_)
+    model = COMMAND_ARGS.get(type_)
     if model is None:
         raise CommandRejected(
             "UNAVAILABLE", f"{type_} jobs are not supported by this agent version "
-            f"(it runs {', '.join(sorted(SPECS))})"
+            f"(it runs {', '.join(sorted(COMMAND_ARGS))})"
         )
-    known = {k: v for k, v in (defaults or {}).items() if k in model.model_fields}
-    return dict(model.model_validate(_under(known, args)).model_dump(mode="json"))
-
-
-def _under(defaults: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
-    """``args`` laid over ``defaults``, section by section; a None default fills nothing."""
-    out = dict(args)
-    for k, v in defaults.items():
-        if isinstance(v, dict) and isinstance(out.get(k, {}), dict):
-            out[k] = _under(v, out.get(k, {}))
-        elif out.get(k) is None and v is not None:
-            out[k] = v
-    return out
+    args_model = model.model_validate(args)
+    try:
+        spec = resolve(type_, args_model, settings)
+    except ArgsRefused as e:
+        raise CommandRejected("BAD_ARGS", f"args.{e}") from None
+    except ValidationError as e:  # the resolved job's own cross-field checks
+        raise CommandRejected("BAD_ARGS", error_from_validation(e).message) from None
+    return dict(spec.model_dump(mode="json"))

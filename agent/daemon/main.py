@@ -8,6 +8,11 @@ running job checkpoints (its worker exits 75 and the job stays IN_PROGRESS), the
 status goes offline, exit 0 well inside systemd's 30 s.
 
 Torch is never imported here: jobs run in ``python -m agent.jobs.worker``.
+
+Trust comes from the config only (``agent.yaml``): at start the secrets it names must be
+unreadable to others and the trusted-keys folder writable by nobody but root or the service
+user, or the daemon exits 2 naming the file. The state dir is made 0700 and what the daemon
+and its workers create there 0600/0700, whatever umask it was started with.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
+import stat
 import sys
 import threading
 import time
@@ -39,6 +46,7 @@ from agent.daemon.runner import JobRunner
 from agent.daemon.sdnotify import Notifier
 from agent.jobs.store import JobState, JobStore
 from agent.mqtt.contract import (
+    COMMAND_ID_RE,
     TELEMETRY_EXPIRY_S,
     TERMINAL_STATUSES,
     JobProgress,
@@ -48,6 +56,8 @@ from agent.mqtt.contract import (
 )
 from agent.mqtt.link import Inbound, LinkSettings, MqttLink
 from agent.mqtt.outbox import Outbox
+from agent.storage.trust import check_secret_file
+from registry.errors import KeyFileError
 
 log = logging.getLogger("agent.daemon")
 
@@ -60,7 +70,7 @@ class Daemon:
         self.cfg = cfg
         self.topics = cfg.topics
         self.device = cfg.device_id
-        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(cfg.state_dir)
         self.notifier = notifier or Notifier()
         self.store = JobStore(cfg.state_dir)
         self.outbox = Outbox(cfg.state_dir)
@@ -73,15 +83,18 @@ class Daemon:
         )
         self.ann = Announcer(self.outbox, self.topics, self.device, self.link.flush)
         self.runner = JobRunner(self.store, self.ann, cfg.state_dir, cfg.limits,
-                                crashes=self._count_crash, worker_argv=worker_argv)
+                                crashes=self._count_crash, worker_argv=worker_argv,
+                                worker_env=worker_env(cfg), prune=self.prune)
         self.handler = CommandHandler(
             self.store, self.ann, status=self.status, cancel=self.runner.cancel,
             set_power_mode=set_power_mode, wake_runner=self.runner.wake,
-            job_defaults=cfg.job_defaults(),
+            settings=cfg.job_settings(), max_queued=cfg.limits.max_queued_jobs,
         )
         self.control = ControlServer(
             cfg.socket_path, self.handler, self.ann, self.store, status=self.status,
             log_dir=self.runner.log_dir, group=cfg.socket_group,
+            max_connections=cfg.limits.control_connections,
+            timeout_s=cfg.limits.control_timeout_s,
         )
         self.sensors = Sensors(cfg.sensors)
         self.stop_event = threading.Event()
@@ -125,9 +138,29 @@ class Daemon:
             wrong = f"addressed to device {target!r}; this is {self.device!r}"
         elif kind == "group_cmd" and target not in self.cfg.groups:
             wrong = f"addressed to group {target!r}; this device is in {self.cfg.groups}"
-        self.handler.handle(msg.payload, sub, source="mqtt",
-                            reply=reply_of(msg.response_topic, msg.correlation_data),
-                            wrong_target=wrong)
+        bad_reply = self._bad_reply(msg)
+        # A response topic the device will not publish to is dropped: the refusal goes to the
+        # device's own result topic only.
+        reply = None if bad_reply else reply_of(msg.response_topic, msg.correlation_data)
+        self.handler.handle(msg.payload, sub, source="mqtt", reply=reply, wrong_target=wrong,
+                            bad_envelope=bad_reply)
+
+    def _bad_reply(self, msg: Inbound) -> str | None:
+        """Why the v5 ResponseTopic / CorrelationData cannot be honoured (bounded: each one
+        is stored with every result of the command), or None."""
+        lim = self.cfg.limits
+        topic, corr = msg.response_topic, msg.correlation_data
+        if topic is not None:
+            size = len(topic.encode())
+            if size > lim.max_response_topic_bytes:
+                return (f"response topic is {size} bytes; the limit is "
+                        f"{lim.max_response_topic_bytes} (limits.max_response_topic_bytes)")
+            if not topic or any(c in topic for c in "+#\x00"):
+                return "response topic must be a topic name: not empty, no + # or NUL"
+        if corr is not None and len(corr) > lim.max_correlation_bytes:
+            return (f"correlation data is {len(corr)} bytes; the limit is "
+                    f"{lim.max_correlation_bytes} (limits.max_correlation_bytes)")
+        return None
 
     # -- state ----------------------------------------------------------------------------
 
@@ -150,6 +183,32 @@ class Daemon:
         job = self.runner.progress()
         link = f"connected (conn_seq {self.conn_seq})" if self.link.connected else "offline"
         return f"MQTT {link}; " + (f"job {job['id']} {job.get('stage')}" if job else "idle")
+
+    def prune(self) -> int:
+        """Forget finished jobs and command records past ``limits.keep_*`` (never a job that
+        has not ended): their rows, job folders, logs, announce ledger and crash counters.
+        Runs on the job runner's thread, between jobs."""
+        lim = self.cfg.limits
+        older = time.time() - lim.keep_history_s
+        ids = self.store.prune(keep=lim.keep_finished_jobs, older_than=older)
+        with self.outbox.tx() as tx:
+            old = [r[0] for r in tx.conn.execute(
+                "SELECT id FROM commands WHERE ts < ? OR id NOT IN (SELECT id FROM commands "
+                "ORDER BY ts DESC LIMIT ?)", (older, lim.keep_command_records)).fetchall()]
+            for chunk in range(0, max(len(old), len(ids)), 500):
+                cmds, jobs = old[chunk:chunk + 500], ids[chunk:chunk + 500]
+                _delete_in(tx, "commands", "id", cmds)
+                _delete_in(tx, "announced", "id", cmds + jobs)
+                _delete_in(tx, "counters", "name", [f"crash:{j}" for j in jobs])
+        for jid in ids:
+            # A record stored before ids were checked may be named ".." (its "folder" would be
+            # the state dir itself): only a valid id names a file to delete.
+            if COMMAND_ID_RE.fullmatch(jid):
+                shutil.rmtree(self.cfg.state_dir / "jobs" / jid, ignore_errors=True)
+                (self.runner.log_dir / f"{jid}.log").unlink(missing_ok=True)
+        if ids:
+            log.info("pruned %d finished job(s) from the history", len(ids))
+        return len(ids)
 
     def recover(self) -> int:
         """Re-queue what the device owes from before a crash: a job's ACCEPTED that never
@@ -231,10 +290,48 @@ class Daemon:
         return 0
 
 
+def _delete_in(tx: Any, table: str, column: str, values: list[str]) -> None:
+    if values:
+        tx.conn.execute(f"DELETE FROM {table} WHERE {column} IN ({','.join('?' * len(values))})",
+                        values)
+
+
+def private_dir(path: Path) -> None:
+    """``path`` exists and, when it is this user's, is 0700 with its databases 0600 (a state
+    dir first made by ``agentctl pull`` under a 022 umask, or by an older agent, is
+    tightened)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != 0o700:
+        path.chmod(0o700)
+    for name in ("jobs.db", "agent.db"):
+        f = path / name
+        if f.exists() and f.stat().st_uid == os.geteuid():
+            f.chmod(0o600)
+
+
+def worker_env(cfg: AgentConfig) -> dict[str, str]:
+    """The job worker's environment: the daemon's, the working directory never on sys.path
+    (PYTHONSAFEPATH, Python 3.11+; the worker also runs in the state dir), and this device's
+    own registry token bound to its configured registry (``registry.credentials``: sent to
+    that origin only) in place of any token the daemon inherited."""
+    from registry.credentials import REGISTRY_ENV, TOKEN_ENV, read_token_file
+
+    env = dict(os.environ, PYTHONSAFEPATH="1")
+    if cfg.registry.token_file is not None:
+        env.pop(TOKEN_ENV, None)
+        env.pop(REGISTRY_ENV, None)
+        if cfg.registry.url:
+            env[REGISTRY_ENV] = cfg.registry.url
+            env[TOKEN_ENV] = read_token_file(cfg.registry.token_file)
+    return env
+
+
 def _link_settings(cfg: AgentConfig) -> LinkSettings:
     m = cfg.mqtt
     password = None
     if m.password_file is not None:
+        check_secret_file(m.password_file, "mqtt.password_file")
         password = m.password_file.read_text().strip()
     username = m.username or (cfg.device_id if password is not None else None)
     return LinkSettings(
@@ -249,12 +346,20 @@ def _link_settings(cfg: AgentConfig) -> LinkSettings:
 # -- command line ---------------------------------------------------------------------------
 
 EPILOG = """\
+This config is the device's only source of trust and of where to talk: trusted keys, signing
+key, registry and upload target, registry token, broker, data root and every path. Commands
+(MQTT or the control socket) carry a model, a version, job knobs and names resolved under the
+device's own folders (data: cam0 -> data_root/cam0); anything else is REJECTED naming the
+field. Secrets open to group or others, or a trusted-keys folder others could write, stop the
+start with exit 2 naming the file.
+
 examples:
   edge-agent --config /etc/edge-agent/agent.yaml
   edge-agent validate /etc/edge-agent/agent.yaml
   EDGE_AGENT_MQTT__HOST=broker.lan edge-agent --config agent.yaml --set telemetry_s=5
 
-exit codes: 0 stopped cleanly, 2 invalid config or arguments
+exit codes: 0 stopped cleanly, 2 invalid config or arguments, or an unsafe secret or
+trusted-keys folder
 """
 
 
@@ -284,6 +389,9 @@ def validate(argv: list[str]) -> int:
                         ("key", cfg.mqtt.tls.key)) if v is not None and not Path(v).is_file()]
             if missing:
                 raise ConfigError(str(a.config), missing)
+        problems = cfg.check_files()
+        if problems:
+            raise ConfigError(str(a.config), problems)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
@@ -307,12 +415,24 @@ def main(argv: list[str] | None = None) -> int:
     from hpc_core.logs import setup_logging
 
     setup_logging(a.log_format)
+    # Whatever umask systemd, a shell or a test gave us: nothing the daemon or its workers
+    # create is for anyone else.
+    os.umask(0o077)
+    os.environ["PYTHONSAFEPATH"] = "1"  # no child of ours imports from its working directory
+    path = _config_path(a.config)
     try:
-        cfg = load_agent_config(_config_path(a.config), overrides=a.overrides)
+        cfg = load_agent_config(path, overrides=a.overrides)
+        problems = cfg.check_files()
+        if problems:
+            raise ConfigError(str(path or "(environment)"), problems)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    daemon = Daemon(cfg)
+    try:
+        daemon = Daemon(cfg)
+    except KeyFileError as e:  # a secret that vanished or changed since the check above
+        print(f"edge-agent: {e}", file=sys.stderr)
+        return 2
 
     def on_signal(signum: int, frame: Any) -> None:
         log.info("signal %s: stopping", signal.Signals(signum).name)

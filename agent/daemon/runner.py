@@ -6,6 +6,11 @@ it (torch lives only there, so a crash or OOM kill takes the worker, not the dae
 announces what the store says: IN_PROGRESS with throttled progress, then the one terminal
 status the worker persisted. The daemon's own decisions (expired in the queue, timed out,
 canceled while queued, crashed too often) are persisted here before they are announced.
+
+The worker starts with ``python -P`` (3.11+) in the state dir under umask 077: neither the
+daemon's working directory nor anyone else's files can shadow a module, and what it creates
+is the service user's alone. Between jobs (and every ``PRUNE_EVERY_S`` when idle) this thread
+prunes the finished history (``Daemon.prune``).
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,12 +30,15 @@ from typing import Any
 from agent.daemon.announce import Announcer
 from agent.daemon.config import LimitsConfig
 from agent.daemon.device import governor_of
+from agent.jobs.launch import python_argv
 from agent.jobs.store import JobRecord, JobState, JobStore, JobStoreError
 
 log = logging.getLogger("agent.daemon.runner")
 
 EX_TEMPFAIL = 75
 """The worker's "suspended, resume me later" exit code (SIGTERM during a job)."""
+PRUNE_EVERY_S = 60.0
+"""Idle pruning period: a flood of refused commands is cut back to the limits within it."""
 
 
 def _err(code: str, message: str, retryable: bool = False) -> dict[str, Any]:
@@ -58,6 +65,8 @@ class JobRunner:
         self, store: JobStore, announcer: Announcer, state_dir: Path, limits: LimitsConfig,
         *, worker_argv: Callable[[str], list[str]] | None = None,
         crashes: Callable[[str], int] | None = None,
+        worker_env: dict[str, str] | None = None,
+        prune: Callable[[], int] | None = None,
     ) -> None:
         self.store = store
         self.ann = announcer
@@ -65,6 +74,9 @@ class JobRunner:
         self.limits = limits
         self._worker_argv = worker_argv or self._default_argv
         self._count_crash = crashes or (lambda job_id: 1)
+        self._env = worker_env
+        self._prune = prune
+        self._next_prune = 0.0
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -73,8 +85,9 @@ class JobRunner:
         self.log_dir = state_dir / "logs"
 
     def _default_argv(self, job_id: str) -> list[str]:
-        return [sys.executable, "-m", "agent.jobs.worker", "--state-dir", str(self.state_dir),
-                "--job-id", job_id]
+        # --job-id=ID: an id is never read as an option, whatever it starts with.
+        return python_argv("agent.jobs.worker", f"--state-dir={self.state_dir.absolute()}",
+                           f"--job-id={job_id}")
 
     # -- control ------------------------------------------------------------------------
 
@@ -124,44 +137,57 @@ class JobRunner:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
+                self._maybe_prune()
                 rec = self._next()
                 if rec is None:
                     self._wake.wait(1.0)
                     self._wake.clear()
                     continue
                 self._run(rec)
+                self._next_prune = 0.0  # a job ended: the history grew
             except Exception:
                 log.exception("job runner iteration failed; retrying in 1 s")
                 self._stop.wait(1.0)
+
+    def _maybe_prune(self) -> None:
+        if self._prune is None or time.monotonic() < self._next_prune:
+            return
+        self._next_prune = time.monotonic() + PRUNE_EVERY_S
+        try:
+            self._prune()
+        except Exception:  # a full disk or a busy database: the next round tries again
+            log.exception("pruning the job history failed")
 
     def _next(self) -> JobRecord | None:
         unfinished = self.store.unfinished()
         if unfinished:
             return unfinished[0]
         with self._lock:
-            rec = self.store.next_queued()
-            if rec is None:
-                return None
-            expires = (rec.reply or {}).get("expires_at")
-            if expires is not None and time.time() > float(expires):
-                rec = self.store.transition(rec.id, JobState.FAILED, error=_err(
-                    "EXPIRED", "expired in the queue before it could start"))
-                self.ann.announce_job(rec)
-                return None
-            if rec.cancel_requested:
-                rec = self.store.transition(rec.id, JobState.CANCELED,
-                                            error=_err("CANCELED", "canceled while queued"))
-                self.ann.announce_job(rec)
-                return None
-            return rec
+            # Expired and canceled jobs end here, one after the other, without a pause:
+            # a queue of them must not hold up the first job that can run.
+            while (rec := self.store.next_queued()) is not None:
+                expires = (rec.reply or {}).get("expires_at")
+                if expires is not None and time.time() > float(expires):
+                    rec = self.store.transition(rec.id, JobState.FAILED, error=_err(
+                        "EXPIRED", "expired in the queue before it could start"))
+                    self.ann.announce_job(rec)
+                elif rec.cancel_requested:
+                    rec = self.store.transition(rec.id, JobState.CANCELED,
+                                                error=_err("CANCELED", "canceled while queued"))
+                    self.ann.announce_job(rec)
+                else:
+                    return rec
+            return None
 
     def _spawn(self, rec: JobRecord) -> subprocess.Popen[bytes]:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{rec.id}.log"
-        with open(log_path, "ab") as out:
+        self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.log_dir / f"{rec.id}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                     0o600)
+        with open(fd, "ab") as out:
             return subprocess.Popen(
                 self._worker_argv(rec.id), stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                stdin=subprocess.DEVNULL, start_new_session=True, env=self._env,
+                cwd=self.state_dir, umask=0o077,
             )
 
     def _run(self, rec: JobRecord) -> None:

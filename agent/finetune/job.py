@@ -6,11 +6,32 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 TRAINABLE_RE = re.compile(r"^(head|all|last_n:([1-9][0-9]*))$")
+PROFILE_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+"""A device profile's name: the file ``device_profiles/NAME.yaml``, never a path."""
+
+
+def _profile_name(v: str) -> str:
+    # load_profile joins the name under its folder: "/tmp/x" or "../x" would escape it.
+    if not PROFILE_NAME_RE.fullmatch(v):
+        raise ValueError(f"profile {v!r} is not a profile name (auto, or one of "
+                         "`agentctl profiles`: lower-case letters, digits, . _ -)")
+    return v
+
+
+# In the annotation, not a validator method: the device job's option models copy fields only.
+ProfileName = Annotated[str, AfterValidator(_profile_name)]
 
 
 class FinetuneJob(BaseModel):
@@ -24,8 +45,9 @@ class FinetuneJob(BaseModel):
     """The device's data: a folder of class sub-folders (PNG/JPEG) or an .npz with x and y."""
     out: Path
     """Job directory: metrics.jsonl, checkpoints/, report.json, report.png."""
-    profile: str = "auto"
-    """Device profile name, or auto (detect from /proc/device-tree/model)."""
+    profile: ProfileName = "auto"
+    """Device profile name (``agentctl profiles``), or auto (detect from
+    /proc/device-tree/model). A name, never a path: profiles load from the package's folder."""
     budget_mb: float | None = Field(default=None, gt=0)
     """Memory budget for training in MB (null = the profile's training budget)."""
     effective_batch: int = Field(default=64, ge=1)

@@ -250,10 +250,11 @@ def step_stage(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
     """Sign the fine-tuned model with the device key and assemble it into the standby slot
     (``current`` is not touched); verified against the trusted keys like any pulled version."""
     from agent.storage.slots import read_installed
+    from agent.storage.trust import load_trusted
     from agent.storage.update import stage_local
     from hpc_core.model_spec import read_checkpoint
     from registry.publish import collect_artefacts
-    from registry.signing import load_signing_key, load_trusted_keys
+    from registry.signing import load_signing_key
     from registry.upload import default_version
 
     state_dir = Path(ctx["state_dir"])
@@ -270,7 +271,7 @@ def step_stage(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
     staged = stage_local(
         read_checkpoint(Path(ctx["finetuned"])), state_dir=state_dir, parent=parent,
         version=vfile.read_text().strip(), key=key,
-        trusted=load_trusted_keys(Path(ctx["trusted_keys"])),
+        trusted=load_trusted(Path(ctx["trusted_keys"])),
         artefacts=collect_artefacts([Path(a) for a in ctx.get("artefacts") or []]),
     )
     return {"version": staged.version, "slot": staged.slot,
@@ -286,13 +287,13 @@ def step_fetch(job_dir: Path, ctx: dict[str, Any]) -> dict[str, Any]:
     upstream than the device's newest fine-tune is accepted (``fetch_training_source``)."""
     from agent.storage.chunk_store import ChunkStore
     from agent.storage.slots import ModelSlots
+    from agent.storage.trust import load_trusted
     from agent.storage.update import fetch_training_source, pull
     from registry.refs import Ref
-    from registry.signing import load_trusted_keys
 
     spec, state_dir = ctx["spec"], Path(ctx["state_dir"])
     ref = Ref(spec["model"], spec["version"], spec["registry"])
-    trusted = load_trusted_keys(Path(ctx["trusted_keys"]))
+    trusted = load_trusted(Path(ctx["trusted_keys"]))
     if "finetune" in spec:
         pulled, source = fetch_training_source(ref, job_dir / "upstream", state_dir=state_dir,
                                                trusted=trusted)

@@ -1,9 +1,20 @@
-"""The device job's spec: what ``agentctl finetune`` and the daemon's ``finetune`` command accept.
+"""The device job's spec, in two forms with one set of knobs.
 
-It composes the existing job models instead of repeating them: the fine-tune options are
-:class:`agent.finetune.job.FinetuneJob` without the paths the job decides itself (checkpoint,
-out), the export options are :class:`exporters.pipeline.ExportJob` without its paths and data.
-``agentctl finetune`` derives its flags from this model (``hpc_core.job_args``).
+- **As received** (:data:`COMMAND_ARGS`: :class:`FinetuneArgs`, :class:`DeployArgs`,
+  :class:`RollbackArgs`): what a ``finetune``/``deploy``/``rollback`` command may carry, over
+  MQTT or the control socket. Names and numbers only: the model, the version, job knobs, and
+  *names* (``data: cam0``, ``export.tensorrt.timing_cache: orin``) that the device resolves
+  under roots of its own. No key, registry, upload target or path: extra fields are refused.
+- **Resolved** (:data:`SPECS`: :class:`DeviceJob`, :class:`DeployJob`, :class:`RollbackJob`):
+  what the worker runs. :func:`resolve` builds it from the args and the device's
+  :class:`DeviceSettings` (``agent.yaml``); ``agentctl finetune`` run in the foreground by
+  root builds it from its flags, paths included.
+
+The knobs compose the existing job models instead of repeating them: the fine-tune options
+are :class:`agent.finetune.job.FinetuneJob` without the paths the job decides itself
+(checkpoint, out), the export options :class:`exporters.pipeline.ExportJob` without its paths
+and data. ``agentctl finetune`` derives its flags from :class:`DeviceJob`
+(``hpc_core.job_args``).
 
 Torch-free: the daemon validates commands against it.
 """
@@ -11,16 +22,44 @@ Torch-free: the daemon validates commands against it.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    create_model,
+    model_validator,
+)
 
 from agent.finetune.job import FinetuneJob
-from exporters.job import ExportJob, Precision
+from exporters.job import ExportJob, Precision, TensorRTConfig
 from hpc_core.job_args import flag
+from registry.names import check_model_name, check_version
 
 JOB_STEPS = ("pull", "finetune", "export", "stage", "health", "commit", "rollback", "upload")
+
+
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""A name a command gives for something the device keeps under a root of its own."""
+
+
+def _name(v: str) -> str:
+    if not NAME_RE.fullmatch(v):
+        raise ValueError(
+            f"{v!r} is not a name: 1-128 of A-Z a-z 0-9 . _ -, starting with a letter or "
+            "digit; a command names things under the device's own folders, never a path"
+        )
+    return v
+
+
+Name = Annotated[str, AfterValidator(_name)]
+# The registry's own rules: both become folder names in the state dir and the registry.
+ModelName = Annotated[str, AfterValidator(check_model_name)]
+Version = Annotated[str, AfterValidator(check_version)]
 
 
 def _without(
@@ -60,6 +99,14 @@ ExportOptions = _without(
 its sections (gates, calibration, onnx, fallback, tensorrt, prune, recovery) are that job's
 typed models; INT8 first."""
 
+TensorRTArgs = _without(TensorRTConfig, "TensorRTArgs", {"timing_cache"}, override={
+    "timing_cache": (Name | None, Field(default=None, description=(
+        "Name of a kernel timing cache kept by the device (STATE_DIR/cache/tensorrt/NAME), "
+        "read if present and written back after the build (null: the job's own)")))})
+ExportArgs = _without(ExportOptions, "ExportArgs", set(), override={
+    "tensorrt": (TensorRTArgs, Field(default_factory=TensorRTArgs))})
+"""ExportOptions as a command carries them: the TensorRT timing cache is a name."""
+
 
 class HealthOptions(BaseModel):
     """The staged model against the active one, on the same held-out device data."""
@@ -81,8 +128,18 @@ class UploadOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     registry: str | None = Field(default=None, json_schema_extra=flag("upload-to"))
-    """Registry to publish the committed model to (null: the job's --registry)."""
+    """Registry to publish the committed model to (null: the job's --registry). The daemon
+    sets it from agent.yaml (registry.upload_url); a command cannot."""
     version: str | None = Field(default=None, json_schema_extra=flag("upload-version"))
+    """Version name (null: PARENT+DEVICE.UTCSTAMP)."""
+
+
+class UploadArgs(BaseModel):
+    """The upload section a command may carry: where to publish is the device's to say."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    version: Version | None = None
     """Version name (null: PARENT+DEVICE.UTCSTAMP)."""
 
 
@@ -99,7 +156,9 @@ class StepSwitches(BaseModel):
 
 
 class DeviceJob(BaseModel):
-    """pull -> finetune -> export -> stage -> health -> commit | rollback -> upload."""
+    """pull -> finetune -> export -> stage -> health -> commit | rollback -> upload: the
+    resolved job the worker runs (from a command: :func:`resolve`; from ``agentctl
+    finetune`` in the foreground: its flags)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -118,13 +177,14 @@ class DeviceJob(BaseModel):
     steps: StepSwitches = Field(default_factory=StepSwitches)
     registry: str | None = None
     """Registry URL or folder: where a version not on the device is pulled from, and the
-    upload target (unless upload.registry)."""
+    upload target (unless upload.registry). The daemon sets it from agent.yaml."""
     trusted_keys: Path | None = None
-    """Folder of trusted *.pub.pem keys (null: STATE_DIR/trusted_keys)."""
+    """Folder of trusted *.pub.pem keys (null: STATE_DIR/trusted_keys). The daemon sets it
+    from agent.yaml."""
     signing_key: Path | None = None
     """This device's private key, signs the staged and uploaded model (null:
-    STATE_DIR/device.key.pem, its public half beside it as
-    device.pub.pem)."""
+    STATE_DIR/device.key.pem, its public half beside it as device.pub.pem). The daemon sets
+    it from agent.yaml."""
 
     @model_validator(mode="after")
     def _check(self) -> DeviceJob:
@@ -170,7 +230,7 @@ class DeployJob(BaseModel):
     version: str
     """Version to deploy."""
     registry: str
-    """Registry URL or folder to pull it from."""
+    """Registry URL or folder to pull it from (the daemon's: agent.yaml registry.url)."""
     data: Path | None = None
     """Held-out device data for the health check (null: the staged model must load and give
     finite outputs; accuracy is not compared)."""
@@ -198,7 +258,146 @@ class RollbackJob(BaseModel):
 
 SPECS: dict[str, type[BaseModel]] = {"finetune": DeviceJob, "deploy": DeployJob,
                                      "rollback": RollbackJob}
-"""Job type (contract JOB_TYPES) -> its spec model."""
+"""Job type (contract JOB_TYPES) -> the resolved spec the worker runs."""
+
+
+# -- what a command may carry ------------------------------------------------------------------
+
+
+class FinetuneArgs(BaseModel):
+    """The ``finetune`` command's args: a :class:`DeviceJob` without the device's own
+    settings (registry, trusted keys, signing key, upload target) and with names for paths."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    model: ModelName
+    """Installed model name to fine-tune (its active version is the upstream)."""
+    version: Version | None = None
+    """Upstream version to start from (null: the active one); one not on the device is
+    fetched from the device's registry."""
+    data: Name
+    """Name of a data set under the device's data_root (agent.yaml): a folder of class
+    sub-folders or an .npz."""
+    finetune: FinetuneOptions = Field(default_factory=FinetuneOptions)  # type: ignore[valid-type]
+    export: ExportArgs = Field(default_factory=ExportArgs)  # type: ignore[valid-type]
+    health: HealthOptions = Field(default_factory=HealthOptions)
+    upload: UploadArgs = Field(default_factory=UploadArgs)
+    steps: StepSwitches = Field(default_factory=StepSwitches)
+
+
+class DeployArgs(BaseModel):
+    """The ``deploy`` command's args: a version of the device's registry, checked on a data
+    set of its own."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    model: ModelName
+    version: Version
+    data: Name | None = None
+    """Held-out data set under data_root for the health check (null: load and finite
+    outputs only)."""
+    health: HealthOptions = Field(default_factory=HealthOptions)
+
+
+class RollbackArgs(BaseModel):
+    """The ``rollback`` command's args."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: ModelName | None = None
+    """Model name (null: the only installed model)."""
+    reason: str | None = Field(default=None, max_length=500)
+
+
+COMMAND_ARGS: dict[str, type[BaseModel]] = {"finetune": FinetuneArgs, "deploy": DeployArgs,
+                                            "rollback": RollbackArgs}
+"""Job type -> the allow-list of what its command may carry (extra fields are refused)."""
+
+
+class DeviceSettings(BaseModel):
+    """What the device's own configuration (agent.yaml) says about where jobs read, write,
+    pull from and upload to, and whom they trust: everything a command may not say."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    state_dir: Path
+    data_root: Path
+    """Data sets a command names live here."""
+    registry: str | None
+    """Where versions are pulled from (null: only installed versions can be used)."""
+    upload_registry: str | None
+    """Where the device publishes its fine-tunes (null: registry)."""
+    trusted_keys: Path
+    signing_key: Path
+    profile: str = "auto"
+    """The board's profile: a fine-tune's, unless its command names another."""
+    sensors: Literal["auto", "jtop", "tegrastats", "sysfs", "sim", "none"] = "auto"
+
+    @property
+    def timing_caches(self) -> Path:
+        return self.state_dir / "cache" / "tensorrt"
+
+
+class ArgsRefused(ValueError):
+    """A command's args that validate but cannot be resolved on this device; ``field`` is
+    the path of the arg to blame (``data``, ``steps.upload``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def resolve_data(name: str, settings: DeviceSettings, field: str = "data") -> Path:
+    """``data_root/name``, which must exist and must not lead out of data_root."""
+    root = settings.data_root.resolve()
+    path = root / name
+    try:
+        real = path.resolve(strict=True)
+    except OSError:
+        raise ArgsRefused(field, f"no data set {name!r} in the device's data_root {root}") \
+            from None
+    if real != root and root not in real.parents:
+        raise ArgsRefused(field, f"{path} leads out of data_root {root}")
+    return path
+
+
+def resolve(type_: str, args: BaseModel, settings: DeviceSettings) -> BaseModel:
+    """The job the worker runs for a command's validated ``args`` on this device:
+    ArgsRefused (or pydantic's ValidationError from the resolved model's own cross-field
+    checks) when it cannot run here."""
+    if isinstance(args, RollbackArgs):
+        return RollbackJob(name=args.name, reason=args.reason,
+                           trusted_keys=settings.trusted_keys)
+    if isinstance(args, DeployArgs):
+        if not settings.registry:
+            raise ArgsRefused("version", "this device has no registry to deploy from "
+                              "(registry.url in agent.yaml)")
+        return DeployJob(
+            model=args.model, version=args.version, registry=settings.registry,
+            data=resolve_data(args.data, settings) if args.data else None,
+            health=args.health, trusted_keys=settings.trusted_keys)
+    if not isinstance(args, FinetuneArgs):
+        raise TypeError(f"no resolution for {type_} args {type(args).__name__}")
+    upload_to = settings.upload_registry or settings.registry
+    if args.steps.upload and not upload_to:
+        raise ArgsRefused("steps.upload", "this device has no registry to upload to "
+                          "(registry.url or registry.upload_url in agent.yaml)")
+    ft = args.finetune.model_dump()  # type: ignore[attr-defined]
+    # The board's own profile and sensors pace the fine-tune unless the command names them.
+    for k in ("profile", "sensors"):
+        if k not in args.finetune.model_fields_set:  # type: ignore[attr-defined]
+            ft[k] = getattr(settings, k)
+    export = args.export.model_dump()  # type: ignore[attr-defined]
+    cache = export["tensorrt"]["timing_cache"]
+    if cache is not None:
+        export["tensorrt"]["timing_cache"] = str(settings.timing_caches / cache)
+    return DeviceJob.model_validate({
+        "model": args.model, "version": args.version,
+        "data": resolve_data(args.data, settings), "finetune": ft, "export": export,
+        "health": args.health.model_dump(),
+        "upload": {"registry": upload_to, "version": args.upload.version},
+        "steps": args.steps.model_dump(), "registry": settings.registry,
+        "trusted_keys": settings.trusted_keys, "signing_key": settings.signing_key})
 
 
 def check_inputs(job: DeviceJob, state_dir: Path | None = None) -> None:

@@ -12,13 +12,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from agent.finetune.memory_plan import BudgetTooSmall, plan_micro_batch
 from agent.jobs.child import CONTEXT
+from agent.jobs.launch import python_argv
 from agent.jobs.machine import (
     CRASH_ENV,
     Canceled,
@@ -40,6 +40,13 @@ SIGTERM_SEEN = {"flag": False}
 
 def trusted_dir(ctx: JobContext) -> Path:
     return ctx.spec.trusted_keys or ctx.state_dir / "trusted_keys"
+
+
+def trusted_keys(ctx: JobContext) -> Any:
+    """The job's trusted keys, checked on disk first (``agent.storage.trust``)."""
+    from agent.storage.trust import load_trusted
+
+    return load_trusted(trusted_dir(ctx))
 
 
 def signing_key_path(ctx: JobContext) -> Path:
@@ -107,7 +114,8 @@ def run_child(ctx: JobContext, step: str, *, cancel_inside: bool = False) -> dic
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     log = open(ctx.job_dir / f"{step}.log", "ab")  # noqa: SIM115 - closed below
     try:
-        p = subprocess.Popen([sys.executable, "-m", "agent.jobs.child", step, str(ctx.job_dir)],
+        # The working directory (a user's shell, for agentctl) never shadows a module.
+        p = subprocess.Popen(python_argv("agent.jobs.child", step, str(ctx.job_dir.absolute())),
                              stdout=log, stderr=log, env=env)
         forwarded, t0, beat = False, time.monotonic(), time.monotonic()
         inside = f"inside:{ctx.current}" in os.environ.get(CRASH_ENV, "").split(",")
@@ -153,7 +161,6 @@ def pull(ctx: JobContext) -> dict[str, Any]:
     from agent.storage.slots import ModelSlots, read_installed
     from agent.storage.verify import verify_slot
     from registry.errors import RegistryError
-    from registry.signing import load_trusted_keys
 
     slots = ModelSlots(ctx.state_dir, ctx.spec.model)
     active = slots.active()
@@ -169,7 +176,8 @@ def pull(ctx: JobContext) -> dict[str, Any]:
         if not ctx.spec.registry:
             raise StepFailed("pull", f"{ctx.spec.model}@{ctx.spec.version} is not on this "
                              "device and the job has no registry to fetch it from: set "
-                             "--registry", code="NOT_FOUND")
+                             "registry.url in agent.yaml (agentctl: --registry)",
+                             code="NOT_FOUND")
         _write_context(ctx)
         out = run_child(ctx, "fetch")
         out["active"] = active.version if active else None
@@ -187,7 +195,7 @@ def pull(ctx: JobContext) -> dict[str, Any]:
             raise StepFailed("pull", f"the copy of {base.path} in {copy} is incomplete")
         base = copied
     try:
-        verify_slot(base.path, load_trusted_keys(trusted_dir(ctx)))
+        verify_slot(base.path, trusted_keys(ctx))
     except Exception as e:
         raise StepFailed("pull", str(e)) from None
     return {"version": base.version, "path": str(base.path), "slot": base.slot,
@@ -331,14 +339,13 @@ def _uploaded_before(ctx: JobContext, target: str, version: str, parent: str,
                      key: Any) -> Any:
     from registry.pull import fetch_verified_manifest
     from registry.refs import Ref
-    from registry.signing import load_trusted_keys
     from registry.stores import open_store
     from registry.transfer import TransferConfig
 
     cfg = TransferConfig()
     ref = Ref(ctx.spec.model, version, target)
-    got = fetch_verified_manifest(open_store(target, cfg), ref,
-                                  load_trusted_keys(trusted_dir(ctx)), cfg).manifest
+    got = fetch_verified_manifest(open_store(target, cfg), ref, trusted_keys(ctx),
+                                  cfg).manifest
     from agent.storage.slots import ModelSlots
 
     # The committed version was signed from the very same checkpoint: its tensor hashes are
@@ -357,13 +364,12 @@ def switch(ctx: JobContext) -> dict[str, Any]:
     """The rollback job: the verified standby version becomes active again."""
     from agent.storage.slots import ModelSlots
     from registry.errors import RegistryError
-    from registry.signing import load_trusted_keys
 
     name = model_name(ctx)
-    keys = ctx.spec.trusted_keys or ctx.state_dir / "trusted_keys"
     slots = ModelSlots(ctx.state_dir, name)
+    trusted = trusted_keys(ctx)  # a bad trusted-keys folder fails the job as itself
     try:
-        res = slots.rollback(load_trusted_keys(keys))
+        res = slots.rollback(trusted)
     except RegistryError as e:
         raise StepFailed("switch", str(e), code="NOT_FOUND") from None
     return {"version": res.active.version, "slot": res.active.slot,

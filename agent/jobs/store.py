@@ -10,6 +10,7 @@ Torch-free on purpose: the daemon's idle loop imports it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 DB_NAME = "jobs.db"
+WAL_LIMIT_BYTES = 1 << 20
 BUSY_TIMEOUT_MS = 30_000
 """A writer holds the lock for milliseconds; 30 s only matters on a stalled SD card."""
 
@@ -54,6 +56,10 @@ STEP_STATUSES = ("running", "done", "failed", "skipped")
 
 class JobStoreError(Exception):
     """An illegal transition or an unknown job id; the message names both sides."""
+
+
+class QueueFull(JobStoreError):
+    """``submit(max_queued=N)`` found N jobs already waiting."""
 
 
 @dataclass(frozen=True)
@@ -165,7 +171,12 @@ class JobStore:
         # A forked child must not reuse its parent's connection (SQLite forbids it).
         if conn is not None and getattr(self._local, "pid", None) == os.getpid():
             return conn
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Created 0600 whatever the umask (agentctl runs in a login shell's 022); SQLite gives
+        # the -wal and -shm files the database file's mode.
+        if not self.path.exists():
+            with contextlib.suppress(FileExistsError):  # another process won the race
+                os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         conn = sqlite3.connect(
             self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
             check_same_thread=True,
@@ -173,6 +184,9 @@ class JobStore:
         conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
+        # A burst of writes (a flood of refused commands) grows the WAL; it shrinks back to
+        # this after the next checkpoint instead of keeping its peak size on the SD card.
+        conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
         if not self._schema_ready:
             with _immediate(conn):
                 for stmt in _SCHEMA.split(";"):
@@ -209,6 +223,7 @@ class JobStore:
     def _insert(
         self, id: str, type: str, spec: dict, state: JobState, *, timeout_s: float | None,
         source: str, reply: dict | None, error: dict | None = None,
+        max_queued: int | None = None,
     ) -> tuple[JobRecord, bool]:
         now = time.time()
         finished = now if state in TERMINAL else None
@@ -216,6 +231,12 @@ class JobStore:
             existing = self._get(conn, id)
             if existing is not None:
                 return existing, False
+            if max_queued is not None:  # counted inside the write lock: no overshoot
+                (queued,) = conn.execute("SELECT COUNT(*) FROM jobs WHERE state=?",
+                                         (JobState.QUEUED.value,)).fetchone()
+                if queued >= max_queued:
+                    raise QueueFull(f"{queued} jobs are queued already (the limit is "
+                                    f"{max_queued}): retry once one has finished")
             conn.execute(
                 "INSERT INTO jobs (id, type, spec, state, created_at, updated_at, finished_at, "
                 "timeout_s, error, source, reply) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
@@ -226,11 +247,13 @@ class JobStore:
 
     def submit(
         self, id: str, type: str, spec: dict, *, timeout_s: float | None = None,
-        source: str = "cli", reply: dict | None = None,
+        source: str = "cli", reply: dict | None = None, max_queued: int | None = None,
     ) -> tuple[JobRecord, bool]:
-        """Store a QUEUED job. An id seen before returns its stored record and ``False``."""
+        """Store a QUEUED job. An id seen before returns its stored record and ``False``;
+        QueueFull when ``max_queued`` jobs are waiting already."""
         return self._insert(
-            id, type, spec, JobState.QUEUED, timeout_s=timeout_s, source=source, reply=reply
+            id, type, spec, JobState.QUEUED, timeout_s=timeout_s, source=source, reply=reply,
+            max_queued=max_queued,
         )
 
     def reject(
@@ -327,6 +350,33 @@ class JobStore:
                 "UPDATE jobs SET progress=?, updated_at=? WHERE id=?",
                 (_dumps(progress), time.time(), id),
             )
+
+    def prune(self, *, keep: int, older_than: float) -> list[str]:
+        """Forget finished jobs (and their steps) beyond the ``keep`` that finished last, or
+        finished before the epoch time ``older_than``; never a job that has not ended. Returns the
+        pruned ids (their folders and logs are the caller's to remove)."""
+        terminal = [s.value for s in TERMINAL]
+        marks = ",".join("?" * len(terminal))
+        with self._tx() as conn:
+            rows = conn.execute(
+                f"SELECT id FROM jobs WHERE state IN ({marks}) AND (finished_at < ? OR seq NOT "
+                f"IN (SELECT seq FROM jobs WHERE state IN ({marks}) "
+                "ORDER BY finished_at DESC, seq DESC LIMIT ?))",
+                [*terminal, older_than, *terminal, keep]).fetchall()
+            ids = [r[0] for r in rows]
+            for chunk in range(0, len(ids), 500):
+                part = ids[chunk:chunk + 500]
+                q = ",".join("?" * len(part))
+                conn.execute(f"DELETE FROM steps WHERE job_id IN ({q})", part)
+                conn.execute(f"DELETE FROM jobs WHERE id IN ({q})", part)
+        return ids
+
+    def count(self, states: Iterable[JobState]) -> int:
+        st = [JobState(s).value for s in states]
+        (n,) = self._conn().execute(
+            f"SELECT COUNT(*) FROM jobs WHERE state IN ({','.join('?' * len(st))})", st
+        ).fetchone()
+        return int(n)
 
     # -- steps --------------------------------------------------------------------------
 

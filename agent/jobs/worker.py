@@ -1,4 +1,8 @@
-"""``python -m agent.jobs.worker --state-dir DIR --job-id ID``: run one job from the store.
+"""``python -P -m agent.jobs.worker --state-dir=DIR --job-id=ID``: run one job from the store.
+
+The daemon passes the id as ``--job-id=ID`` (an id is never read as an option) and starts
+the worker with ``-P`` in the state dir; the children it starts for the torch steps inherit
+``PYTHONSAFEPATH``, so no working directory ever shadows a module.
 
 Exit codes: 0 the job reached a terminal state (read it from the store), 75 suspended by
 SIGTERM (the job stays IN_PROGRESS and resumes on the next start), anything else: crashed.
@@ -74,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-parent-check", action="store_true",
                    help="run detached (tests, a shell): do not die with the parent")
     a = p.parse_args(argv)
+    from agent.mqtt.contract import check_command_id
+
+    try:
+        check_command_id(a.job_id, "--job-id")
+    except ValueError as e:
+        p.error(str(e))
+    os.environ["PYTHONSAFEPATH"] = "1"  # the torch children: never import from their cwd
     if not a.no_parent_check:
         die_with_parent()
     from agent.jobs import steps

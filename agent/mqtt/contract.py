@@ -48,6 +48,10 @@ TELEMETRY_EXPIRY_S = 60
 # Device ids and group names become topic levels and file names: no wildcards, separators or
 # control characters, bounded length.
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+COMMAND_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+"""A command id: the job's store key, folder name (``jobs/ID``), log name and the worker's
+``--job-id=ID``. No separators, no leading dot or dash (``..`` would be the state dir itself,
+``-x`` an option to the worker), no wildcards."""
 
 CommandType = Literal[
     "ping", "status", "finetune", "deploy", "rollback", "cancel", "set_power_mode"
@@ -110,6 +114,16 @@ def check_id(value: str, what: str = "device id") -> str:
     if not isinstance(value, str) or not _ID_RE.match(value):
         raise ValueError(
             f"{what} {value!r} is not valid: use 1-64 characters from A-Z a-z 0-9 . _ -, "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+def check_command_id(value: str, what: str = "id") -> str:
+    """A command id that is safe as a store key, a folder and file name and an argument."""
+    if not isinstance(value, str) or not COMMAND_ID_RE.fullmatch(value):
+        raise ValueError(
+            f"{what} {value!r} is not valid: use 1-128 characters from A-Z a-z 0-9 . _ : -, "
             "starting with a letter or digit"
         )
     return value
@@ -209,7 +223,8 @@ class Command(_Message):
 
     v: Literal[1] = 1
     id: str = Field(min_length=1, max_length=128)
-    """Idempotency key: a repeat gets DUPLICATE and the stored status/result."""
+    """Idempotency key: a repeat gets DUPLICATE and the stored status/result. 1-128 of
+    ``A-Z a-z 0-9 . _ : -``, starting with a letter or digit (:data:`COMMAND_ID_RE`)."""
     type: CommandType
     issued_at: Timestamp
     expires_at: Timestamp | None = None
@@ -221,9 +236,7 @@ class Command(_Message):
     @field_validator("id")
     @classmethod
     def _id(cls, v: str) -> str:
-        if any(c in v for c in "/+#\x00") or not v.isprintable():
-            raise ValueError("id must be printable and must not contain / + # or NUL")
-        return v
+        return check_command_id(v)
 
 
 class PingArgs(_Message):
@@ -235,7 +248,7 @@ class StatusArgs(_Message):
 
 
 class CancelArgs(_Message):
-    job_id: str = Field(min_length=1, max_length=128)
+    job_id: str = Field(min_length=1, max_length=128, pattern=COMMAND_ID_RE.pattern)
     """The id of the command whose job to cancel (queued: dropped; running: stopped at the
     next step boundary or optimizer step)."""
 
@@ -422,12 +435,9 @@ def _field_errors(e: ValidationError, root: str = "") -> str:
 
 
 def _guess_id(obj: Any) -> str | None:
+    """The id of a command that failed validation, when it is one a record may be keyed on."""
     cid = obj.get("id") if isinstance(obj, dict) else None
-    if isinstance(cid, str) and 0 < len(cid) <= 128 and cid.isprintable() and not any(
-        c in cid for c in "/+#"
-    ):
-        return cid
-    return None
+    return cid if isinstance(cid, str) and COMMAND_ID_RE.fullmatch(cid) else None
 
 
 def parse_command(payload: bytes, topic_type: str, now: datetime | None = None) -> Command:

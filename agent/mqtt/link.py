@@ -5,6 +5,9 @@
 - Our own reconnect loop with full jitter (paho's back-off has none; a fleet that lost its
   broker must not come back in lock-step).
 - TCP_NODELAY on the socket (Nagle costs ~90 ms per QoS 1 round trip on loopback).
+- A Maximum Packet Size in CONNECT (MQTT v5): the broker must not send this client anything
+  larger, so an oversized command is dropped at the broker instead of being read into the
+  daemon's memory whole before the contract's 64 KiB check (paho buffers a packet entirely).
 - Every callback catches everything (an exception would silently kill paho's thread) and
   returns at once: ``on_message`` hands the payload to the daemon's handler, which validates,
   persists and queues work elsewhere.
@@ -32,9 +35,15 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from agent.mqtt.contract import MAX_PAYLOAD_BYTES
 from agent.mqtt.outbox import Outbox, OutMessage
 
 log = logging.getLogger("agent.mqtt")
+
+MAX_INBOUND_PACKET_BYTES = MAX_PAYLOAD_BYTES + 4096
+"""The largest packet the broker may send us: a contract-sized command plus its topic and v5
+properties. A command just over 64 KiB still arrives and is REJECTED TOO_LARGE; a far larger
+one never leaves the broker (which drops it for this client)."""
 
 
 @dataclass(frozen=True)
@@ -260,6 +269,7 @@ class MqttLink:
     def _connect_props(self) -> Properties:
         p = Properties(PacketTypes.CONNECT)
         p.SessionExpiryInterval = self.s.session_expiry_s
+        p.MaximumPacketSize = MAX_INBOUND_PACKET_BYTES
         return p
 
     def _run(self) -> None:

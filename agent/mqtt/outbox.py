@@ -14,7 +14,9 @@ one transaction.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 DB_NAME = "agent.db"
+WAL_LIMIT_BYTES = 1 << 20
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS outbox (
@@ -87,8 +90,11 @@ class Outbox:
     threads are few)."""
 
     def __init__(self, state_dir: Path) -> None:
-        state_dir.mkdir(parents=True, exist_ok=True)
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.path = state_dir / DB_NAME
+        if not self.path.exists():  # 0600 whatever the umask; -wal/-shm inherit the mode
+            with contextlib.suppress(FileExistsError):
+                os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         self._lock = threading.RLock()
         self._conn = sqlite3.connect(
             self.path, timeout=30, isolation_level=None, check_same_thread=False
@@ -98,6 +104,9 @@ class Outbox:
         # Checkpoints fsync the database file: run them from the daemon's main loop
         # (checkpoint()), never inside a commit on paho's thread, where they were the p99.
         self._conn.execute("PRAGMA wal_autocheckpoint=0")
+        # The WAL keeps its peak size (a burst of results while offline, a flood of refused
+        # commands) unless told to shrink back after a checkpoint.
+        self._conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
         self._conn.executescript(_SCHEMA)
         self._ckpt: sqlite3.Connection | None = None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from registry.credentials import RegistryCredential
 from registry.errors import RefError
 from registry.stores.base import RangeReader, RegistryStore
 from registry.stores.folder import LocalStore
@@ -14,15 +15,17 @@ from registry.transfer import TransferConfig
 __all__ = ["HttpStore", "LocalStore", "RangeReader", "RegistryStore", "open_store"]
 
 
-def open_store(uri: str | Path, cfg: TransferConfig | None = None) -> RegistryStore:
+def open_store(uri: str | Path, cfg: TransferConfig | None = None,
+               credential: RegistryCredential | None = None) -> RegistryStore:
     """A registry location: a folder path, ``file://``, ``http(s)://`` or ``s3://bucket/prefix``.
 
     ``cfg`` sets timeouts and pooling for HTTP; folder and S3 stores do not need it.
+    ``credential`` is the configured registry's token: HTTP sends it to that origin only.
     """
     text = str(uri)
     parsed = urlparse(text)
     if parsed.scheme in ("http", "https"):
-        return HttpStore(text, cfg)
+        return HttpStore(text, cfg, credential)
     if parsed.scheme == "s3":
         if not parsed.netloc:
             raise RefError(f"{text}: an S3 registry is s3://BUCKET/PREFIX")

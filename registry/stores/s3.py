@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from registry.errors import StoreError, StoreNotFoundError, StoreTransientError
+from registry.errors import (
+    StoreConflictError,
+    StoreError,
+    StoreNotFoundError,
+    StoreTransientError,
+)
+from registry.names import CHUNK_PREFIX
 from registry.stores.base import RangeReader, safe_key
 from registry.transfer import Deadline
 
@@ -60,7 +66,10 @@ class S3Store:
             where = f"s3://{self.bucket}/{self._key(key)}"
             if status == 404 or code in ("NoSuchKey", "NotFound", "404"):
                 return StoreNotFoundError(f"{where} does not exist")
-            if status >= 500 or status == 429 or code in ("SlowDown", "Throttling"):
+            if status == 412:  # If-None-Match: * and the key exists
+                return StoreConflictError(f"{where} exists; objects are never overwritten")
+            # 409 ConditionalRequestConflict: a conditional write to the key is in flight.
+            if status >= 500 or status in (409, 429) or code in ("SlowDown", "Throttling"):
                 return StoreTransientError(f"{where}: {code or status}")
             return StoreError(f"{where}: {code or status}: {e}")
         if isinstance(e, BotoCoreError):
@@ -92,10 +101,18 @@ class S3Store:
         return data
 
     def put(self, key: str, data: bytes, deadline: Deadline | None = None) -> None:
+        # Chunks and manifests are never replaced: S3 refuses the write if the key exists (a
+        # bucket policy can require it, see the README). A signature may be written again: an
+        # interrupted upload leaves one without its manifest; the counter moves on.
+        chunk = key.startswith(CHUNK_PREFIX + "/")
+        once = {"IfNoneMatch": "*"} if chunk or key.endswith("/manifest.json") else {}
         try:  # an S3 PUT is atomic: the object appears whole or not at all
-            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **once)
         except Exception as e:
-            raise self._error(e, key) from None
+            err = self._error(e, key)
+            if chunk and isinstance(err, StoreConflictError):
+                return  # content-addressed: the chunk is there (its hash is checked on pull)
+            raise err from None
 
     def close(self) -> None:
         pass

@@ -105,6 +105,7 @@ def real_agents(
             cfg = state / "agent.yaml"
             cfg.write_text(yaml.safe_dump({
                 "device_id": dev, "groups": groups, "state_dir": str(state),
+                "data_root": str(tmp_path),
                 "mqtt": {"host": broker.host, "port": broker.port, "prefix": broker.prefix},
                 "sensors": "none", "telemetry_s": 0, "socket_group": None,
                 "profile": "generic-x86",

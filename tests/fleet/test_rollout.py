@@ -368,7 +368,8 @@ def test_real_agents_in_a_100_device_rollout(
     # fine-tune, stage, health, commit). Their ids sort last: they share the last wave.
     fleet = sim_fleet(devices=97, behavior={"job_duration_s": 0.1, "acc_delta": 0.01})
     reals = real_agents(["zreal-0", "zreal-1", "zreal-2"], ["sim"])
-    args = {"model": "digits", "data": str(tmp_path / "device.npz"),
+    # The data set by name: each daemon resolves it under its own data_root (agent.yaml).
+    args = {"model": "digits", "data": "device.npz",
             # A fixed micro-batch skips the job's memory probes: the test is about the fleet.
             "finetune": {"steps": 2, "effective_batch": 16, "micro_batch": 16},
             "steps": {"export": False}}

@@ -20,6 +20,7 @@ from registry.errors import (
     PickleRefusedError,
     PublishError,
     RefError,
+    StoreConflictError,
     StoreError,
     VersionExistsError,
 )
@@ -208,6 +209,15 @@ def test_s3_target_dedups_like_a_folder(
         assert sum(k.startswith("edgetrain/chunks/sha256/") for k in keys) == first.chunks_written
         stored = store.get("digits/2/manifest.json", 1 << 20)
         assert stored is not None and Manifest.from_bytes(stored).parent == "1"
+        # Conditional writes (If-None-Match: *): a manifest is never replaced; a chunk that is
+        # there already is simply there.
+        with pytest.raises(StoreConflictError, match="never overwritten"):
+            store.put("digits/2/manifest.json", b"{}")
+        assert store.get("digits/2/manifest.json", 1 << 20) == stored
+        chunk = chunk_key(Manifest.from_bytes(stored).chunks[0].sha256)
+        before = store.get(chunk, 1 << 20)
+        store.put(chunk, b"other bytes")
+        assert store.get(chunk, 1 << 20) == before
 
 
 def cli(argv: list[str]) -> int:

@@ -30,11 +30,18 @@ class ProvisionedDevice:
     state: Path
     """A state dir: trusted keys (upstream + this device's), device key pair, digits@1 active."""
 
+    def agent_config(self) -> dict[str, Any]:
+        """What this device's agent.yaml says: its state, where its data sets live and the
+        registry it pulls from (a command names none of these)."""
+        return {"state_dir": str(self.state), "data_root": str(self.data.parent),
+                "registry": {"url": str(self.registry)}}
+
     def finetune_args(self, **finetune: Any) -> dict[str, Any]:
-        """A tiny finetune job (no export, a fixed micro-batch so no memory probes)."""
+        """A tiny finetune job (no export, a fixed micro-batch so no memory probes); the data
+        set by name, under the agent's data_root."""
         ft = {"profile": "generic-x86", "sensors": "none", "steps": 2,
               "effective_batch": 16, "micro_batch": 16, **finetune}
-        return {"model": MODEL, "data": str(self.data), "finetune": ft,
+        return {"model": MODEL, "data": self.data.name, "finetune": ft,
                 "steps": {"export": False}}
 
 

@@ -165,6 +165,26 @@ def op_done(req: dict[str, Any], obj: dict[str, Any]) -> bool:
     return req.get("op") != "command" and bool(obj)
 
 
+def secret_file(path: Path, text: str) -> Path:
+    """A credential as provisioning leaves it: one line, mode 0600."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def assert_active_verified(state: Path, version: str, model: str = "digits") -> Any:
+    """The active slot holds ``version`` and verifies against the device's own trusted keys
+    (signature and every tensor's hash), read the way the agent reads them."""
+    from agent.storage.slots import ModelSlots
+    from agent.storage.trust import load_trusted
+    from agent.storage.verify import verify_slot
+
+    active = ModelSlots(state, model).active()
+    assert active is not None and active.version == version, active
+    return verify_slot(active.path, load_trusted(state / "trusted_keys"))
+
+
 @pytest.fixture
 def agent(
     tmp_path: Path, subprocess_env: dict[str, str]
@@ -200,5 +220,5 @@ def device_template(
 @pytest.fixture
 def device(device_template: ProvisionedDevice, tmp_path: Path) -> ProvisionedDevice:
     """A state dir with digits@1 active, its keys, and the device data: pass
-    ``state_dir=str(device.state)`` to ``agent(...)``."""
+    ``**device.agent_config()`` to ``agent(...)``."""
     return copy_device(device_template, tmp_path / "device-state")

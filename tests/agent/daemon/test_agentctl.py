@@ -32,9 +32,10 @@ def test_agentctl_through_the_daemon_without_a_broker(
     tmp_path: Path,
 ) -> None:
     nowhere = Broker("127.0.0.1", free_port(), tmp_path / "none.conf", tmp_path)  # never started
-    a = agent(nowhere, state_dir=str(device.state))
+    a = agent(nowhere, **device.agent_config())
     state, env = device.state, subprocess_env
-    ft = ["--model", "digits", "--data", str(device.data), "--profile", "generic-x86",
+    # Through the daemon the data set is a name under its data_root (agent.yaml).
+    ft = ["--model", "digits", "--data", device.data.name, "--profile", "generic-x86",
           "--sensors", "none", "--steps", "6", "--effective-batch", "16", "--micro-batch", "16",
           "--no-export"]
     follow = subprocess.Popen(
@@ -48,8 +49,8 @@ def test_agentctl_through_the_daemon_without_a_broker(
         time.sleep(0.1)
 
     # Queued behind j1, then canceled while queued.
-    r = _ctl(env, state, "deploy", "digits", "1", "--registry", str(device.registry), "--id",
-             "d1")
+    # Deployed from the daemon's own registry (agent.yaml): the command names none.
+    r = _ctl(env, state, "deploy", "digits", "1", "--id", "d1")
     assert r.returncode == 0 and "d1: ACCEPTED" in r.stdout, r.stdout + r.stderr
     st = _ctl(env, state, "status", "--json")
     assert st.returncode == 0, st.stderr
@@ -66,6 +67,12 @@ def test_agentctl_through_the_daemon_without_a_broker(
     assert r.returncode == 0 and ": SUCCEEDED" in r.stdout, r.stdout + r.stderr
     r = _ctl(env, state, "send", "finetune", "--args", '{"data": "/x.npz"}')
     assert r.returncode == 2 and "REJECTED" in r.stdout and "args.model" in r.stdout, r.stdout
+    # A trust root or a path is refused before anything is sent, naming the flag.
+    r = _ctl(env, state, "finetune", *ft, "--registry", "http://evil:8080", "--daemon")
+    assert r.returncode == 2 and "--registry is the daemon's own" in r.stderr, r.stderr
+    r = _ctl(env, state, "send", "deploy", "--args",
+             '{"model": "digits", "version": "1", "trusted_keys": "/tmp"}')
+    assert r.returncode == 2 and "args.trusted_keys" in r.stdout, r.stdout
 
     out, err = follow.communicate(timeout=180)
     assert follow.returncode == 0, out + err[-3000:]

@@ -60,6 +60,8 @@ def daemon(tmp_path: Path, mosquitto: Callable[..., Broker]) -> Iterator[tuple[D
     broker = mosquitto()
     script = tmp_path / "worker.py"
     script.write_text(SCRIPT)
+    for name in ("commit", "rollback", "crash"):  # the data sets the jobs name (data_root)
+        (tmp_path / "state" / "data" / name).mkdir(parents=True)
     cfg = AgentConfig.model_validate({
         "device_id": "dev-a", "state_dir": str(tmp_path / "state"), "sensors": "sim",
         "socket_group": None, "telemetry_s": 0.25,
@@ -82,7 +84,7 @@ def _job(data: str) -> dict:
 def test_events_from_job_outcomes_governor_and_crashes(daemon: tuple[Daemon, Broker]) -> None:
     _, broker = daemon
     fleet = Peer(broker).subscribe(T.all_events(), T.result("dev-a"))
-    commit, rollback, crash = _job("/d/commit"), _job("/d/rollback"), _job("/d/crash")
+    commit, rollback, crash = _job("commit"), _job("rollback"), _job("crash")
     for c in (commit, rollback, crash):
         fleet.publish(T.command("dev-a", "finetune"), c)
 
@@ -120,7 +122,7 @@ def test_events_from_job_outcomes_governor_and_crashes(daemon: tuple[Daemon, Bro
 def test_telemetry_every_telemetry_s_qos0_with_expiry(daemon: tuple[Daemon, Broker]) -> None:
     _, broker = daemon
     fleet = Peer(broker).subscribe(T.telemetry("dev-a"), qos=1)
-    job = _job("/d/commit")
+    job = _job("commit")
     fleet.publish(T.command("dev-a", "finetune"), job)
     got = fleet.wait_for(lambda m: m.topic == T.telemetry("dev-a"), count=10, timeout_s=10)
     assert all(m.qos == 0 and not m.retain for m in got)  # QoS 0 even to a QoS 1 subscriber

@@ -70,7 +70,7 @@ def test_kill9_at_random_points_of_a_finetune_job(
     total = 40
     broker = mosquitto()
     fleet = Peer(broker).subscribe(T.status("dev-a"), T.result("dev-a"), T.all_events())
-    a = agent(broker, state_dir=str(device.state))
+    a = agent(broker, **device.agent_config())
     store = JobStore(device.state)
     online = [m.json() for m in fleet.wait_for(
         lambda m: m.topic == T.status("dev-a") and m.json()["state"] == "online")]
@@ -138,7 +138,7 @@ def test_broker_down_10s_mid_job_the_result_still_arrives(
     # it. The daemon retries every 0.2-0.3 s, so it is back on the broker before the peer.
     fleet = Peer(broker, client_id="fleet-obs", session_expiry_s=600).subscribe(
         T.result("dev-a"), T.status("dev-a"))
-    a = agent(broker, state_dir=str(device.state),
+    a = agent(broker, **device.agent_config(),
               mqtt={"reconnect_min_s": 0.2, "reconnect_max_s": 0.3})
     fleet.wait_for(lambda m: m.topic == T.status("dev-a") and m.json()["state"] == "online")
     store = JobStore(device.state)

@@ -1,70 +1,127 @@
-"""The daemon validates job commands with the device job's own spec models (agent.jobs.spec)."""
+"""The daemon validates job commands with the job's own models (agent.jobs.spec): the args a
+command may carry (an allow-list per job type), resolved against the device's config."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
+from agent.daemon.config import AgentConfig
 from agent.daemon.jobspec import validate_job
-from agent.jobs.spec import SPECS
-from agent.mqtt.contract import JOB_TYPES, error_from_validation
+from agent.jobs.spec import COMMAND_ARGS, SPECS, DeviceSettings
+from agent.mqtt.contract import JOB_TYPES, CommandRejected, error_from_validation
 
 
-def test_every_contract_job_type_has_the_jobs_spec() -> None:
-    assert set(SPECS) == set(JOB_TYPES)
-    ft = validate_job("finetune", {"model": "digits", "data": "/d/device.npz",
-                                   "finetune": {"steps": 3}})
-    # The stored spec is the spec model's full dump: the worker re-validates it unchanged.
+def _settings(tmp_path: Path, **cfg: object) -> DeviceSettings:
+    (tmp_path / "data" / "d.npz").parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "data" / "d.npz").write_bytes(b"x")
+    return AgentConfig.model_validate({"device_id": "edge-7", "state_dir": str(tmp_path),
+                                       **cfg}).job_settings()
+
+
+def test_every_contract_job_type_has_the_jobs_spec(tmp_path: Path) -> None:
+    assert set(SPECS) == set(JOB_TYPES) == set(COMMAND_ARGS)
+    dev = _settings(tmp_path, registry={"url": "/r"})
+    ft = validate_job("finetune", {"model": "digits", "data": "d.npz",
+                                   "finetune": {"steps": 3}}, dev)
+    # The stored spec is the resolved model's full dump: the worker re-validates it unchanged.
     assert SPECS["finetune"].model_validate(ft).model_dump(mode="json") == ft
     assert ft["finetune"]["steps"] == 3 and ft["steps"]["export"] is True
-    dep = validate_job("deploy", {"model": "digits", "version": "2", "registry": "/r"})
+    assert ft["data"] == str(tmp_path / "data" / "d.npz")
+    dep = validate_job("deploy", {"model": "digits", "version": "2"}, dev)
     assert dep["version"] == "2" and dep["health"]["max_accuracy_drop_pts"] == 0.0
-    assert validate_job("rollback", {"name": "digits", "reason": "drill"})["reason"] == "drill"
+    assert dep["registry"] == "/r"
+    assert validate_job("rollback", {"name": "digits", "reason": "drill"}, dev)["reason"] == (
+        "drill")
 
 
 @pytest.mark.parametrize(("type_", "args", "field"), [
-    ("deploy", {"model": "digits", "registry": "/r"}, "args.version"),
-    ("finetune", {"model": "digits", "data": "/d", "finetune": {"stepz": 3}},
+    ("deploy", {"model": "digits"}, "args.version"),
+    ("finetune", {"model": "digits", "data": "d.npz", "finetune": {"stepz": 3}},
      "args.finetune.stepz"),
-    ("finetune", {"model": "digits", "data": "/d", "finetune": {"micro_batch": 64,
-                                                                "effective_batch": 16}},
+    ("finetune", {"model": "digits", "data": "d.npz", "finetune": {"micro_batch": 64,
+                                                                   "effective_batch": 16}},
      "micro_batch"),
     ("rollback", {"name": "digits", "bogus": 1}, "args.bogus"),
 ])
-def test_bad_job_args_name_the_field(type_: str, args: dict, field: str) -> None:
-    with pytest.raises(ValidationError) as e:
-        validate_job(type_, args)
-    err = error_from_validation(e.value)
-    assert err.code == "BAD_ARGS" and field in err.message, err.message
+def test_bad_job_args_name_the_field(tmp_path: Path, type_: str, args: dict, field: str) -> None:
+    dev = _settings(tmp_path, registry={"url": "/r"})
+    with pytest.raises((ValidationError, CommandRejected)) as e:
+        validate_job(type_, args, dev)
+    message = (error_from_validation(e.value).message if isinstance(e.value, ValidationError)
+               else e.value.message)
+    assert field in message, message
 
 
-def test_device_defaults_fill_what_the_command_leaves_out(tmp_path) -> None:
-    from agent.daemon.config import AgentConfig
+@pytest.mark.parametrize(("type_", "args", "field"), [
+    # The device's trust roots and targets: never a command's to choose.
+    ("finetune", {"registry": "http://evil:8080"}, "args.registry"),
+    ("finetune", {"trusted_keys": "/tmp/keys"}, "args.trusted_keys"),
+    ("finetune", {"signing_key": "/tmp/k.pem"}, "args.signing_key"),
+    ("finetune", {"upload": {"registry": "http://evil:8080"}}, "args.upload.registry"),
+    ("deploy", {"registry": "http://evil:8080"}, "args.registry"),
+    ("deploy", {"trusted_keys": "/tmp/keys"}, "args.trusted_keys"),
+    ("rollback", {"trusted_keys": "/tmp/keys"}, "args.trusted_keys"),
+    # Paths where a name belongs.
+    ("finetune", {"data": "/etc/passwd"}, "args.data"),
+    ("finetune", {"data": "../state/jobs.db"}, "args.data"),
+    ("finetune", {"finetune": {"profile": "/tmp/evil"}}, "args.finetune.profile"),
+    ("finetune", {"finetune": {"profile": "../../tmp/evil"}}, "args.finetune.profile"),
+    ("finetune", {"export": {"tensorrt": {"timing_cache": "/var/lib/edge-agent/jobs.db"}}},
+     "args.export.tensorrt.timing_cache"),
+    ("deploy", {"data": "/data/cam0"}, "args.data"),
+    ("finetune", {"model": "../x"}, "args.model"),
+    ("deploy", {"version": "../../x"}, "args.version"),
+])
+def test_trust_roots_and_paths_are_refused_with_the_field(
+    tmp_path: Path, type_: str, args: dict, field: str,
+) -> None:
+    base = {"finetune": {"model": "digits", "data": "d.npz"},
+            "deploy": {"model": "digits", "version": "2"}, "rollback": {"name": "digits"}}
+    dev = _settings(tmp_path, registry={"url": "/r"})
+    with pytest.raises((ValidationError, CommandRejected)) as e:
+        validate_job(type_, {**base[type_], **args}, dev)
+    message = (error_from_validation(e.value).message if isinstance(e.value, ValidationError)
+               else e.value.message)
+    assert field in message, message
 
-    key = str(tmp_path / "edge-7.key.pem")
-    cfg = AgentConfig.model_validate({"device_id": "edge-7", "state_dir": str(tmp_path),
-                                      "registry": {"url": "http://reg:8080", "signing_key": key}})
+
+def test_the_device_config_is_the_only_source_of_trust_and_paths(tmp_path: Path) -> None:
+    key = tmp_path / "edge-7.key.pem"
+    dev = _settings(tmp_path, profile="sim", sensors="sim", data_root=str(tmp_path / "data"),
+                    registry={"url": "http://reg:8080", "upload_url": "http://up:8080",
+                              "signing_key": str(key)})
     ft = validate_job("finetune", {"model": "digits", "data": "d.npz",
-                                   "steps": {"upload": True}}, cfg.job_defaults())
-    assert ft["registry"] == "http://reg:8080"  # upload needs one: no longer refused
-    assert ft["signing_key"] == str(tmp_path / "edge-7.key.pem")  # signer = the device id
+                                   "finetune": {"epochs": 2, "sensors": "none"},
+                                   "export": {"tensorrt": {"timing_cache": "orin"}},
+                                   "steps": {"upload": True}}, dev)
+    assert ft["registry"] == "http://reg:8080" and ft["upload"]["registry"] == "http://up:8080"
+    assert ft["signing_key"] == str(key)  # signer = the device id
     assert ft["trusted_keys"] == str(tmp_path / "trusted_keys")
-    unset = AgentConfig.model_validate({"device_id": "edge-7", "state_dir": str(tmp_path)})
-    assert validate_job("finetune", {"model": "digits", "data": "d.npz"},
-                        unset.job_defaults())["signing_key"] is None  # the job's own default
-    assert (ft["finetune"]["profile"], ft["finetune"]["sensors"]) == ("auto", "auto")
-    sim = AgentConfig.model_validate({"device_id": "edge-7", "state_dir": str(tmp_path),
-                                      "profile": "sim", "sensors": "sim"})
-    ft = validate_job("finetune", {"model": "digits", "data": "d.npz",
-                                   "finetune": {"epochs": 2, "sensors": "none"}},
-                      sim.job_defaults())
-    assert ft["finetune"] == {**ft["finetune"], "profile": "sim", "sensors": "none",
-                              "epochs": 2}
-    mine = validate_job("finetune", {"model": "digits", "data": "d.npz", "registry": "/r"},
-                        cfg.job_defaults())
-    assert mine["registry"] == "/r"  # what the command says wins
-    rb = validate_job("rollback", {"name": "digits"}, cfg.job_defaults())
+    assert ft["export"]["tensorrt"]["timing_cache"] == str(tmp_path / "cache/tensorrt/orin")
+    # The board's profile unless the command names another; the command's own knobs win.
+    assert (ft["finetune"]["profile"], ft["finetune"]["sensors"]) == ("sim", "none")
+    assert ft["finetune"]["epochs"] == 2
+    rb = validate_job("rollback", {"name": "digits"}, dev)
     assert "registry" not in rb and rb["trusted_keys"] == str(tmp_path / "trusted_keys")
-    with pytest.raises(ValidationError, match=r"steps\.upload needs a registry"):
+
+    unset = _settings(tmp_path)
+    assert validate_job("finetune", {"model": "digits", "data": "d.npz"},
+                        unset)["signing_key"] == str(tmp_path / "device.key.pem")
+    with pytest.raises(CommandRejected, match=r"args\.steps\.upload: this device has no "
+                       "registry"):
         validate_job("finetune", {"model": "digits", "data": "d.npz",
-                                  "steps": {"upload": True}})
+                                  "steps": {"upload": True}}, unset)
+    with pytest.raises(CommandRejected, match=r"args\.version: this device has no registry"):
+        validate_job("deploy", {"model": "digits", "version": "2"}, unset)
+    with pytest.raises(CommandRejected, match=r"args\.data: no data set 'cam9'"):
+        validate_job("finetune", {"model": "digits", "data": "cam9"}, unset)
+
+
+def test_a_data_name_may_not_lead_out_of_the_data_root(tmp_path: Path) -> None:
+    dev = _settings(tmp_path)
+    (tmp_path / "data" / "escape").symlink_to(tmp_path)  # planted inside data_root
+    with pytest.raises(CommandRejected, match="leads out of data_root"):
+        validate_job("finetune", {"model": "digits", "data": "escape"}, dev)

@@ -140,3 +140,53 @@ def test_several_processes_share_the_db(tmp_path: Path) -> None:
 def test_store_is_torch_free(tmp_path: Path) -> None:
     code = "import sys, agent.jobs.store; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_database_is_private_whatever_the_umask(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    old = os.umask(0)
+    try:
+        s = JobStore(tmp_path / "state")
+        s.submit("j", "finetune", {})
+    finally:
+        os.umask(old)
+    for name in ("jobs.db", "jobs.db-wal", "jobs.db-shm"):
+        assert stat.S_IMODE((tmp_path / "state" / name).stat().st_mode) == 0o600, name
+    assert stat.S_IMODE((tmp_path / "state").stat().st_mode) == 0o700
+
+
+def test_submit_refuses_beyond_max_queued_without_storing(tmp_path: Path) -> None:
+    from agent.jobs.store import QueueFull
+
+    s = JobStore(tmp_path)
+    for i in range(3):
+        s.submit(f"q{i}", "finetune", {}, max_queued=3)
+    s.transition("q0", JobState.IN_PROGRESS)  # running: no longer waiting
+    s.submit("q3", "finetune", {}, max_queued=3)
+    with pytest.raises(QueueFull, match="3 jobs are queued already"):
+        s.submit("q4", "finetune", {}, max_queued=3)
+    assert s.get("q4") is None
+    assert s.submit("q1", "finetune", {}, max_queued=3)[1] is False  # a repeat is no new job
+
+
+def test_prune_keeps_the_last_finished_and_never_an_unfinished_job(tmp_path: Path) -> None:
+    import time
+
+    s = JobStore(tmp_path)
+    s.submit("running", "finetune", {})
+    s.transition("running", JobState.IN_PROGRESS)
+    s.step_started("running", "pull")
+    s.submit("queued", "finetune", {})
+    for i in range(6):
+        s.reject(f"r{i}", "finetune", {"code": "BAD_ARGS", "message": "x"}, source="mqtt")
+    s.step_started("r0", "pull")
+    assert sorted(s.prune(keep=2, older_than=0)) == ["r0", "r1", "r2", "r3"]
+    assert {r.id for r in s.list()} == {"running", "queued", "r4", "r5"}
+    assert s.steps("r0") == [] and len(s.steps("running")) == 1
+    # The job that just finished is the newest finished, whenever it was created.
+    s.transition("running", JobState.SUCCEEDED)
+    assert s.prune(keep=2, older_than=0) == ["r4"]
+    assert sorted(s.prune(keep=100, older_than=time.time() + 1)) == ["r5", "running"]
+    assert {r.id for r in s.list()} == {"queued"}

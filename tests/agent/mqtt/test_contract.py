@@ -126,3 +126,16 @@ def test_status_result_and_outcome_serialise() -> None:
     outcome = JobOutcome.model_validate(back.result)
     assert outcome.metric_drop("eval/acc") == pytest.approx(-0.4)
     assert outcome.metric_drop("missing") is None
+
+
+@pytest.mark.parametrize("cid", ["..", ".", "-x", "--job-id=x", ".hidden", "a/b", "a b", "a\n",
+                                 "x" * 129, "é", "a+b", "a#"])
+def test_unsafe_command_ids_are_refused_and_never_used_as_a_key(cid: str) -> None:
+    with pytest.raises(CommandRejected) as e:
+        parse_command(_cmd(id=cid), "ping")
+    assert e.value.code == "BAD_ENVELOPE" and e.value.command_id is None
+
+
+@pytest.mark.parametrize("cid", ["c-1", "ft:2026-11-23T05.30_a", "9", "x" * 128])
+def test_safe_command_ids(cid: str) -> None:
+    assert parse_command(_cmd(id=cid), "ping").id == cid
