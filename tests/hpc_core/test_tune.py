@@ -439,9 +439,11 @@ def test_a_killed_workers_trial_is_failed_by_its_stale_heartbeat(tmp_path: Path)
         study_name="digits", storage=make_storage(url, heartbeat_s=1), direction="maximize"
     )
     # A trial whose worker died: one heartbeat, then silence past the grace period (2 beats).
+    # 3.5 s, not 2.5: SQLite's CURRENT_TIMESTAMP, which the staleness check compares against,
+    # has whole seconds, so 2.5 s after a beat can still read as under 2 s.
     dead = study.ask()
     study._storage.record_heartbeat(dead._trial_id)
-    time.sleep(2.5)
+    time.sleep(3.5)
     space = _space(tmp_path, "space.yaml", "metric: eval/acc, heartbeat_s: 1")
     base = load_config(REPO / "configs/digits.yaml", SHORT)
     result = run_worker(base, load_space(space), trials=1, storage=url, out=out)
