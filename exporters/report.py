@@ -117,11 +117,19 @@ def artefact_info(report: ExportReport, winner: Attempt, sha256: str) -> dict[st
         "step": winner.step,
         "precision": winner.precision,
         "excluded_layers": list(winner.excluded),
-        "int8": {**(report.int8 or {}), "recipe": winner.recipe}
-        if winner.precision == "int8" else None,
+        "int8": _winner_int8(report, winner) if winner.precision == "int8" else None,
         "fallback": fallback_note(report),
         "versions": report.versions,
     }
+
+
+def _winner_int8(report: ExportReport, winner: Attempt) -> dict[str, Any]:
+    """The report's int8 section, for the recipe that won: a fallback step's recipe is not
+    the first step's, so neither is its reason."""
+    first = report.int8 or {}
+    reason = first.get("reason") if winner.recipe == first.get("recipe") else (
+        f"fallback: {first.get('recipe')} missed its gates")
+    return {**first, "recipe": winner.recipe, "reason": reason}
 
 
 def write_report(report: ExportReport, path: Path) -> None:

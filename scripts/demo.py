@@ -351,6 +351,7 @@ class Mission:
         return p.returncode
 
     def summary(self) -> None:
+        fallbacks: list[tuple[str, str]] = []
         rows = [("device", "camera", "acc before -> after", "export", "INT8 drop", "p50 ms",
                  "peak MB / budget", "max °C / target", "committed", "uploaded")]
         for dev, camera in DEVICES.items():
@@ -361,6 +362,8 @@ class Mission:
             o = JobOutcome.model_validate(r)
             extra = o.model_extra or {}
             exp = extra.get("export") or {}
+            if exp.get("fallback"):
+                fallbacks.append((dev, exp["fallback"]))
             mem = extra.get("memory") or {}
             gov = extra.get("governor") or {}
             before, after = o.metrics_before.get("eval/acc"), o.metrics_after.get("eval/acc")
@@ -386,12 +389,8 @@ class Mission:
             if i == 0:
                 print("  ".join("-" * w for w in widths))
         # The INT8 drop column is the winner's; a plain-INT8 miss is shown, never hidden.
-        for dev in DEVICES:
-            r = self.results.get(dev) or {}
-            note = ((JobOutcome.model_validate(r).model_extra or {}).get("export") or {}) \
-                .get("fallback") if r else None
-            if note:
-                print(f"{dev}: export fallback: {note}")
+        for dev, note in fallbacks:
+            print(f"{dev}: export fallback: {note}")
         print()
         pngs = sorted(self.out.glob("devices/*/state/**/report.png")) + sorted(
             (self.out / "reports").glob("*.png"))
