@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 import paho.mqtt.client as mqtt  # noqa: E402
 
-from tests.support.mosquitto import start_mosquitto  # noqa: E402
+from tests.support.mosquitto import Broker, start_mosquitto  # noqa: E402
 
 TARGET_WALL_S = 60.0
 FLOOR_MSGS_IN = 5  # non-retained PUBLISH per device, see the docstring
@@ -47,12 +47,13 @@ SYS_TOPICS = {
 }
 
 
-def broker_counters(port: int) -> dict[str, int]:
+def broker_counters(broker: Broker) -> dict[str, int]:
     """mosquitto's cumulative counters (published every sys_interval, retained)."""
     got: dict[str, int] = {}
     c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"bench-sys-{time.time_ns()}")
     c.on_message = lambda cl, ud, m: got.__setitem__(SYS_TOPICS[m.topic], int(m.payload))
-    c.connect("127.0.0.1", port)
+    c.username_pw_set(broker.username, broker.password)
+    c.connect("127.0.0.1", broker.port)
     c.subscribe([(t, 0) for t in SYS_TOPICS])
     c.loop_start()
     # Values are published each sys_interval when they changed, retained: after 2 quiet
@@ -78,9 +79,10 @@ def main() -> int:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     broker = start_mosquitto(work / "broker", extra_conf="sys_interval 1\nmax_connections -1")
     port = broker.port
+    login = ["--username", str(broker.username), "--password-file", str(broker.password_file)]
     sim = subprocess.Popen(
-        [sys.executable, "-m", "fleet.sim", "--port", str(port), "--devices", str(a.devices),
-         "--job-duration-s", str(a.job_duration_s)],
+        [sys.executable, "-m", "fleet.sim", "--port", str(port), *login,
+         "--devices", str(a.devices), "--job-duration-s", str(a.job_duration_s)],
         stdout=subprocess.PIPE, text=True, env=env,
     )
     try:
@@ -88,8 +90,8 @@ def main() -> int:
         assert sim.stdout is not None
         ready = json.loads(sim.stdout.readline())
         print(f"{ready['devices']} simulated devices online in {time.perf_counter() - t0:.1f} s")
-        before = broker_counters(port)
-        argv = [sys.executable, "-m", "fleet.cli", "--port", str(port), "--db",
+        before = broker_counters(broker)
+        argv = [sys.executable, "-m", "fleet.cli", "--port", str(port), *login, "--db",
                 str(work / "fleet.db"), "--report-dir", str(work / "reports"), "-q",
                 "rollout", "create", "--name", "bench", "--group", "sim", "--job", "deploy",
                 "--args", '{"version": "v2"}', "--waves", "100%", "--bake-s", "0"]
@@ -102,7 +104,7 @@ def main() -> int:
         if rc != 0:
             print(out, ctl.stderr.read().decode() if ctl.stderr else "", file=sys.stderr)
             return 1
-        after = broker_counters(port)
+        after = broker_counters(broker)
         rep = json.loads((work / "reports" / "bench.json").read_text())
         jobs = [e for e in rep["executions"] if e["kind"] == "job"]
         ok = sum(e["status"] == "SUCCEEDED" for e in jobs)

@@ -62,6 +62,17 @@ def _broker(a: argparse.Namespace) -> BrokerConfig:
         raise UsageError(format_errors(e, "broker options")) from None
 
 
+def _membership(a: argparse.Namespace) -> dict[str, list[str]] | None:
+    """Device -> groups from ``--inventory`` (the operator's word), or None without one."""
+    if a.inventory is None:
+        return None
+    try:
+        inv = load_inventory(Path(a.inventory))
+    except BrokerConfigError as e:
+        raise UsageError(f"--inventory: {e}") from None
+    return {d: entry.groups for d, entry in inv.devices.items()}
+
+
 def _connect(a: argparse.Namespace, client_id: str, subs: list[str],
              persistent: bool = False) -> FleetConnection:
     conn = FleetConnection(_broker(a), client_id, subs, persistent=persistent)
@@ -123,7 +134,7 @@ def _setup_logging(a: argparse.Namespace) -> None:
 def cmd_devices(a: argparse.Namespace) -> int:
     conn = _connect(a, f"fleetctl-inv-{os.getpid()}", [Topics(a.prefix).all_status()])
     try:
-        inv = discover(conn, settle_s=a.settle_s)
+        inv = discover(conn, settle_s=a.settle_s, membership=_membership(a))
     finally:
         conn.stop()
     rows = inv.rows(a.group)
@@ -138,8 +149,9 @@ def cmd_devices(a: argparse.Namespace) -> int:
 def cmd_watch(a: argparse.Namespace) -> int:
     t = Topics(a.prefix)
     subs = [t.all_status(), t.all_events()] + ([t.all_telemetry()] if a.telemetry else [])
+    membership = _membership(a)
     conn = _connect(a, f"fleetctl-watch-{os.getpid()}", subs)
-    inv, seen = Inventory(), 0
+    inv, seen = Inventory(membership), 0
     deadline = time.monotonic() + a.duration_s if a.duration_s else None
     try:
         while (a.count is None or seen < a.count) and (
@@ -149,10 +161,10 @@ def cmd_watch(a: argparse.Namespace) -> int:
                 line: dict[str, Any] | None = None
                 if m.kind == "status":
                     st = inv.update(m.device, m.body if isinstance(m.body, Status) else None)
-                    if st is not None and (a.group is None or a.group in st.groups):
+                    if st is not None and (a.group is None or a.group in inv.groups_of(m.device)):
                         line = {"kind": "status", **st.model_dump(mode="json")}
-                elif m.body is not None and (
-                    a.group is None or a.group in getattr(inv.devices.get(m.device), "groups", [])
+                elif m.body is not None and inv.listed(m.device) and (
+                    a.group is None or a.group in inv.groups_of(m.device)
                 ):
                     kind = m.kind if m.sub is None else f"{m.kind}/{m.sub}"
                     line = {"kind": kind, "device": m.device, **m.body.model_dump(mode="json")}
@@ -189,7 +201,8 @@ def cmd_send(a: argparse.Namespace) -> int:
     conn = _connect(a, f"fleetctl-send-{os.getpid()}", [t.all_status(), t.all_results()])
     try:
         if a.group is not None:
-            devices = discover(conn, settle_s=a.settle_s).select(a.group)
+            devices = discover(conn, settle_s=a.settle_s,
+                               membership=_membership(a)).select(a.group)
             if not devices:
                 raise UsageError(f"send: no device lists group {a.group!r}")
         else:
@@ -332,7 +345,7 @@ def cmd_rollout_create(a: argparse.Namespace) -> int:
     conn = _connect(a, _controller_id(db) if lock is not None else f"fleetctl-create-{os.getpid()}",
                     [t.all_status(), t.all_results()], persistent=lock is not None)
     try:
-        inv = discover(conn, settle_s=a.settle_s)
+        inv = discover(conn, settle_s=a.settle_s, membership=_membership(a))
         targets = inv.select(plan.group, plan.devices)
         if not targets:
             print(f"rollout: no device lists group {plan.group!r}", file=sys.stderr)
@@ -449,6 +462,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--connect-timeout-s", type=float, default=10.0,
                    help="give up when no CONNACK arrives in this time (a refused TLS "
                         "handshake shows only as silence)")
+    ap.add_argument("--inventory", default=_env("INVENTORY"), metavar="FILE",
+                    help="the operator's inventory (the file broker-config reads): groups come "
+                         "from it, not from what a device's status claims, and a device it "
+                         "does not list is ignored")
     ap.add_argument("--db", default=_env("DB", "fleet.db"), help="controller state (SQLite)")
     ap.add_argument("--report-dir", default=_env("REPORT_DIR", "fleet-reports"))
     ap.add_argument("--settle-s", type=float, default=0.5,

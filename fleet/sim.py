@@ -10,7 +10,8 @@ outcome and an accuracy delta per device.
 All clients of a process share ONE thread driving paho's external-loop API through a
 selector (epoll), so 1,000 devices cost one thread, not 1,000.
 
-    python -m fleet.sim --port 1883 --devices 1000 --group sim --job-duration-s 0.5
+    python -m fleet.sim --port 1883 --username sim --password-file sim.password \
+        --devices 1000 --group sim --job-duration-s 0.5
 """
 
 from __future__ import annotations
@@ -507,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=1883)
     ap.add_argument("--prefix", default=BrokerConfig().prefix)
+    ap.add_argument("--username", help="broker account of every simulated device")
+    ap.add_argument("--password-file", type=Path, help="file holding that account's password")
     ap.add_argument("--config", type=Path, help="SimConfig as JSON (flags below override)")
     ap.add_argument("--devices", type=int)
     ap.add_argument("--id-prefix")
@@ -530,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.acc_delta is not None:
         beh["acc_delta"] = a.acc_delta
     cfg = SimConfig.model_validate(data)
-    fleet = SimFleet(cfg, BrokerConfig(host=a.host, port=a.port, prefix=a.prefix))
+    fleet = SimFleet(cfg, BrokerConfig(host=a.host, port=a.port, prefix=a.prefix,
+                                       username=a.username, password_file=a.password_file))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

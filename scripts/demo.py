@@ -4,8 +4,9 @@
 2. registry: ``hpc-train keygen`` + ``publish`` a signed version, served over loopback HTTP
    by ``python -m registry.serve``; each device gets its own upload token
    (``registry.serve add-principal``) and may write only its own versions;
-3. broker: a throwaway mosquitto with one account per device, an ACL that keeps each device
-   to its own topics, and an operator account for the fleet;
+3. broker: a throwaway mosquitto provisioned by ``fleetctl broker-config`` from an inventory:
+   one account per device (its client id), an ACL that keeps each device to its own topics and
+   its groups' commands, and an account per operator tool on a listener of their own;
 4. devices: three ``edge-agent`` daemons on the simulated board (``sim`` profile and
    sensors), each provisioned with ``agentctl pull`` and given its own camera's data (the
    documented distortions of digits, a different one per device);
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -86,7 +86,9 @@ class Mission:
             self.env.pop(var, None)
         self.registry_url = ""
         self.registry_lock = threading.Lock()
-        self.broker_port = 0
+        self.broker_port = self.operator_port = 0
+        self.secrets = out / "secrets"
+        """Broker passwords (``fleetctl broker-config --secrets``): devices/, operators/."""
         self.results: dict[str, dict[str, Any]] = {}
         self.stage: dict[str, str] = {}
         self.last_step: dict[str, tuple[Any, ...]] = {}
@@ -179,35 +181,37 @@ class Mission:
     # --- 3. broker -----------------------------------------------------------------------
 
     def start_broker(self) -> None:
+        """Provisioned as an operator would: ``fleetctl broker-config`` writes mosquitto's
+        conf, per-device accounts (client id = account), ACLs and the operator tools' own
+        accounts from an inventory; the demo only adds ``user root`` and a log."""
         d = self.out / "broker"
         d.mkdir()
-        passwd = d / "passwd"
-        accounts = {**{dev: secrets.token_hex(12) for dev in DEVICES},
-                    "fleet": secrets.token_hex(12)}
-        for i, (user, pw) in enumerate(accounts.items()):
-            self.run("broker", ["mosquitto_passwd", "-b"] + (["-c"] if i == 0 else [])
-                     + [str(passwd), user, pw])
-            (d / f"{user}.password").write_text(pw)
-            (d / f"{user}.password").chmod(0o600)
-        (d / "acl").write_text(
-            "# each device: its own subtree, and its groups' commands (read only)\n"
-            "pattern readwrite fleet/v1/dev/%u/#\n"
-            "pattern read fleet/v1/group/+/cmd/#\n"
-            "# the operator (fleetctl)\n"
-            "user fleet\ntopic readwrite fleet/v1/#\n"
-        )
-        self.broker_port = free_port()
-        conf = [f"listener {self.broker_port} 127.0.0.1", "allow_anonymous false",
-                f"password_file {passwd}", f"acl_file {d / 'acl'}", "persistence false",
-                "set_tcp_nodelay true", "max_queued_messages 100000", "log_dest stderr",
+        inventory = d / "inventory.yaml"
+        inventory.write_text(yaml.safe_dump(
+            {"devices": {dev: {"groups": [GROUP]} for dev in DEVICES}}))
+        self.broker_port, self.operator_port = free_port(), free_port()
+        summary = yaml.safe_load(self.run("broker", [
+            str(BIN / "fleetctl"), "broker-config", "--inventory", str(inventory),
+            "--out", str(d / "conf"), "--secrets", str(self.secrets),
+            "--device-listener", f"127.0.0.1:{self.broker_port}",
+            "--operator-listener", f"127.0.0.1:{self.operator_port}"]))
+        conf = [Path(summary["conf"]).read_text(), "persistence false", "log_dest stderr",
                 "log_type error", "log_type warning"]
         if os.geteuid() == 0:  # else mosquitto drops to its own user and cannot read 0600 files
             conf.append("user root")
         (d / "mosquitto.conf").write_text("\n".join(conf) + "\n")
         self.start("broker", ["mosquitto", "-c", str(d / "mosquitto.conf")], d / "log")
         _wait_port(self.broker_port, 10)
-        self.say("broker", f"mosquitto on 127.0.0.1:{self.broker_port}: one account per "
-                           "device (ACL: its own topics only) + the operator 'fleet'")
+        _wait_port(self.operator_port, 10)
+        self.say("broker", f"mosquitto: devices on 127.0.0.1:{self.broker_port} (one account "
+                           "each = its client id; writes only fleet/v1/dev/<id>/#, reads its "
+                           f"own and group '{GROUP}' commands), operator tools on "
+                           f"127.0.0.1:{self.operator_port}: "
+                           + "; ".join(f"{u} ({o['for']})"
+                                       for u, o in summary["operators"].items()))
+
+    def operator_password_file(self, account: str) -> Path:
+        return self.secrets / "operators" / f"{account}.password"
 
     # --- 4. devices ----------------------------------------------------------------------
 
@@ -237,9 +241,10 @@ class Mission:
                "data_root": str(data), "profile": "sim", "sensors": "sim", "telemetry_s": 2,
                "socket_group": None,
                "mqtt": {"host": "127.0.0.1", "port": self.broker_port, "username": dev,
-                        "password_file": str(self.out / "broker" / f"{dev}.password")},
+                        "password_file": str(self.secrets / "devices" / f"{dev}.password")},
                "registry": {"url": self.registry_url,
-                            "signing_key": str(state / f"{dev}.key.pem")}}
+                            "signing_key": str(state / f"{dev}.key.pem"),
+                            "token_file": str(home / "registry.token")}}
         (home / "agent.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.run(dev, [str(BIN / "edge-agent"), "validate", str(home / "agent.yaml")])
         self.say(dev, f"provisioned: {MODEL}@1 pulled and verified, camera = {camera}")
@@ -252,11 +257,8 @@ class Mission:
         for dev, home in homes.items():
             # One rollout's args ("data": "camera.npz") fit every device: each resolves the
             # name under its own data_root.
-            # Its own registry token, bound to the registry it uploads to and sent nowhere else.
-            env = {**self.env, REGISTRY_ENV: self.registry_url,
-                   TOKEN_ENV: (home / "registry.token").read_text().strip()}
             self.start(dev, [str(BIN / "edge-agent"), "--config", str(home / "agent.yaml")],
-                       home / "agent.log", cwd=home, env=env)
+                       home / "agent.log", cwd=home)
 
     # --- live view -----------------------------------------------------------------------
 
@@ -264,7 +266,8 @@ class Mission:
         topics = Topics()
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"demo-view-{os.getpid()}",
                         protocol=mqtt.MQTTv5)
-        c.username_pw_set("fleet", (self.out / "broker/fleet.password").read_text())
+        c.username_pw_set("fleet-watch",
+                          self.operator_password_file("fleet-watch").read_text().strip())
         c.suppress_exceptions = True
         online = threading.Event()
 
@@ -292,7 +295,7 @@ class Mission:
         c.on_connect = lambda cl, *_: cl.subscribe(
             [(topics.all_status(), 1), (topics.all_results(), 1), (topics.all_events(), 1),
              (topics.all_telemetry(), 0)])
-        c.connect("127.0.0.1", self.broker_port)
+        c.connect("127.0.0.1", self.operator_port)
         c.loop_start()
         self.mq = c
         if not online.wait(60):
@@ -334,8 +337,8 @@ class Mission:
         self.say("fleet", f"rollout of a finetune job to group '{GROUP}': wave 1 = 1 canary, "
                           "wave 2 = the rest")
         cmd = [str(BIN / "fleetctl"), "--log-format", "text",
-               "--port", str(self.broker_port), "--username", "fleet",
-               "--password-file", str(self.out / "broker/fleet.password"),
+               "--port", str(self.operator_port), "--username", "fleet-controller",
+               "--password-file", str(self.operator_password_file("fleet-controller")),
                "--db", str(self.out / "fleet.db"), "--report-dir", str(self.out / "reports"),
                "rollout", "create", "--name", "demo", "--group", GROUP, "--job", "finetune",
                "--args", f"@{args}", "--waves", "1,100%", "--bake-s", "3",

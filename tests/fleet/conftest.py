@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 def broker(mosquitto: Callable[..., Broker]) -> BrokerConfig:
     """The shared real mosquitto (tests/support/mosquitto.py), as the fleet's broker config."""
     b = mosquitto()
-    return BrokerConfig(host=b.host, port=b.port)
+    return BrokerConfig(host=b.host, port=b.port, username=b.username,
+                        password_file=b.password_file)
 
 
 @pytest.fixture
@@ -61,7 +62,9 @@ def fleetctl(
 
 
 def fleetctl_argv(broker: BrokerConfig, tmp_path: Path) -> list[str]:
-    return [sys.executable, "-m", "fleet.cli", "--port", str(broker.port),
+    creds = ([] if broker.username is None else
+             ["--username", broker.username, "--password-file", str(broker.password_file)])
+    return [sys.executable, "-m", "fleet.cli", "--port", str(broker.port), *creds,
             "--db", str(tmp_path / "fleet.db"), "--report-dir", str(tmp_path / "reports"),
             "--settle-s", "0.3"]
 
@@ -106,7 +109,9 @@ def real_agents(
             cfg.write_text(yaml.safe_dump({
                 "device_id": dev, "groups": groups, "state_dir": str(state),
                 "data_root": str(tmp_path),
-                "mqtt": {"host": broker.host, "port": broker.port, "prefix": broker.prefix},
+                "mqtt": {"host": broker.host, "port": broker.port, "prefix": broker.prefix,
+                         "username": broker.username,
+                         "password_file": str(broker.password_file)},
                 "sensors": "none", "telemetry_s": 0, "socket_group": None,
                 "profile": "generic-x86",
             }))

@@ -32,6 +32,23 @@ def test_late_will_of_an_older_connection_is_ignored() -> None:
     assert inv.devices["d1"].state == "offline"
 
 
+def test_membership_from_the_operators_inventory(caplog: pytest.LogCaptureFixture) -> None:
+    """With the operator's inventory the groups a status claims count for nothing, and a
+    device the inventory does not list is not in the fleet."""
+    inv = Inventory({"d1": ["a"], "d2": ["a", "b"]})
+    with caplog.at_level(logging.WARNING, logger="fleet.inventory"):
+        assert inv.update("d1", status("d1", "online", 1, groups=("a", "b"))) is not None
+        assert inv.update("d2", status("d2", "online", 1, groups=())) is not None
+        assert inv.update("d9", status("d9", "online", 1, groups=("b",))) is None
+        inv.update("d9", status("d9", "online", 2, groups=("b",)))
+    assert inv.select("b") == ["d2"] and inv.select() == ["d1", "d2"]
+    assert [r["groups"] for r in inv.rows()] == [["a"], ["a", "b"]]
+    assert not inv.listed("d9") and "d9" not in inv.devices
+    unlisted = [r for r in caplog.records if getattr(r, "device", None) == "d9"]
+    assert len(unlisted) == 1  # once per device
+    assert any(getattr(r, "claimed_groups", None) == ["a", "b"] for r in caplog.records)
+
+
 def test_groups_and_cleared_status() -> None:
     inv = Inventory()
     inv.update("d1", status("d1", "online", 1, groups=("a", "b")))

@@ -53,3 +53,22 @@ def test_example_plan_loads() -> None:
     repo = Path(__file__).resolve().parents[2]
     p = load_plan(repo / "scripts/fleet/nightly_finetune.yaml", {"name": "nightly-20261123"})
     assert p.job == "finetune" and p.wave_sizes(40) == [1, 4, 40]
+
+
+def test_execution_ids_fit_the_contract_for_the_longest_names() -> None:
+    """The longest rollout name (40) and device id (64) still make command ids the device
+    takes (at most 128 characters), distinct per rollout, device, attempt and kind."""
+    from agent.mqtt.contract import check_command_id
+    from fleet.controller import exec_id
+    from fleet.store import Rollout
+
+    def rollout(name: str, nonce: str) -> Rollout:
+        return Rollout(name, nonce, plan(name=name), "running", None, None, 0.0, 0.0, None)
+
+    assert exec_id(rollout("canary", "a1b2c3"), "dev-1", 1) == "canary-a1b2c3.dev-1.1"
+    ids = {exec_id(rollout("r" * 40, n), "d" * 63 + s, a, kind)
+           for n in ("a1b2c3d4", "e5f6a7b8") for s in ("d", "x") for a in (1, 99)
+           for kind in ("job", "rollback")}
+    assert len(ids) == 16
+    for i in ids:
+        assert check_command_id(i) == i

@@ -302,7 +302,8 @@ def test_fleetctl_over_mutual_tls(mosquitto: Callable[..., Any], tmp_path: Path,
     from tests.support.pki import make_pki
 
     pki = make_pki(tmp_path / "pki", ["sim-0000", "sim-0001", "ops"])
-    b = mosquitto(tls=pki, require_certificate=True)
+    # The certificate's CN is the account (no broker here is anonymous).
+    b = mosquitto(tls=pki, require_certificate=True, use_identity_as_username=True)
     fleets = []
     for i, dev in enumerate(("sim-0000", "sim-0001")):  # each device its own certificate
         cert, key = pki.client(dev)

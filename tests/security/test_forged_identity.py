@@ -153,3 +153,46 @@ def test_rollout_records_only_what_each_device_said(
     assert _warned(r.stderr, "dev-b"), r.stdout + r.stderr
     for p in (a, b):
         p.close()
+
+
+def test_groups_come_from_the_operators_inventory_not_the_status(
+    secure_broker: Callable[..., SecureBroker], tmp_path: Path, subprocess_env: dict[str, str],
+) -> None:
+    """A claims, in its own status, to be in group ``other`` (the inventory puts only B
+    there). Without ``--inventory`` fleetctl can only believe the claim; with the inventory
+    the broker was provisioned from, A is in no group it was not given: ``send --group other``
+    never reaches A, and ``devices`` shows the inventory's groups."""
+    sb = secure_broker()
+    inventory = sb.out.parent / "inventory.yaml"
+    b = FakeDevice(sb, "dev-b", ["lab", "other"])
+    b.announce()
+    a = FakeDevice(sb, "dev-a", ["lab"])
+    assert not a.announce(groups=["lab", "other"]).is_failure
+
+    r = run_fleetctl(sb, "fleet-watch", tmp_path, subprocess_env, "devices", "--json")
+    claimed = {row["device"]: row["groups"] for row in json.loads(r.stdout)}
+    assert claimed["dev-a"] == ["lab", "other"]  # what A says, all there is without one
+
+    r = run_fleetctl(sb, "fleet-watch", tmp_path, subprocess_env, "--inventory",
+                     str(inventory), "devices", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = {row["device"]: row["groups"] for row in json.loads(r.stdout)}
+    assert rows == {"dev-a": ["lab"], "dev-b": ["lab", "other"]}
+    assert any(json.loads(x).get("claimed_groups") == ["lab", "other"]
+               for x in r.stderr.splitlines() if x.startswith("{")), r.stderr
+
+    r = run_fleetctl(sb, "fleet-send", tmp_path, subprocess_env, "--inventory", str(inventory),
+                     "send", "--group", "other", "ping", "--wait", "--timeout-s", "5", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [x["device"] for x in json.loads(r.stdout)["results"]] == ["dev-b"]
+    # The group command itself goes to the group topic, which A's ACL does not let it read.
+    assert a.commands == [] and len(b.commands) == 1
+
+    # A bad inventory is bad input, named: exit 2 before anything is sent.
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("devices: {dev-a: {groops: [lab]}}\n")
+    r = run_fleetctl(sb, "fleet-send", tmp_path, subprocess_env, "--inventory", str(bad),
+                     "send", "--group", "other", "ping")
+    assert r.returncode == 2 and "groops" in r.stderr, r.stderr
+    for p in (a, b):
+        p.close()

@@ -2,10 +2,15 @@
 
 Stable API (the daemon's and the fleet's tests share it)::
 
-    broker = start_mosquitto(workdir)                        # anonymous, plain TCP
+    broker = start_mosquitto(workdir)                        # one test account, plain TCP
     broker = start_mosquitto(workdir, passwords={"dev-a": "pw"}, acl=ACL_DEVICE_PATTERN)
     broker = start_mosquitto(workdir, tls=make_pki(workdir, ["dev-a"]), require_certificate=True)
     broker.host, broker.port ; broker.stop() ; broker.start()   # restart on the same port
+
+No broker here is anonymous (``allow_anonymous false`` everywhere, as ``fleetctl broker-config``
+writes it): without ``passwords`` the broker gets one generated test account, which
+:class:`Broker` carries (``username``, ``password``, ``password_file``) and
+:class:`tests.support.mqtt.Peer` and the test configs use.
 
 Recipe from the field notes: one ``listener PORT 127.0.0.1`` in a conf file (never ``-p`` with
 ``-c``), ``set_tcp_nodelay true``, a large ``max_queued_messages`` (the default 1000 drops
@@ -17,6 +22,7 @@ silently for a slow subscriber), ``user root`` when root (else mosquitto drops t
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -32,6 +38,8 @@ ACL_DEVICE_PATTERN = (
     "pattern read fleet/v1/group/+/cmd/#\n"
 )
 """Per-device isolation by username (or certificate CN with use_identity_as_username)."""
+TEST_USER = "edgetrain-test"
+"""The account of a broker started without ``passwords``."""
 ACL_FLEET = ACL_DEVICE_PATTERN + "\nuser fleet\ntopic readwrite fleet/v1/#\n"
 """The device pattern plus a ``fleet`` user (the controller) that reads and writes it all."""
 
@@ -56,6 +64,11 @@ class Broker:
     workdir: Path
     tls: Pki | None = None
     log: Path | None = None
+    username: str | None = None
+    """The generated test account (None where the test gave its own passwords or certs)."""
+    password: str | None = None
+    password_file: Path | None = None
+    """``password`` in a 0600 file, for configs that read it from one (agent, fleetctl)."""
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def start(self, timeout_s: float = 10.0) -> Broker:
@@ -91,6 +104,14 @@ class Broker:
             self.proc.kill()
             self.proc.wait(timeout_s)
 
+    def agent_mqtt(self) -> dict[str, object]:
+        """The ``mqtt`` section of an agent.yaml that logs in to this broker with its test
+        account (host and port only where it has none: certificates or the test's own)."""
+        cfg: dict[str, object] = {"host": self.host, "port": self.port}
+        if self.username is not None:
+            cfg |= {"username": self.username, "password_file": str(self.password_file)}
+        return cfg
+
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -120,7 +141,8 @@ def start_mosquitto(
 ) -> Broker:
     """Write a conf under ``workdir`` and start mosquitto on a free loopback port.
 
-    ``passwords``: user -> password (anonymous access is then refused). ``acl``: ACL file text
+    ``passwords``: user -> password; without it (and without certificate identities) one
+    generated account, :data:`TEST_USER`, that may use every topic. ``acl``: ACL file text
     (e.g. :data:`ACL_DEVICE_PATTERN`). ``tls``: serve TLS with the Pki's server certificate;
     ``require_certificate`` asks clients for one signed by its CA, and
     ``use_identity_as_username`` makes the certificate's CN the username the ACL sees.
@@ -132,8 +154,15 @@ def start_mosquitto(
              "max_queued_messages 100000", "max_inflight_messages 0"]
     if os.geteuid() == 0:
         lines.append("user root")
-    anonymous = passwords is None and not use_identity_as_username
-    lines.append(f"allow_anonymous {'true' if anonymous else 'false'}")
+    lines.append("allow_anonymous false")
+    account: tuple[str, str, Path] | None = None
+    if passwords is None and not use_identity_as_username:
+        pw = secrets.token_hex(12)
+        pw_file = workdir / f"{TEST_USER}.password"
+        pw_file.write_text(pw + "\n")
+        pw_file.chmod(0o600)
+        account = (TEST_USER, pw, pw_file)
+        passwords = {TEST_USER: pw}
     if passwords is not None:
         lines.append(f"password_file {write_password_file(workdir / 'passwd', passwords)}")
     if acl is not None:
@@ -159,4 +188,6 @@ def start_mosquitto(
     conf = workdir / "mosquitto.conf"
     conf.write_text("\n".join(lines) + "\n")
     broker = Broker("127.0.0.1", port, conf, workdir, tls=tls, log=workdir / "mosquitto.log")
+    if account is not None:
+        broker.username, broker.password, broker.password_file = account
     return broker.start()

@@ -47,8 +47,11 @@ class Peer:
         self, broker: Broker, *, client_id: str | None = None, username: str | None = None,
         password: str | None = None, cert: tuple[Path, Path] | None = None,
         tls: bool | None = None, timeout_s: float = 10.0, session_expiry_s: int | None = None,
+        anonymous: bool = False,
     ) -> None:
-        """``session_expiry_s``: a persistent session (clean_start=False): reconnecting with
+        """Without ``username`` or ``cert`` it logs in with the broker's test account, if it
+        has one (``anonymous=True``: with no credentials, to see the broker refuse it).
+        ``session_expiry_s``: a persistent session (clean_start=False): reconnecting with
         the same ``client_id`` gets what the broker queued for it meanwhile."""
         self.client = mqtt.Client(
             mqtt.CallbackAPIVersion.VERSION2, client_id=client_id or f"peer-{next(_ids)}",
@@ -59,6 +62,8 @@ class Peer:
         self.cond = threading.Condition()
         self.connect_rc: Any = None
         self.puback: dict[int, Any] = {}
+        if username is None and cert is None and not anonymous and broker.username:
+            username, password = broker.username, broker.password
         if username is not None:
             self.client.username_pw_set(username, password)
         if tls if tls is not None else broker.tls is not None:

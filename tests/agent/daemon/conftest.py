@@ -91,7 +91,7 @@ class AgentProc:
         config: dict[str, Any] = {
             "device_id": device, "state_dir": str(self.state_dir), "sensors": "none",
             "telemetry_s": 0, "socket_group": None,
-            "mqtt": {"host": broker.host, "port": broker.port, "keepalive_s": 5,
+            "mqtt": {**broker.agent_mqtt(), "keepalive_s": 5,
                      "reconnect_min_s": 0.1, "reconnect_max_s": 1.0},
             "limits": {"progress_interval_s": 0.2},
         }

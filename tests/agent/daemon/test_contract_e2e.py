@@ -94,7 +94,8 @@ def test_contract_with_mosquitto_clients(
 ) -> None:
     broker = mosquitto()
     a = agent(broker)
-    base = ["-h", broker.host, "-p", str(broker.port), "-V", "mqttv5"]
+    base = ["-h", broker.host, "-p", str(broker.port), "-V", "mqttv5",
+            "-u", str(broker.username), "-P", str(broker.password)]
     # The retained status is there for a late subscriber.
     out = subprocess.run(["mosquitto_sub", *base, "-t", T.status("dev-a"), "-C", "1",
                           "-W", "10"], capture_output=True, text=True, timeout=15)

@@ -65,7 +65,7 @@ def daemon(tmp_path: Path, mosquitto: Callable[..., Broker]) -> Iterator[tuple[D
     cfg = AgentConfig.model_validate({
         "device_id": "dev-a", "state_dir": str(tmp_path / "state"), "sensors": "sim",
         "socket_group": None, "telemetry_s": 0.25,
-        "mqtt": {"host": broker.host, "port": broker.port},
+        "mqtt": broker.agent_mqtt(),
         "limits": {"max_job_attempts": 1, "progress_interval_s": 0.1}})
     d = Daemon(cfg, worker_argv=lambda jid: [sys.executable, str(script), str(cfg.state_dir),
                                              jid])

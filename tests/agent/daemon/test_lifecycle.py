@@ -35,7 +35,7 @@ def test_sd_notify_ready_watchdog_and_hung_loop(
     cfg = AgentConfig.model_validate({
         "device_id": "dev-a", "state_dir": str(tmp_path / "state"), "sensors": "none",
         "socket_group": None, "telemetry_s": 0,
-        "mqtt": {"host": broker.host, "port": broker.port}})
+        "mqtt": broker.agent_mqtt()})
     # WATCHDOG_USEC=400 ms: pings every 200 ms from the main loop.
     d = Daemon(cfg, notifier=Notifier({"NOTIFY_SOCKET": str(notify.path),
                                        "WATCHDOG_USEC": "400000"}))

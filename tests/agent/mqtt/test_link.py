@@ -16,7 +16,8 @@ from tests.support.mosquitto import Broker
 def _link(broker: Broker, state: Path) -> tuple[MqttLink, Outbox]:
     outbox = Outbox(state)
     link = MqttLink(
-        LinkSettings(client_id="link-test", host=broker.host, port=broker.port),
+        LinkSettings(client_id="link-test", host=broker.host, port=broker.port,
+                     username=broker.username, password=broker.password),
         outbox,
         before_connect=lambda: ("t/will", b"offline"),
         on_connected=lambda present: None,
