@@ -35,10 +35,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from agent.jobs import steps as job_steps  # noqa: E402
-from agent.jobs.machine import CRASH_ENV, JobContext  # noqa: E402
+from agent.jobs.machine import TRANSITIONS, planned_steps  # noqa: E402
 from agent.jobs.proctree import TreePeak  # noqa: E402
+from agent.jobs.protocol import CRASH_ENV, JobContext  # noqa: E402
 from agent.jobs.spec import DeviceJob  # noqa: E402
+from agent.jobs.steps import WORKER_STEPS  # noqa: E402
 from agent.jobs.store import JobState, JobStore  # noqa: E402
 from tests.agent.jobs.conftest import Device, build_template, make_device, publish_v1  # noqa: E402
 from tests.support.registry_server import RegistryServer  # noqa: E402
@@ -89,10 +90,10 @@ def run_by_hand(template: Path, reg: RegistryServer, root: Path, over: dict[str,
     ctx = JobContext(JobStore(dev.state), "h", dev.state, spec)
     ctx.job_dir.mkdir(parents=True)
     hand_s: dict[str, float] = {}
-    for name in spec.planned_steps():
+    for name in planned_steps(TRANSITIONS["finetune"], spec):
         ctx.current = name
         t = time.perf_counter()
-        ctx.outputs[name] = job_steps.STEPS[name](ctx)
+        ctx.outputs[name] = WORKER_STEPS[name](ctx)
         hand_s[name] = time.perf_counter() - t
     return hand_s
 

@@ -33,7 +33,8 @@ from hpc_core.estimate import DEFAULT_PRICES, estimate, load_prices
 from hpc_core.lr_find import lr_range_test
 from hpc_core.search_space import SearchSpace
 from hpc_core.trainer import Trainer
-from hpc_core.tune import counted, run_worker
+from hpc_core.tune_report import counted
+from hpc_core.tune_worker import run_worker
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs/digits.yaml"

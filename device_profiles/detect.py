@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from device_profiles import ProfileError, list_profiles, load_profile
+from device_profiles.catalog import ProfileError, list_profiles, load_profile
 from device_profiles.schema import DeviceProfile
 
 X86_MACHINES = {"x86_64", "amd64", "i686", "i386"}

@@ -178,12 +178,13 @@ class _Run:
         if self.sensitivity is None:
             prepared = self.prepared_fp32()
             x = self.calibration_inputs()[: self.job.fallback.sensitivity_samples]
-            ref = predict(OrtRunner(prepared), x)
+            # Scored in the job's batch: a device job sets it inside its memory budget.
+            ref = predict(OrtRunner(prepared), x, batch=self.job.gates.batch_size)
             scores = []
             for node in quantizable_nodes(prepared):
                 path = self.quantize(self.work / "sensitivity.onnx", self.exact_recipe,
                                      only=[node])
-                out = predict(OrtRunner(path), x)
+                out = predict(OrtRunner(path), x, batch=self.job.gates.batch_size)
                 scores.append((node, float(np.mean((out - ref) ** 2))))
             self.sensitivity = sorted(scores, key=lambda s: -s[1])
         return self.sensitivity
@@ -323,7 +324,8 @@ def run_export(job: ExportJob) -> ExportReport:
     src = load_source(job)
     report.checkpoint = str(src.checkpoint)
     inputs, labels = held_out(src.val, job.gates.eval_samples)
-    reference_logits = predict(TorchRunner(src.model), inputs)
+    batch = job.gates.batch_size  # every scoring pass: the job's batch, never more
+    reference_logits = predict(TorchRunner(src.model), inputs, batch=batch)
     before = _model_summary(src.model, src.input_shape)
     model = copy.deepcopy(src.model)
     sparse = _prune(job, src, model, report) if job.prune is not None else False
@@ -338,7 +340,7 @@ def run_export(job: ExportJob) -> ExportReport:
         "flops_before": before["flops"],
         "flops_after": after["flops"],
     }
-    fidelity_logits = predict(TorchRunner(model), inputs)
+    fidelity_logits = predict(TorchRunner(model), inputs, batch=batch)
     fp32 = export_onnx(model, out / "model.fp32.onnx", src.input_shape, job.onnx)
     report.onnx = {
         "opset": fp32.opset,

@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from agent.mqtt.contract import MAX_PAYLOAD_BYTES, Topics, check_id
+from contract import MAX_PAYLOAD_BYTES, Topics, check_id
 from hpc_core.atomic import atomic_output
 
 MAX_PACKET_BYTES = MAX_PAYLOAD_BYTES + 4096
@@ -49,8 +49,9 @@ PBKDF2_ITERATIONS = 101
 hash, and generated passwords carry 192 random bits, so more iterations would buy nothing."""
 MIN_PASSWORD_CHARS = 16
 RESERVED_PREFIX = "fleetctl-"
-"""fleetctl's own client ids start with this (fleet/cli.py). Client ids are broker-wide, so a
-device named like one would kick that tool off the operator listener."""
+"""fleetctl's own client ids start with this (fleet/cli_devices.py, fleet/cli_rollout.py).
+Client ids are broker-wide, so a device named like one would kick that tool off the operator
+listener."""
 
 OPERATORS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "fleet-controller": ("fleetctl controller, fleetctl rollout create", [

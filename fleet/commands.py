@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.mqtt.contract import (
+from contract import (
     MAX_PAYLOAD_BYTES,
     TERMINAL_STATUSES,
     Command,
@@ -68,7 +68,7 @@ def send(
         # Devices refuse it anyway, and past the broker's max_packet_size the broker would
         # drop this connection instead of answering.
         raise ValueError(f"the command is {len(payload)} bytes; the limit is "
-                         f"{MAX_PAYLOAD_BYTES} (agent.mqtt.contract.MAX_PAYLOAD_BYTES)")
+                         f"{MAX_PAYLOAD_BYTES} (contract.MAX_PAYLOAD_BYTES)")
     if group is not None:
         conn.publish(t.group_command(group, type_), payload)
     else:

@@ -5,8 +5,14 @@ published. Execution ids are ``{rollout}-{nonce}.{device}.{attempt}``: a restart
 re-sends the same id for every execution that was open, and a device that already has it
 answers DUPLICATE with where it stands — so no device ever runs one execution twice.
 
-Rollout states: running → (paused ⇄ running) → succeeded, or → aborting → rolling_back →
-aborted; ``rollback`` of a finished rollout: rolling_back → rolled_back.
+Rollout states: running → (paused ⇄ running) → succeeded (every wave done, every device
+succeeded) or completed_with_failures (every wave done, some device failed for good without
+reaching the abort threshold), or → aborting → rolling_back → aborted; ``rollback`` of a
+finished rollout: rolling_back → rolled_back.
+
+Execution ids, the in-memory ``RolloutRun`` and the summaries read from it are in
+``fleet.rollout_run``; the command sent for an execution and how a result lands on it, in
+``fleet.execution_messages``.
 """
 
 from __future__ import annotations
@@ -14,74 +20,19 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any
 
-from pydantic import ValidationError
-
-from agent.mqtt.contract import Command, JobOutcome, Result
+from contract import Result
+from fleet.execution_messages import command_for, finish_execution, infer_status
 from fleet.mqtt import FleetConnection
-from fleet.plan import RolloutPlan
-from fleet.store import ROLLOUT_ACTIVE, Execution, FleetStore, Rollout, Wave
+from fleet.rollout_run import DEVICE_TERMINAL, RolloutRun, exec_id
+from fleet.store import ROLLOUT_ACTIVE, Execution, FleetStore, Wave
 
 log = logging.getLogger("fleet.controller")
 
-RETRIED = frozenset({"FAILED", "TIMED_OUT", "EXPIRED"})
-"""Terminal statuses a plan's ``retries`` apply to; REJECTED never is (the args are wrong)."""
 CONTROLLER_TIMEOUT = "CONTROLLER_TIMEOUT"
 """error_code of an execution the controller gave up on (no terminal result in timeout_s);
 the device's own late result may still overrule it."""
-DEVICE_TERMINAL = frozenset(
-    {"SUCCEEDED", "FAILED", "TIMED_OUT", "EXPIRED", "REJECTED", "CANCELED"}
-)
-
-
-def exec_id(rollout: Rollout, device: str, attempt: int, kind: str = "job") -> str:
-    """``{rollout}-{nonce}.{device}.{attempt}``: the same on every restart of this rollout,
-    never the same for another one."""
-    key = f"{rollout.id}-{rollout.nonce}"
-    return f"{key}.{device}.{attempt}" if kind == "job" else f"{key}.{device}.{kind}{attempt}"
-
-
-@dataclass
-class RolloutRun:
-    """One rollout's state in memory; the store is the truth, this is its cache."""
-
-    rollout: Rollout
-    waves: list[Wave]
-    targets: list[tuple[str, int]]
-    execs: dict[str, Execution] = field(default_factory=dict)
-    sends: deque[float] = field(default_factory=deque)
-
-    @property
-    def plan(self) -> RolloutPlan:
-        return self.rollout.plan
-
-    def latest(self, kind: str = "job") -> dict[str, Execution]:
-        """The last attempt per device."""
-        out: dict[str, Execution] = {}
-        for e in self.execs.values():
-            if e.kind == kind and (e.device not in out or e.attempt > out[e.device].attempt):
-                out[e.device] = e
-        return out
-
-    def failed(self, e: Execution) -> bool:
-        return e.status in DEVICE_TERMINAL - {"SUCCEEDED", "CANCELED"} or (
-            e.status == "SUCCEEDED" and e.outcome == "rolled_back"
-        )
-
-    def final(self, e: Execution) -> bool:
-        """Terminal and not to be retried."""
-        if e.open:
-            return False
-        return not (
-            e.status in RETRIED
-            and e.attempt <= self.plan.retries
-            and self.rollout.state in ("running", "paused")
-        )
 
 
 class Controller:
@@ -136,7 +87,7 @@ class Controller:
             return
         status: str | None = r.status
         if status == "DUPLICATE":
-            status = r.stored_status or _infer_status(r)
+            status = r.stored_status or infer_status(r)
             if status in (None, "DUPLICATE"):
                 return
         now = time.time()
@@ -151,27 +102,8 @@ class Controller:
             # the model changed is what a rollback needs.
             if not e.open and e.error_code != CONTROLLER_TIMEOUT:
                 return
-            self._finish(run, e, status, r, now)
+            finish_execution(run, e, status, r, now)
         self.dirty[e.id] = e
-
-    def _finish(self, run: RolloutRun, e: Execution, status: str, r: Result, now: float) -> None:
-        e.status, e.finished_at = status, now
-        e.error_code = r.error.code if r.error else None
-        e.error_message = r.error.message if r.error else None
-        e.result = r.result
-        if status == "SUCCEEDED" and r.result is not None and e.kind == "job":
-            try:
-                out = JobOutcome.model_validate(r.result)
-            except ValidationError:
-                out = None
-            if out is not None:
-                e.outcome = out.outcome
-                m = run.plan.abort_metric
-                if m:
-                    e.metric_before = out.metrics_before.get(m)
-                    e.metric_after = out.metrics_after.get(m)
-        log.debug("execution finished", extra={
-            "exec": e.id, "status": status, "outcome": e.outcome, "code": e.error_code})
 
     # --- sending ----------------------------------------------------------------------
 
@@ -190,24 +122,6 @@ class Controller:
         self.outbox.append((run, e))
         run.sends.append(now)
 
-    def _command(self, run: RolloutRun, e: Execution) -> tuple[str, bytes]:
-        p = run.plan
-        sent = datetime.fromtimestamp(e.sent_at or time.time(), timezone.utc)
-        if e.kind == "job":
-            type_, args = p.job, p.args
-        elif e.kind == "rollback":
-            type_, args = "rollback", {"reason": f"rollout {run.rollout.id} rolled back"}
-        else:
-            type_, args = "cancel", {"job_id": e.id.rsplit(".cancel", 1)[0]}
-        # expires_at = the controller's own deadline: a command that waits in an offline
-        # device's session past it is EXPIRED there, not started after we gave up on it.
-        cmd = Command(
-            id=e.id, type=type_, issued_at=sent,  # type: ignore[arg-type]
-            expires_at=datetime.fromtimestamp((e.sent_at or 0) + p.timeout_s, timezone.utc),
-            timeout_s=p.timeout_s, args=args,
-        )
-        return self.topics.command(e.device, type_), cmd.to_payload()
-
     def _cancel(self, run: RolloutRun, e: Execution, now: float) -> None:
         cid = e.id + ".cancel"
         if cid in run.execs:
@@ -223,7 +137,7 @@ class Controller:
             self.store.save_executions(self.dirty.values())
             self.dirty.clear()
         for run, e in self.outbox:
-            topic, payload = self._command(run, e)
+            topic, payload = command_for(self.topics, run, e)
             self.conn.publish(topic, payload)
         self.outbox.clear()
 
@@ -319,7 +233,8 @@ class Controller:
     def _waves(self, run: RolloutRun, now: float) -> None:
         wave = next((w for w in run.waves if w.state != "done"), None)
         if wave is None:
-            self._set_state(run, "succeeded")
+            failed = sum(run.failed(e) for e in run.latest().values())
+            self._set_state(run, "completed_with_failures" if failed else "succeeded")
             return
         if wave.state == "pending":
             if run.rollout.state == "paused":
@@ -421,38 +336,3 @@ class Controller:
             ):
                 self.conn.flush()
                 return {rid: r.rollout.state for rid, r in self.runs.items()}
-
-
-def _infer_status(r: Result) -> str | None:
-    """Where a DUPLICATE's command stands when the device did not say (older agents)."""
-    if r.result is not None:
-        return "SUCCEEDED"
-    if r.error is not None:
-        code = r.error.code
-        return code if code in ("CANCELED", "TIMED_OUT", "EXPIRED") else "FAILED"
-    return None
-
-
-def summarize(run: RolloutRun) -> dict[str, Any]:
-    """Counts per wave and overall, for the status table and the report."""
-    latest = run.latest()
-    waves = []
-    for w in run.waves:
-        devs = [d for d, wi in run.targets if wi == w.idx]
-        es = [latest[d] for d in devs if d in latest]
-        waves.append({
-            "wave": w.idx, "state": w.state, "devices": len(devs),
-            "sent": sum(e.sent_at is not None for e in es),
-            "running": sum(e.open and e.sent_at is not None for e in es),
-            "succeeded": sum(e.status == "SUCCEEDED" and not run.failed(e) for e in es),
-            "failed": sum(run.failed(e) and run.final(e) for e in es),
-            "canceled": sum(e.status == "CANCELED" for e in es),
-            "started_at": w.started_at, "finished_at": w.finished_at,
-        })
-    rbs = run.latest("rollback").values()
-    return {
-        "id": run.rollout.id, "state": run.rollout.state, "reason": run.rollout.reason,
-        "targets": len(run.targets), "waves": waves,
-        "rolled_back": sum(e.status == "SUCCEEDED" for e in rbs),
-        "rollback_failed": sum(not e.open and e.status != "SUCCEEDED" for e in rbs),
-    }

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from agent.mqtt.contract import Status, Telemetry
+from contract import Status, Telemetry
 from fleet.mqtt import FleetConnection
 
 log = logging.getLogger("fleet.inventory")

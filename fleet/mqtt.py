@@ -27,7 +27,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from agent.mqtt.contract import (
+from contract import (
     DEFAULT_PREFIX,
     Event,
     Result,

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from agent.mqtt.contract import check_id
+from contract import check_id
 
 
 class PlanError(ValueError):

@@ -7,8 +7,8 @@ import logging
 import sys
 from typing import Any
 
-from fleet.controller import RolloutRun, summarize
 from fleet.inventory import render_table
+from fleet.rollout_run import RolloutRun, summarize
 
 log = logging.getLogger("fleet.progress")
 
@@ -18,15 +18,44 @@ def bar(done: int, total: int, width: int = 20) -> str:
     return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
 
 
+def headline(rid: str, s: dict[str, Any]) -> str:
+    """``rollout ID: STATE (why)``; a rollout that finished with failed devices says how
+    many of the devices its waves targeted failed, never just that it finished."""
+    head = f"rollout {rid}: {s['state']}"
+    why = [s["reason"]] if s.get("reason") else []
+    if s["state"] == "completed_with_failures":
+        failed = sum(w["failed"] for w in s["waves"])
+        why.append(f"{failed} of {sum(w['devices'] for w in s['waves'])} devices failed")
+    return head + (f" ({'; '.join(why)})" if why else "")
+
+
+FAILURE_COLUMNS = ["device", "wave", "attempt", "status", "code", "message"]
+MAX_FAILURE_ROWS = 50
+
+
+def failures_text(failures: list[dict[str, Any]], more: str = "--json lists them all") -> str:
+    """``failed devices (N):`` and one row per device with its reason; "" when none."""
+    if not failures:
+        return ""
+    rows = [{**f, "message": " ".join(str(f["message"] or "").split())[:160] or None}
+            for f in failures[:MAX_FAILURE_ROWS]]
+    lines = [f"failed devices ({len(failures)}):", render_table(rows, FAILURE_COLUMNS)]
+    if len(failures) > MAX_FAILURE_ROWS:
+        lines.append(f"... and {len(failures) - MAX_FAILURE_ROWS} more ({more})")
+    return "\n".join(lines)
+
+
 def status_text(s: dict[str, Any]) -> str:
-    """The per-wave table of ``fleetctl rollout status``."""
-    head = f"rollout {s['id']}: {s['state']}" + (f" ({s['reason']})" if s["reason"] else "")
+    """``fleetctl rollout status``: the headline, the per-wave table, then each device that
+    failed for good with its reason."""
     rows = [{**w, "progress": bar(w["succeeded"] + w["failed"] + w["canceled"], w["devices"])}
             for w in s["waves"]]
     cols = ["wave", "state", "progress", "devices", "sent", "running", "succeeded", "failed",
             "canceled"]
     tail = f"targets {s['targets']}, rolled back {s['rolled_back']}"
-    return "\n".join([head, render_table(rows, cols), tail])
+    failed = failures_text(s.get("failures") or [])
+    return "\n".join([headline(s["id"], s), render_table(rows, cols), tail,
+                      *([failed] if failed else [])])
 
 
 class Progress:

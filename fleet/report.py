@@ -9,8 +9,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from fleet.controller import RolloutRun, summarize
 from fleet.inventory import render_table
+from fleet.progress import failures_text, headline
+from fleet.rollout_run import RolloutRun, summarize
 from fleet.store import FleetStore
 from hpc_core.atomic import write_bytes_atomic
 
@@ -46,6 +47,7 @@ def build(run: RolloutRun) -> dict[str, Any]:
         "waves": s["waves"],
         "rolled_back": s["rolled_back"],
         "rollback_failed": s["rollback_failed"],
+        "failures": s["failures"],
         "executions": [{
             "id": e.id, "device": e.device, "wave": e.wave, "kind": e.kind,
             "attempt": e.attempt, "status": e.status, "outcome": e.outcome,
@@ -68,14 +70,16 @@ WAVE_COLUMNS = ["wave", "state", "devices", "sent", "running", "succeeded", "fai
 
 
 def table(report: dict[str, Any]) -> str:
-    head = f"rollout {report['rollout']}: {report['state']}"
-    if report.get("reason"):
-        head += f" ({report['reason']})"
+    """The headline, the per-wave table, then each failed device with its reason and each
+    export fallback."""
+    head = headline(report["rollout"], report)
+    failed = failures_text(report.get("failures") or [], "the JSON report lists them all")
     cols = [*WAVE_COLUMNS, f"median_drop_{report['plan']['abort_metric']}"]
     tail = f"rolled back: {report['rolled_back']}, rollback failed: {report['rollback_failed']}"
     fallbacks = [f"{e['device']}: export fallback: {e['export']['fallback']}"
                  for e in report["executions"] if (e.get("export") or {}).get("fallback")]
-    return "\n".join([head, render_table(report["waves"], cols), tail, *fallbacks])
+    return "\n".join([head, render_table(report["waves"], cols), tail,
+                      *([failed] if failed else []), *fallbacks])
 
 
 def plot_png(report: dict[str, Any]) -> bytes:
@@ -109,7 +113,7 @@ def plot_png(report: dict[str, Any]) -> bytes:
         ax.axvline(report["finished_at"] - t0, color="grey", linewidth=0.8)
     ax.set_xlabel("seconds since the rollout was created")
     ax.set_ylabel("executions finished")
-    ax.set_title(f"{report['rollout']}: {report['state']}")
+    ax.set_title(headline(report["rollout"], report).removeprefix("rollout "))
     ax.legend(loc="upper left")
     return png_bytes(fig)
 

@@ -73,9 +73,18 @@ CREATE INDEX IF NOT EXISTS executions_rollout ON executions (rollout_id, kind, d
 """
 
 ROLLOUT_ACTIVE = ("running", "paused", "aborting", "rolling_back")
-ROLLOUT_FINAL = ("succeeded", "aborted", "rolled_back")
+ROLLOUT_FINAL = ("succeeded", "completed_with_failures", "aborted", "rolled_back")
+"""``succeeded``: every wave done and every targeted device succeeded;
+``completed_with_failures``: every wave done, but at least one device failed for good (the
+failure rate stayed under the plan's abort threshold)."""
 REQUESTS = ("pause", "resume", "abort", "rollback")
 
+EXEC_FAILED = ("FAILED", "TIMED_OUT", "EXPIRED", "REJECTED")
+"""Terminal execution statuses that are failures (a SUCCEEDED whose outcome is rolled_back,
+the device's own gates refusing the model, is one too)."""
+SCHEMA_VERSION = 1
+"""``PRAGMA user_version``. 1: a finished rollout with a failed device is
+``completed_with_failures`` (version 0 called it ``succeeded``)."""
 EXEC_OPEN = ("PLANNED", "SENT", "ACCEPTED", "IN_PROGRESS")
 """Controller-side execution states before the terminal ones of the contract."""
 
@@ -161,6 +170,26 @@ class FleetStore:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("PRAGMA busy_timeout=30000")
         self.db.executescript(SCHEMA)
+        if self.db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+            self._migrate()
+
+    def _migrate(self) -> None:
+        """Version 0 -> 1, once per db: a rollout recorded as ``succeeded`` although one of
+        its devices' last attempt failed is what version 1 calls ``completed_with_failures``
+        (no retry is left once a rollout is finished, so the last attempt is final)."""
+        failed = ", ".join(f"'{s}'" for s in EXEC_FAILED)
+        with self.tx() as db:
+            db.execute(f"""
+                UPDATE rollouts SET state = 'completed_with_failures'
+                WHERE state = 'succeeded' AND EXISTS (
+                    SELECT 1 FROM executions e
+                    WHERE e.rollout_id = rollouts.id AND e.kind = 'job'
+                      AND (e.status IN ({failed})
+                           OR (e.status = 'SUCCEEDED' AND e.outcome = 'rolled_back'))
+                      AND e.attempt = (SELECT MAX(x.attempt) FROM executions x
+                                       WHERE x.rollout_id = e.rollout_id AND x.kind = 'job'
+                                         AND x.device = e.device))""")
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def close(self) -> None:
         self.db.close()
@@ -246,13 +275,19 @@ class FleetStore:
         )
         return cur.rowcount == 1
 
-    def post_request(self, rid: str, request: str) -> None:
+    def post_request(self, rid: str, request: str,
+                     states: Iterable[str] | None = None) -> bool:
+        """Leave ``request`` for the controller; with ``states``, only while the rollout is
+        in one of them (checked in the same statement). True when it was posted."""
         if request not in REQUESTS:
             raise ValueError(f"request {request!r}: one of {', '.join(REQUESTS)}")
-        self.db.execute(
-            "UPDATE rollouts SET request = ?, updated_at = ? WHERE id = ?",
-            (request, time.time(), rid),
-        )
+        q = "UPDATE rollouts SET request = ?, updated_at = ? WHERE id = ?"
+        params: tuple[Any, ...] = (request, time.time(), rid)
+        if states is not None:
+            allowed = tuple(states)
+            q += f" AND state IN ({', '.join('?' * len(allowed))})"
+            params += allowed
+        return self.db.execute(q, params).rowcount == 1
 
     def take_request(self, rid: str) -> str | None:
         # Read first: the controller asks every turn, and a write transaction per turn would

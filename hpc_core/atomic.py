@@ -40,6 +40,35 @@ def _tmp_path(path: Path) -> Path:
     return path.with_name(f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{path.name}")
 
 
+def remove_stale_temps(folder: Path, *, recursive: bool = False) -> list[Path]:
+    """Delete the temporary files (:func:`_tmp_path`) that a writer killed mid-write left in
+    ``folder``; a file whose writer process is still alive is kept. Returns what was removed.
+    Run where a killed writer's successor starts (the job worker, the daemon)."""
+    removed = []
+    pattern = f"{TMP_PREFIX}*"
+    for p in (folder.rglob(pattern) if recursive else folder.glob(pattern)):
+        pid_text = p.name[len(TMP_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or p.is_symlink() or not p.is_file():
+            continue
+        pid = int(pid_text)
+        if pid != os.getpid() and _alive(pid):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+            removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Readers see the old file or the new one, never half of either."""
     write_bytes_atomic(path, json.dumps(obj, indent=1, sort_keys=True).encode())

@@ -142,8 +142,10 @@ def add_job_arguments(
         if ann is bool:
             on = field.get_default() is not True
             flag_name = name if on else "--no-" + name.removeprefix("--")
+            # A --no-X flag turns off what the field's text describes: say so first.
+            what = _help(field, False)
             g.add_argument(flag_name, dest=dest, action="store_const", const=on, default=None,
-                           help=_help(field, False))
+                           help=what if on else f"skip this (done by default): {what}")
             continue
         kwargs: dict[str, Any] = {"dest": dest, "default": None, "help": _help(field, optional)}
         if typing.get_origin(ann) is Literal:

@@ -59,8 +59,17 @@ def keygen(args: argparse.Namespace) -> int:
     except (RegistryError, OSError) as e:
         print(f"keygen: {e}", file=sys.stderr)
         return 2
-    print(f"private key: {priv}  (mode 0600; never copy it to devices)")
-    print(f"public key:  {pub}  (copy into each device's trusted-keys folder)")
+    # A device's own key signs only that device's versions (scope NAME@*+DEVICE.*): it lives
+    # on that device; an upstream key never goes near one.
+    device_key = bool(args.scope) and all(f"+{args.name}." in p for p in args.scope)
+    if device_key:
+        print(f"private key: {priv}  (mode 0600; device {args.name}'s own signing key: keep "
+              "it on that device, registry.signing_key in its agent.yaml)")
+        print(f"public key:  {pub}  (copy into that device's trusted-keys folder and the "
+              "registry's --trusted-keys)")
+    else:
+        print(f"private key: {priv}  (mode 0600; never copy it to devices)")
+        print(f"public key:  {pub}  (copy into each device's trusted-keys folder)")
     if args.scope:
         print(f"key scope:   {pub.with_name(f'{args.name}{SCOPE_SUFFIX}')}  (may sign "
               f"{', '.join(args.scope)}; copy it beside the public key)")

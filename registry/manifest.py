@@ -151,6 +151,18 @@ class Signer(_Strict):
     """The key's name (file stem) as its owner called it, e.g. 'upstream' or a device id."""
 
 
+class BaseRelease(_Strict):
+    """The upstream release a device-made version descends from."""
+
+    version: str
+    sequence: int = Field(ge=1, le=(1 << 53))
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, v: str) -> str:
+        return check_version(v)
+
+
 class Manifest(_Strict):
     format: Literal["edgetrain.manifest/1"] = FORMAT
     name: str
@@ -160,6 +172,11 @@ class Manifest(_Strict):
     signature; a device never installs a sequence below the highest it has installed."""
     parent: str | None = None
     """The version this one was derived from (fine-tuned from, or published after)."""
+    base: BaseRelease | None = None
+    """For a version a device made (a fine-tune, or a fine-tune of one): the upstream release
+    its lineage starts from. None: an upstream release, its own base. Anti-rollback compares
+    upstream releases by their own sequence, a device's versions within their base
+    (``agent.storage.slots``), so a device that fine-tuned still takes the next release."""
     created_at: datetime
     signer: Signer
     model: ModelConfig
@@ -242,6 +259,11 @@ class Manifest(_Strict):
     def ref(self) -> str:
         return f"{self.name}@{self.version}"
 
+    @property
+    def base_release(self) -> BaseRelease:
+        """The upstream release this version's lineage starts from (itself, for one)."""
+        return self.base or BaseRelease(version=self.version, sequence=self.sequence)
+
     def chunk_offsets(self) -> list[int]:
         """Blob offset of each chunk's first byte."""
         out, pos = [], 0
@@ -253,6 +275,8 @@ class Manifest(_Strict):
     def to_bytes(self) -> bytes:
         """The exact bytes that get signed and stored. Verification never re-serializes."""
         doc = self.model_dump(mode="json")
+        if doc["base"] is None:  # an upstream release: the same bytes as before lineage existed
+            del doc["base"]
         return (json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 
     @classmethod

@@ -13,6 +13,7 @@ from registry.errors import UnsafeNameError
 CHUNK_PREFIX = "chunks/sha256"
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+MAX_VERSION_CHARS = 64
 _VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
 _TENSOR_PART_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 _PATH_PART_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")

@@ -41,7 +41,14 @@ from registry.errors import (
     VersionExistsError,
 )
 from registry.jsonsafe import loads_strict
-from registry.manifest import MAX_MANIFEST_BYTES, ChunkRef, Manifest, TrainingInfo, utc_now
+from registry.manifest import (
+    MAX_MANIFEST_BYTES,
+    BaseRelease,
+    ChunkRef,
+    Manifest,
+    TrainingInfo,
+    utc_now,
+)
 from registry.names import (
     check_model_name,
     check_version,
@@ -107,6 +114,7 @@ def sign_version(
     key: SigningKey,
     on_chunk: ChunkSink,
     parent: str | None = None,
+    base: BaseRelease | None = None,
     training: TrainingInfo | None = None,
     artefacts: Sequence[ArtefactSource] = (),
     chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -126,7 +134,8 @@ def sign_version(
     layout = lay_out(tensors, artefacts, chunk_size=chunk_size, pack_below=pack_below,
                      on_chunk=on_chunk)
     manifest = Manifest(
-        name=name, version=version, sequence=sequence, parent=parent, created_at=utc_now(),
+        name=name, version=version, sequence=sequence, parent=parent, base=base,
+        created_at=utc_now(),
         signer=key.signer, model=model, training=training or TrainingInfo(),
         chunk_size=chunk_size, pack_below=pack_below, chunks=layout.chunks,
         tensors=layout.tensors, artefacts=layout.artefacts,
@@ -174,6 +183,7 @@ def publish_version(
     key: SigningKey,
     parent: str | None = None,
     parent_seq: int = 0,
+    base: BaseRelease | None = None,
     training: TrainingInfo | None = None,
     artefacts: Sequence[ArtefactSource] = (),
     chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -215,7 +225,7 @@ def publish_version(
 
     signed = sign_version(
         name=name, version=version, sequence=sequence, model=model, tensors=tensors, key=key,
-        on_chunk=put_chunk, parent=parent, training=training, artefacts=artefacts,
+        on_chunk=put_chunk, parent=parent, base=base, training=training, artefacts=artefacts,
         chunk_size=chunk_size, pack_below=pack_below,
     )
     signed = _commit(store, signed, key, parent_seq)

@@ -40,7 +40,7 @@ from registry.refs import Ref
 from registry.safetensors_io import PICKLE_SUFFIXES
 from registry.signing import MAX_SIGNATURE_BYTES, TrustedKey, verify_signed_manifest
 from registry.stores import RegistryStore
-from registry.stores.http import READ_BUF
+from registry.stores.http_transport import READ_BUF
 from registry.transfer import Deadline, RateLimiter, TransferConfig, with_retries
 
 Progress = Callable[[int, int], None]

@@ -22,7 +22,7 @@ from pathlib import Path
 from registry.credentials import RegistryCredential
 from registry.errors import PublishError
 from registry.manifest import ChunkRef, Manifest
-from registry.names import check_version
+from registry.names import MAX_VERSION_CHARS, check_version
 from registry.publish import PublishReport, VersionContent, collect_artefacts, publish_version
 from registry.signing import SigningKey
 from registry.stores import RangeReader, RegistryStore, open_store
@@ -53,11 +53,20 @@ class _RetryingStore:
         self._store.close()
 
 
-def default_version(parent: str, device: str) -> str:
-    """``{parent}+{device}.{UTC time}``: unique per device and upload. A label only: the
-    order of versions is their signed sequence, never this string."""
+def default_version(base: str, device: str, sequence: int | None = None) -> str:
+    """``{base}+{device}.{UTC time}[.{sequence}]``: the upstream release the lineage starts
+    from, the device, when, and (staging on the device) the sequence it signs. A fine-tune of
+    a fine-tune names the same base, so names do not grow with the chain, and the device's
+    own sequence keeps each unique on it. Cut to 64 characters on the base's side only:
+    ``+DEVICE.`` is what the device key's scope matches. A label only: the order of versions
+    is their signed sequence, never this string; the manifest keeps the lineage."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return check_version(f"{parent}+{device}.{stamp}"[:64])
+    tail = f"+{device}.{stamp}" + (f".{sequence}" if sequence is not None else "")
+    room = MAX_VERSION_CHARS - len(tail)
+    if room < 1:
+        raise PublishError(f"device name {device!r} leaves no room for a version name of at "
+                           f"most {MAX_VERSION_CHARS} characters: give the version explicitly")
+    return check_version(base[:room] + tail)
 
 
 def merge_metrics(content: VersionContent, metrics: dict[str, float] | None) -> VersionContent:
@@ -90,7 +99,7 @@ def upload(
     """
     cfg = cfg or TransferConfig()
     content = merge_metrics(content, metrics)
-    version = version or default_version(parent.version, key.name)
+    version = version or default_version(parent.base_release.version, key.name)
     arts = collect_artefacts(artefacts)
     total = sum(t.data.nbytes for t in content.tensors) + sum(a.data.nbytes for a in arts)
     done = 0
@@ -104,7 +113,8 @@ def upload(
     store = _RetryingStore(open_store(target, cfg, credential), cfg)
     return publish_version(
         store, name=parent.name, version=version, parent=parent.version,
-        parent_seq=parent.sequence, model=content.model, training=content.training,
+        parent_seq=parent.sequence, base=parent.base_release, model=content.model,
+        training=content.training,
         tensors=content.tensors, artefacts=arts, key=key,
         # The parent's cutting rule: unchanged tensors must give the very same chunks.
         chunk_size=parent.chunk_size, pack_below=parent.pack_below, on_chunk=on_chunk,

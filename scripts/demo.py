@@ -41,7 +41,7 @@ from typing import Any
 import paho.mqtt.client as mqtt
 import yaml
 
-from agent.mqtt.contract import JobOutcome, Result, Status, Telemetry, Topics
+from contract import JobOutcome, Result, Status, Telemetry, Topics
 from registry.credentials import REGISTRY_ENV, TOKEN_ENV
 
 REPO = Path(__file__).resolve().parents[1]

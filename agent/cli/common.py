@@ -34,10 +34,10 @@ def registry_of(args: argparse.Namespace) -> str | None:
 
 def trusted_keys_of(args: argparse.Namespace) -> Any:
     """The trusted keys, checked on disk like the daemon's (``agent.storage.trust``)."""
-    from agent.storage.trust import load_trusted
+    from agent.storage.trust import default_trusted_keys, load_trusted
 
     return load_trusted(
-        Path(args.trusted_keys) if args.trusted_keys else state_dir_of(args) / "trusted_keys"
+        Path(args.trusted_keys) if args.trusted_keys else default_trusted_keys(state_dir_of(args))
     )
 
 

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from agent.cli.common import add_state_args, fail, state_dir_of
+from agent.jobs.protocol import EX_TEMPFAIL
 from agent.jobs.spec import DeviceJob
 from hpc_core.config import ConfigError
 from hpc_core.job_args import add_job_arguments, job_tree, validate_job
 
-EX_TEMPFAIL = 75
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 EPILOG = """\
@@ -108,10 +108,11 @@ def _run(args: argparse.Namespace, term: dict[str, bool]) -> int:
             spec = validate_job(DeviceJob, job_tree(args), "device job")
         except ConfigError as e:
             return fail(2, f"finetune: {_one_line(e)}")
-        from agent.jobs.spec import check_inputs
+        from agent.jobs.preflight import check_inputs, check_signing_key
 
         try:
             check_inputs(spec, state_dir)
+            check_signing_key(spec, state_dir)
         except ValueError as e:
             return fail(2, f"finetune: {e}")
         if spec.finetune.profile != "auto":  # type: ignore[attr-defined]
@@ -132,21 +133,19 @@ def _run(args: argparse.Namespace, term: dict[str, bool]) -> int:
 
 
 def _execute(state_dir: Path, job_id: str, progress: str, term: dict[str, bool]) -> int:
-    from agent.jobs import steps
     from agent.jobs.display import ProgressDisplay, print_rows, summary_rows
+    from agent.jobs.protocol import StopFlag
     from agent.jobs.store import JobState, JobStore
-    from agent.jobs.worker import EX_TEMPFAIL, run_job
+    from agent.jobs.worker import run_job
 
-    def on_term(signum: int, frame: Any) -> None:
-        steps.SIGTERM_SEEN["flag"] = True
-
-    signal.signal(signal.SIGTERM, on_term)
+    stop = StopFlag()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     if term["seen"]:
-        steps.SIGTERM_SEEN["flag"] = True
+        stop.set()
     store = JobStore(state_dir)
     mode = None if progress == "auto" else progress
     with ProgressDisplay(store, job_id, mode) as display:  # type: ignore[arg-type]
-        code = run_job(state_dir, job_id, on_event=display.on_event)
+        code = run_job(state_dir, job_id, on_event=display.on_event, stop=stop)
     rec = store.get(job_id)
     assert rec is not None
     if code == EX_TEMPFAIL:

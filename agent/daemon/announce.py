@@ -1,9 +1,9 @@
 """Results and events leave the device through here: persisted in the outbox, then published.
 
 Each ``Result`` gets the next per-device ``seq`` in the same transaction that stores it and
-records what was announced (``announced`` table), so after a crash the daemon knows exactly
-which states it still owes: a job's ACCEPTED and its one terminal status are announced once
-and only once, however often the daemon restarts.
+records what was announced (the ledger's ``announced`` table, :mod:`agent.daemon.ledger`), so
+after a crash the daemon knows exactly which states it still owes: a job's ACCEPTED and its one
+terminal status are announced once and only once, however often the daemon restarts.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from agent.daemon.ledger import Ledger
 from agent.jobs.store import JobRecord, JobState
-from agent.mqtt.contract import (
+from agent.mqtt.outbox import Outbox, Tx
+from contract import (
     TERMINAL_STATUSES,
     ErrorInfo,
     Event,
@@ -24,7 +26,6 @@ from agent.mqtt.contract import (
     Topics,
     utc_now,
 )
-from agent.mqtt.outbox import Outbox, Tx
 
 log = logging.getLogger("agent.daemon")
 
@@ -55,6 +56,7 @@ class Announcer:
         self, outbox: Outbox, topics: Topics, device: str, flush: Callable[[], Any]
     ) -> None:
         self.outbox = outbox
+        self.ledger = Ledger(outbox)
         self.topics = topics
         self.device = device
         self._flush = flush
@@ -104,9 +106,7 @@ class Announcer:
             props = {k: v for k, v in reply.items() if k == "correlation_data_b64"}
             tx.put(reply["response_topic"], payload, props=props or None)
         if record and status != "IN_PROGRESS":
-            tx.conn.execute(
-                "INSERT OR IGNORE INTO announced (id, status) VALUES (?, ?)", (id, status)
-            )
+            self.ledger.mark_announced(tx, id, status)
         return res
 
     def send(self, build: Callable[[Tx], list[Result]], durable: bool = True) -> list[Result]:
@@ -117,11 +117,6 @@ class Announcer:
         self._notify(results)
         return results
 
-    def announced(self, id: str) -> set[str]:
-        return {r[0] for r in self.outbox.query(
-            "SELECT status FROM announced WHERE id=?", (id,)
-        )}
-
     def announce_job(
         self, rec: JobRecord, progress: dict[str, Any] | None = None
     ) -> Result | None:
@@ -130,9 +125,7 @@ class Announcer:
 
         def build(tx: Tx) -> list[Result]:
             status = job_status(rec)
-            done = {r[0] for r in tx.conn.execute(
-                "SELECT status FROM announced WHERE id=?", (rec.id,)
-            ).fetchall()}
+            done = self.ledger.announced(rec.id, tx)
             if done & TERMINAL_STATUSES:
                 return []
             out = []

@@ -2,22 +2,22 @@
 
 Runs on paho's network thread, so it never blocks on a job: a job command is stored QUEUED
 and the runner is woken; a cheap command (ping, status, cancel, set_power_mode) is answered
-here in milliseconds. Every outcome is a :class:`~agent.mqtt.contract.Result`; nothing
-raises out of :meth:`CommandHandler.handle` (a bug becomes REJECTED INTERNAL).
+here in milliseconds. Every outcome is a :class:`~contract.Result`; nothing raises out of
+:meth:`CommandHandler.handle` (a bug becomes REJECTED INTERNAL).
 
 The ``id`` is the idempotency key across both stores: jobs live in the job store, every other
-command (and every rejection of a non-job command) in the outbox database's ``commands``
-table, so a repeat gets DUPLICATE with where the original stands (until the record is pruned:
-``limits.keep_*``).
+command (and every rejection of a non-job command) in the ledger's ``commands`` table
+(:mod:`agent.daemon.ledger`, in the outbox database), so a repeat gets DUPLICATE with where
+the original stands (until the record is pruned: ``limits.keep_*``).
 
 A job command's args are the job's allow-list resolved against this device's own settings
-(:func:`~agent.daemon.jobspec.validate_job`): trust and paths come from agent.yaml, never from
-the command. At most ``limits.max_queued_jobs`` jobs wait; one more is REJECTED and not stored.
+(:func:`~agent.daemon.jobspec.resolve_command_args`): trust and paths come from agent.yaml,
+never from the command. At most ``limits.max_queued_jobs`` jobs wait; one more is REJECTED and
+not stored.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -26,10 +26,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from agent.daemon.announce import Announcer, error_info, job_status
-from agent.daemon.jobspec import validate_job
+from agent.daemon.jobspec import resolve_command_args
 from agent.jobs.spec import DeviceSettings
 from agent.jobs.store import JobStore, QueueFull
-from agent.mqtt.contract import (
+from agent.mqtt.outbox import Tx
+from contract import (
     JOB_TYPES,
     CancelArgs,
     Command,
@@ -39,7 +40,6 @@ from agent.mqtt.contract import (
     error_from_validation,
     parse_command,
 )
-from agent.mqtt.outbox import Tx
 
 log = logging.getLogger("agent.daemon")
 
@@ -98,7 +98,7 @@ class CommandHandler:
                 raise CommandRejected("WRONG_TARGET", wrong_target)
             if bad_envelope:
                 raise CommandRejected("BAD_ENVELOPE", bad_envelope)
-            spec = (validate_job(cmd.type, cmd.args, self._settings)
+            spec = (resolve_command_args(cmd.type, cmd.args, self._settings)
                     if cmd.type in JOB_TYPES else None)
         except CommandRejected as e:
             e.command_id = cmd.id
@@ -133,7 +133,7 @@ class CommandHandler:
 
         def build(tx: Tx) -> list[Result]:
             if not (topic_type in JOB_TYPES and status == "REJECTED"):
-                _record(tx, cid, topic_type, status, None, error)
+                self.ann.ledger.record_command(tx, cid, topic_type, status, None, error)
             return [self.ann.put_result(tx, cid, status, reply=reply, error=error)]
 
         return self.ann.send(build)
@@ -141,7 +141,7 @@ class CommandHandler:
     def _duplicate(self, cid: str, reply: dict[str, Any] | None) -> list[Result] | None:
         rec = self.store.get(cid)
         if rec is not None:
-            announced = self.ann.announced(cid)
+            announced = self.ann.ledger.announced(cid)
             if "ACCEPTED" not in announced and rec.state.value not in ("REJECTED",) and not (
                 announced - {"ACCEPTED"}
             ):
@@ -152,13 +152,10 @@ class CommandHandler:
                 return []
             stored, result, error = job_status(rec), rec.result, rec.error
         else:
-            row = self.ann.outbox.query(
-                "SELECT status, result, error FROM commands WHERE id=?", (cid,))
-            if not row:
+            cmd = self.ann.ledger.stored_command(cid)
+            if cmd is None:
                 return None
-            stored = row[0][0]
-            result = json.loads(row[0][1]) if row[0][1] else None
-            error = json.loads(row[0][2]) if row[0][2] else None
+            stored, result, error = cmd.status, cmd.result, cmd.error
         return self.ann.send(lambda tx: [self.ann.put_result(
             tx, cid, "DUPLICATE", reply=reply, result=result, error=error_info(error),
             stored_status=stored, record=False)])
@@ -204,22 +201,10 @@ class CommandHandler:
             result, error = (out, None) if status == "SUCCEEDED" else (None, out)
 
         def build(tx: Tx) -> list[Result]:
-            _record(tx, cmd.id, cmd.type, status, result, error)
+            self.ann.ledger.record_command(tx, cmd.id, cmd.type, status, result, error)
             return [self.ann.put_result(tx, cmd.id, "ACCEPTED", reply=reply),
                     self.ann.put_result(tx, cmd.id, status, reply=reply, result=result,
                                         error=error)]
 
         # ping and status change nothing: their answers skip the fsync (see Outbox.tx).
         return self.ann.send(build, durable=cmd.type not in ("ping", "status"))
-
-
-def _record(
-    tx: Tx, cid: str, type_: str, status: str, result: dict[str, Any] | None,
-    error: dict[str, Any] | None,
-) -> None:
-    tx.conn.execute(
-        "INSERT OR IGNORE INTO commands (id, type, status, result, error, ts) "
-        "VALUES (?,?,?,?,?,?)",
-        (cid, type_, status, json.dumps(result) if result else None,
-         json.dumps(error) if error else None, time.time()),
-    )

@@ -22,7 +22,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agent.jobs.spec import DeviceSettings
-from agent.mqtt.contract import DEFAULT_PREFIX, Topics, check_id
+from agent.storage.trust import default_trusted_keys
+from contract import DEFAULT_PREFIX, Topics, check_id
 from hpc_core.config import ConfigError, apply_overrides, format_errors, read_yaml
 
 ENV_PREFIX = "EDGE_AGENT_"
@@ -188,7 +189,7 @@ class AgentConfig(_Strict):
 
     @property
     def trusted_keys_dir(self) -> Path:
-        return self.registry.trusted_keys or self.state_dir / "trusted_keys"
+        return self.registry.trusted_keys or default_trusted_keys(self.state_dir)
 
     @property
     def signing_key_path(self) -> Path:

@@ -33,7 +33,7 @@ from typing import Any
 from agent.daemon.announce import Announcer
 from agent.daemon.commands import CommandHandler
 from agent.jobs.store import JobRecord, JobStore
-from agent.mqtt.contract import COMMAND_ID_RE, TERMINAL_STATUSES, Result
+from contract import COMMAND_ID_RE, TERMINAL_STATUSES, Result
 
 log = logging.getLogger("agent.daemon.control")
 

@@ -7,11 +7,12 @@ each degrades to "unknown" rather than failing the message it feeds.
 from __future__ import annotations
 
 import logging
+import os
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from agent.mqtt.contract import GovernorInfo, MemInfo, ModelInfo
+from contract import GovernorInfo, MemInfo, ModelInfo
 
 log = logging.getLogger("agent.daemon")
 
@@ -28,6 +29,28 @@ def agent_version() -> str:
         return metadata.version("edgetrain")
     except metadata.PackageNotFoundError:
         return "0+unknown"
+
+
+def models_fingerprint(state_dir: Path) -> tuple[tuple[str, str, int], ...]:
+    """What changes when any model's active version does (a commit, a rollback, a pull):
+    each model's ``current`` link target and its manifest's mtime. Cheap enough to read every
+    turn of the main loop, so the retained status follows the model without parsing a
+    manifest per turn."""
+    root = state_dir / "models"
+    out = []
+    try:
+        names = sorted(p.name for p in root.iterdir() if p.is_dir())
+    except OSError:
+        return ()
+    for name in names:
+        current = root / name / "current"
+        try:
+            target = os.readlink(current)
+            mtime = (current / "manifest.json").stat().st_mtime_ns
+        except OSError:
+            target, mtime = "", 0
+        out.append((name, target, mtime))
+    return tuple(out)
 
 
 def active_model(state_dir: Path) -> ModelInfo | None:

@@ -16,10 +16,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from agent.jobs.spec import DeviceSettings
-from agent.mqtt.contract import CommandRejected, error_from_validation
+from contract import CommandRejected, error_from_validation
 
 
-def validate_job(type_: str, args: dict[str, Any], settings: DeviceSettings) -> dict[str, Any]:
+def resolve_command_args(
+    type_: str, args: dict[str, Any], settings: DeviceSettings
+) -> dict[str, Any]:
     """The resolved spec as JSON-able data, stored as the job's spec and run by the worker.
     pydantic's ValidationError on args outside the allow-list, CommandRejected(BAD_ARGS)
     on args this device cannot resolve (a data set it does not have, an upload with no

@@ -22,7 +22,6 @@ import logging
 import os
 import shutil
 import signal
-import stat
 import sys
 import threading
 import time
@@ -40,12 +39,16 @@ from agent.daemon.device import (
     agent_version,
     boot_id,
     governor_of,
+    models_fingerprint,
     set_power_mode,
 )
 from agent.daemon.runner import JobRunner
 from agent.daemon.sdnotify import Notifier
+from agent.daemon.settings import link_settings, private_dir, worker_env
 from agent.jobs.store import JobState, JobStore
-from agent.mqtt.contract import (
+from agent.mqtt.link import Inbound, MqttLink
+from agent.mqtt.outbox import Outbox
+from contract import (
     COMMAND_ID_RE,
     TELEMETRY_EXPIRY_S,
     TERMINAL_STATUSES,
@@ -54,9 +57,7 @@ from agent.mqtt.contract import (
     Telemetry,
     utc_now,
 )
-from agent.mqtt.link import Inbound, LinkSettings, MqttLink
-from agent.mqtt.outbox import Outbox
-from agent.storage.trust import check_secret_file
+from hpc_core.atomic import remove_stale_temps
 from registry.errors import KeyFileError
 
 log = logging.getLogger("agent.daemon")
@@ -78,7 +79,7 @@ class Daemon:
         self.version = agent_version()
         self.conn_seq = 0
         self.link = MqttLink(
-            _link_settings(cfg), self.outbox, before_connect=self._before_connect,
+            link_settings(cfg), self.outbox, before_connect=self._before_connect,
             on_connected=self._on_connected, on_inbound=self._on_inbound,
         )
         self.ann = Announcer(self.outbox, self.topics, self.device, self.link.flush)
@@ -99,6 +100,8 @@ class Daemon:
         self.sensors = Sensors(cfg.sensors)
         self.stop_event = threading.Event()
         self.telemetry_seq = 0
+        self.models_seen: tuple[tuple[str, str, int], ...] = ()
+        """The models' fingerprint in the last retained status published."""
         self.loop_hook: Any = None
         """Called once per main-loop turn (tests make it hang to prove the watchdog stops)."""
 
@@ -121,9 +124,20 @@ class Daemon:
         subs += [self.topics.group_commands(g) for g in self.cfg.groups]
         # Resubscribing when the session survived is harmless and covers changed groups.
         self.link.subscribe(subs)
+        self._publish_status()
+        self.notifier.status(self._status_line())
+
+    def _publish_status(self) -> None:
+        """The retained ``online`` status, with the model active now."""
+        self.models_seen = models_fingerprint(self.cfg.state_dir)
         self.link.publish_now(self.topics.status(self.device), self._status_msg("online"),
                               qos=1, retain=True)
-        self.notifier.status(self._status_line())
+
+    def _republish_on_model_change(self) -> None:
+        """A commit, rollback or pull changed the active model: say so in the retained status
+        at once, so ``fleetctl devices`` never shows the version before it."""
+        if self.link.connected and models_fingerprint(self.cfg.state_dir) != self.models_seen:
+            self._publish_status()
 
     def _on_inbound(self, msg: Inbound) -> None:
         try:
@@ -192,14 +206,9 @@ class Daemon:
         older = time.time() - lim.keep_history_s
         ids = self.store.prune(keep=lim.keep_finished_jobs, older_than=older)
         with self.outbox.tx() as tx:
-            old = [r[0] for r in tx.conn.execute(
-                "SELECT id FROM commands WHERE ts < ? OR id NOT IN (SELECT id FROM commands "
-                "ORDER BY ts DESC LIMIT ?)", (older, lim.keep_command_records)).fetchall()]
-            for chunk in range(0, max(len(old), len(ids)), 500):
-                cmds, jobs = old[chunk:chunk + 500], ids[chunk:chunk + 500]
-                _delete_in(tx, "commands", "id", cmds)
-                _delete_in(tx, "announced", "id", cmds + jobs)
-                _delete_in(tx, "counters", "name", [f"crash:{j}" for j in jobs])
+            self.ann.ledger.prune(tx, older_than=older, keep_commands=lim.keep_command_records,
+                                  job_ids=ids)
+            tx.drop_counters([f"crash:{j}" for j in ids])
         for jid in ids:
             # A record stored before ids were checked may be named ".." (its "folder" would be
             # the state dir itself): only a valid id names a file to delete.
@@ -210,12 +219,22 @@ class Daemon:
             log.info("pruned %d finished job(s) from the history", len(ids))
         return len(ids)
 
+    def sweep_temps(self) -> None:
+        """Temp files of writers killed mid-write (the daemon, a worker, a job's child) in
+        the state dir, the job folders and the models' records; slots clean their own."""
+        sd = self.cfg.state_dir
+        gone = remove_stale_temps(sd) + remove_stale_temps(sd / "jobs", recursive=True)
+        for model in (sd / "models").glob("*/"):
+            gone += remove_stale_temps(model)
+        if gone:
+            log.info("removed %d temporary file(s) of killed writers", len(gone))
+
     def recover(self) -> int:
         """Re-queue what the device owes from before a crash: a job's ACCEPTED that never
         went out, and terminal results the worker persisted while the daemon was down."""
         owed = 0
         for rec in self.store.list(limit=self.cfg.limits.job_history):
-            done = self.ann.announced(rec.id)
+            done = self.ann.ledger.announced(rec.id)
             status = job_status(rec)
             if (status in TERMINAL_STATUSES and not (done & TERMINAL_STATUSES)) or (
                 "ACCEPTED" not in done and status != "REJECTED"
@@ -242,6 +261,7 @@ class Daemon:
                               props={"expiry_s": TELEMETRY_EXPIRY_S})
 
     def run(self) -> int:
+        self.sweep_temps()
         owed = self.recover()
         self.control.start()
         self.link.start()
@@ -265,6 +285,10 @@ class Daemon:
                 except Exception:
                     log.exception("telemetry failed")
                 next_tel = now + self.cfg.telemetry_s
+            try:
+                self._republish_on_model_change()
+            except Exception:  # the next turn tries again
+                log.exception("republishing the status failed")
             if now >= next_status:
                 self.notifier.status(self._status_line())
                 next_status = now + 5.0
@@ -288,59 +312,6 @@ class Daemon:
         self.outbox.close()
         log.info("edge-agent stopped in %.1fs", time.monotonic() - t0)
         return 0
-
-
-def _delete_in(tx: Any, table: str, column: str, values: list[str]) -> None:
-    if values:
-        tx.conn.execute(f"DELETE FROM {table} WHERE {column} IN ({','.join('?' * len(values))})",
-                        values)
-
-
-def private_dir(path: Path) -> None:
-    """``path`` exists and, when it is this user's, is 0700 with its databases 0600 (a state
-    dir first made by ``agentctl pull`` under a 022 umask, or by an older agent, is
-    tightened)."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != 0o700:
-        path.chmod(0o700)
-    for name in ("jobs.db", "agent.db"):
-        f = path / name
-        if f.exists() and f.stat().st_uid == os.geteuid():
-            f.chmod(0o600)
-
-
-def worker_env(cfg: AgentConfig) -> dict[str, str]:
-    """The job worker's environment: the daemon's, the working directory never on sys.path
-    (PYTHONSAFEPATH, Python 3.11+; the worker also runs in the state dir), and this device's
-    own registry token bound to its configured registry (``registry.credentials``: sent to
-    that origin only) in place of any token the daemon inherited."""
-    from registry.credentials import REGISTRY_ENV, TOKEN_ENV, read_token_file
-
-    env = dict(os.environ, PYTHONSAFEPATH="1")
-    if cfg.registry.token_file is not None:
-        env.pop(TOKEN_ENV, None)
-        env.pop(REGISTRY_ENV, None)
-        if cfg.registry.url:
-            env[REGISTRY_ENV] = cfg.registry.url
-            env[TOKEN_ENV] = read_token_file(cfg.registry.token_file)
-    return env
-
-
-def _link_settings(cfg: AgentConfig) -> LinkSettings:
-    m = cfg.mqtt
-    password = None
-    if m.password_file is not None:
-        check_secret_file(m.password_file, "mqtt.password_file")
-        password = m.password_file.read_text().strip()
-    username = m.username or (cfg.device_id if password is not None else None)
-    return LinkSettings(
-        client_id=cfg.device_id, host=m.host, port=m.port, keepalive_s=m.keepalive_s,
-        session_expiry_s=m.session_expiry_s, username=username, password=password,
-        ca=m.tls.ca if m.tls else None, cert=m.tls.cert if m.tls else None,
-        key=m.tls.key if m.tls else None, tls=m.tls is not None,
-        reconnect_min_s=m.reconnect_min_s, reconnect_max_s=m.reconnect_max_s,
-    )
 
 
 # -- command line ---------------------------------------------------------------------------

@@ -30,13 +30,11 @@ from typing import Any
 from agent.daemon.announce import Announcer
 from agent.daemon.config import LimitsConfig
 from agent.daemon.device import governor_of
-from agent.jobs.launch import python_argv
+from agent.jobs.protocol import EX_TEMPFAIL, python_argv
 from agent.jobs.store import JobRecord, JobState, JobStore, JobStoreError
 
 log = logging.getLogger("agent.daemon.runner")
 
-EX_TEMPFAIL = 75
-"""The worker's "suspended, resume me later" exit code (SIGTERM during a job)."""
 PRUNE_EVERY_S = 60.0
 """Idle pruning period: a flood of refused commands is cut back to the limits within it."""
 

@@ -160,11 +160,12 @@ def summary_rows(rec: Any, steps: list[Any]) -> list[tuple[str, str]]:
                      + f" ({ex.get('seconds', 0):.1f} s)"))
         if ex.get("fallback"):
             rows.append(("export fallback", ex["fallback"]))
-    mem = ft.get("memory") or {}
-    if mem:
-        plan = mem.get("plan") or {}
-        rows.append(("peak memory vs budget (whole tree)",
-                     f"{mem['tree_peak_mb']:.0f} MB / {mem['budget_mb']:.0f} MB"
+    mem = r.get("memory") or {}
+    if mem.get("peak_tree_mb") is not None and mem.get("budget_mb") is not None:
+        plan = (ft.get("memory") or {}).get("plan") or {}
+        rows.append(("peak memory vs budget (whole job, PSS)",
+                     f"{mem['peak_tree_mb']:.0f} MB / {mem['budget_mb']:.0f} MB in "
+                     f"{mem.get('peak_step')}"
                      + (f" (micro-batch {plan['micro_batch_size']} x "
                         f"{plan['accumulation_steps']})" if plan else "")))
     if ft:

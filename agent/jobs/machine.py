@@ -1,128 +1,132 @@
-"""The device job as an explicit state machine (Mender-style): each step one small function, the
-transitions named, every one persisted in the job store before the next step starts.
+"""The device job as an explicit state machine (Mender-style): a table of
+``(state, event) -> state`` per job type, one step function per state
+(``agent.jobs.steps``), every transition persisted in the job store before it is announced.
 
-    pull -> finetune -> [export] -> stage -> health -> commit  -> [upload] -> SUCCEEDED
-                                                   \\-> rollback -> FAILED (the reason)
+    finetune: pull -> finetune -> [export] -> stage -> health -passed-> commit -> [upload] -> done
+                                                             \\-failed-> rollback -> rolled back
+    deploy:   pull -> stage -> health -passed-> commit -> done   (-failed-> rollback)
+    rollback: switch -> done
 
-A restart resumes at the first step that is not ``done``: a finished step never runs again;
-an interrupted one runs again from its own checkpoint (the fine-tune from its last trainer
+Events: ``done`` (the step finished), ``skip`` (the job's spec leaves an optional step out),
+``passed`` / ``failed`` (health's verdict). A restart replays the recorded steps through the
+table and resumes at the first state not recorded: a finished step never runs again; an
+interrupted one runs again from its own checkpoint (the fine-tune from its last trainer
 checkpoint, the others are idempotent). The active model changes only in ``commit``.
+
+Adding a job type is one entry in :data:`TRANSITIONS` (and its spec in ``agent.jobs.spec``)
+plus its step modules; README "Architecture" walks through one.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
-from agent.jobs.store import JobRecord, JobState, JobStore
+from agent.jobs.outcome import outcome
+from agent.jobs.proctree import TreePeak
+from agent.jobs.protocol import (
+    Canceled,
+    JobContext,
+    StepFailed,
+    TimedOut,
+    crash_point,
+)
+from agent.jobs.store import JobRecord, JobState
 
 log = logging.getLogger(__name__)
 
+START = "start"
+DONE = "done"
+"""Terminal: the job succeeded."""
+ROLLED_BACK = "rolled_back"
+"""Terminal: the staged model failed its health check and was dropped: the job FAILED."""
+ENDS = frozenset({DONE, ROLLED_BACK})
 
-class StepFailed(Exception):
-    """A step could not do its job; ``code`` is a contract ErrorCode."""
+Table = dict[tuple[str, str], str]
 
-    def __init__(self, step: str, message: str, code: str = "JOB_FAILED") -> None:
-        super().__init__(f"{step}: {message}")
-        self.step, self.code = step, code
+TRANSITIONS: dict[str, Table] = {
+    "finetune": {
+        (START, "begin"): "pull",
+        ("pull", "done"): "finetune",
+        ("finetune", "done"): "export",
+        ("export", "done"): "stage",
+        ("export", "skip"): "stage",
+        ("stage", "done"): "health",
+        ("health", "passed"): "commit",
+        ("health", "failed"): "rollback",
+        ("commit", "done"): "upload",
+        ("upload", "done"): DONE,
+        ("upload", "skip"): DONE,
+        ("rollback", "done"): ROLLED_BACK,
+    },
+    "deploy": {
+        (START, "begin"): "pull",
+        ("pull", "done"): "stage",
+        ("stage", "done"): "health",
+        ("health", "passed"): "commit",
+        ("health", "failed"): "rollback",
+        ("commit", "done"): DONE,
+        ("rollback", "done"): ROLLED_BACK,
+    },
+    "rollback": {
+        (START, "begin"): "switch",
+        ("switch", "done"): DONE,
+    },
+}
+"""Job type -> its transitions. A state is a step name (``agent.jobs.steps.WORKER_STEPS``)
+or one of :data:`ENDS`."""
 
-
-class Canceled(Exception):
-    """cancel_requested was seen (at a step boundary or inside the fine-tune)."""
-
-
-class Suspended(Exception):
-    """SIGTERM: the job stays IN_PROGRESS and resumes on the next start (exit 75)."""
-
-
-class TimedOut(Exception):
-    pass
-
-
-@dataclass
-class JobContext:
-    store: JobStore
-    job_id: str
-    state_dir: Path
-    spec: Any
-    """DeviceJob, DeployJob or RollbackJob (agent.jobs.spec.SPECS)."""
-    outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    deadline: float | None = None
-    """time.time() after which the job is TIMED_OUT."""
-    on_event: Callable[[str, dict[str, Any]], None] | None = None
-    """The progress display's feed: (stage, detail)."""
-    current: str = ""
-    """The step now running."""
-
-    @property
-    def job_dir(self) -> Path:
-        return job_dir_of(self.state_dir, self.job_id)
-
-    def event(self, stage: str, *, publish: bool = True, **detail: Any) -> None:
-        """Feed the display and (``publish``) the job's progress row, which the daemon
-        announces: it names the step now running, so telemetry never shows the last
-        fine-tune step while the export runs. The fine-tune child writes its own richer
-        progress (optimizer step, loss, governor), so its heartbeats pass publish=False."""
-        if publish:
-            names = self.spec.planned_steps()
-            index = names.index(self.current) + 1 if self.current in names else None
-            self.store.set_progress(self.job_id, {
-                "id": self.job_id, "stage": self.current or stage,
-                "detail": {**_plain(detail), "job_step": index, "job_steps": len(names)},
-            })
-        if self.on_event is not None:
-            self.on_event(stage, detail)
+NOT_CANCELABLE = frozenset({"rollback", "upload"})
+"""Steps that still run after a cancel: dropping what was staged, sending what was committed."""
 
 
-def _plain(detail: dict[str, Any]) -> dict[str, Any]:
-    # Step outputs can be large (a whole health report): progress keeps the scalars.
-    return {k: v for k, v in detail.items()
-            if k == "plan" or isinstance(v, (str, int, float, bool))}
+def event_of(state: str, outputs: dict[str, Any]) -> str:
+    """The event a finished step raises: health's verdict, ``done`` for every other."""
+    if state == "health":
+        return "passed" if outputs.get("passed", False) else "failed"
+    return "done"
 
 
-CRASH_ENV = "EDGETRAIN_JOB_CRASH_AT"
-"""Fault injection for the restart tests and drills: ``after:STEP`` SIGKILLs the job process
-right after STEP is recorded done; ``inside:STEP`` while STEP's child runs (steps.py; the
-short stage step's child kills the job itself, child.py)."""
+def next_state(table: Table, spec: Any, outputs: dict[str, dict[str, Any]]) -> str:
+    """Replay the recorded steps through ``table``: the first state not recorded (or an
+    end). A step the spec leaves out raises ``skip``."""
+    skipped = spec.skipped_steps()
+    state = table[(START, "begin")]
+    while state not in ENDS:
+        if state in outputs:
+            event = event_of(state, outputs[state])
+        elif state in skipped:
+            event = "skip"
+        else:
+            return state
+        state = table[(state, event)]
+    return state
 
 
-def crash_point(point: str) -> None:
-    if point in os.environ.get(CRASH_ENV, "").split(","):
-        os.kill(os.getpid(), signal.SIGKILL)
+def planned_steps(table: Table, spec: Any) -> list[str]:
+    """The steps a job runs when every check passes, in order (for progress: step i of n)."""
+    state, out, skipped = table[(START, "begin")], [], spec.skipped_steps()
+    while state not in ENDS:
+        if state in skipped:
+            state = table[(state, "skip")]
+            continue
+        out.append(state)
+        state = table.get((state, "done")) or table[(state, "passed")]
+    return out
 
 
-def job_dir_of(state_dir: Path, job_id: str) -> Path:
-    return Path(state_dir) / "jobs" / job_id
-
-
-def next_step(spec: BaseModel, outputs: dict[str, dict[str, Any]]) -> str | None:
-    """The named transition out of the last finished step (None: the job is over)."""
-    order = spec.planned_steps()  # type: ignore[attr-defined]
-    for name in order:
-        if name == "commit" and not outputs.get("health", {}).get("passed", False):
-            return None if "rollback" in outputs else "rollback"
-        if name not in outputs:
-            return name
-    return None
-
-
-def run(ctx: JobContext, steps: dict[str, Callable[[JobContext], dict[str, Any]]]) -> JobRecord:
+def run(ctx: JobContext, job_type: str,
+        steps: dict[str, Callable[[JobContext], dict[str, Any]]]) -> JobRecord:
     """Drive the job to a terminal state (or raise Suspended); returns the final record."""
-    store, jid = ctx.store, ctx.job_id
+    store, jid, table = ctx.store, ctx.job_id, TRANSITIONS[job_type]
     for s in store.steps(jid):
         if s.status in ("done", "skipped"):
             ctx.outputs[s.name] = s.outputs or {}
     try:
-        while (name := next_step(ctx.spec, ctx.outputs)) is not None:
-            if store.cancel_requested(jid) and name not in ("rollback", "upload"):
+        while (name := next_state(table, ctx.spec, ctx.outputs)) not in ENDS:
+            if store.cancel_requested(jid) and name not in NOT_CANCELABLE:
                 raise Canceled(f"canceled before {name}")
             if ctx.deadline is not None and time.time() > ctx.deadline:
                 raise TimedOut(f"timeout_s passed before {name}")
@@ -130,7 +134,11 @@ def run(ctx: JobContext, steps: dict[str, Callable[[JobContext], dict[str, Any]]
             ctx.current = name
             ctx.event(name, status="started")
             try:
-                out = steps[name](ctx)
+                # Every step's whole process tree (this process, its probes, its child),
+                # so the job's reported peak is the job's, not only the fine-tune's.
+                with TreePeak() as peak:
+                    out = steps[name](ctx)
+                out = {**out, "tree_peak_mb": round(peak.peak_mb, 1)}
             except StepFailed as e:
                 store.step_failed(jid, name, {"code": e.code, "message": str(e),
                                               "retryable": False})
@@ -150,7 +158,7 @@ def run(ctx: JobContext, steps: dict[str, Callable[[JobContext], dict[str, Any]]
         return store.transition(jid, JobState.FAILED, error=_err(e.code, str(e)),
                                 result=outcome(ctx))
     result = outcome(ctx)
-    if "rollback" in ctx.outputs:
+    if name == ROLLED_BACK:
         return store.transition(jid, JobState.FAILED, result=result,
                                 error=_err("JOB_FAILED", f"health: {result['reason']}"))
     return store.transition(jid, JobState.SUCCEEDED, result=result)
@@ -165,86 +173,5 @@ def _discard_staged(ctx: JobContext, steps: dict[str, Callable[[JobContext], dic
         ctx.outputs["rollback"] = out
 
 
-def model_name(ctx: JobContext) -> str:
-    spec = ctx.spec
-    name = getattr(spec, "model", None) or getattr(spec, "name", None)
-    if name is None:  # a rollback of "the only installed model"
-        models = sorted(p.name for p in (ctx.state_dir / "models").glob("*") if p.is_dir())
-        if len(models) != 1:
-            raise StepFailed("switch", f"name is needed: installed models are {models}",
-                             code="BAD_ARGS")
-        name = models[0]
-    return str(name)
-
-
 def _err(code: str, message: str, retryable: bool = False) -> dict[str, Any]:
     return {"code": code, "message": message, "retryable": retryable}
-
-
-def outcome(ctx: JobContext) -> dict[str, Any]:
-    """The JobOutcome (contract) of the job so far."""
-    o = ctx.outputs
-    health = o.get("health", {})
-    before = {"eval/acc": health["active"]["accuracy"]} if "active" in health else {}
-    after = {"eval/acc": health["staged"]["accuracy"]} if "staged" in health else {}
-    if "commit" in o:
-        kind, reason = "committed", None
-    elif "rollback" in o:
-        kind = "rolled_back"
-        reason = "; ".join(health.get("failures", [])) or o["rollback"].get("why")
-    else:
-        kind, reason = "unchanged", None
-    if "switch" in o:  # a rollback job
-        kind, reason = "rolled_back", ctx.spec.reason or "rollback requested"
-    name = model_name(ctx)
-    res: dict[str, Any] = {"outcome": kind, "reason": reason, "metrics_before": before,
-                           "metrics_after": after}
-    pull = o.get("pull")
-    if pull:
-        res["previous_model"] = {"name": name, "version": pull["active"] or pull["version"]}
-    if "commit" in o:
-        res["model"] = {"name": name, "version": o["commit"]["version"],
-                        "slot": o["commit"]["slot"]}
-    elif "switch" in o:
-        res["model"] = {"name": name, "version": o["switch"]["version"],
-                        "slot": o["switch"]["slot"]}
-        res["previous_model"] = {"name": name, "version": o["switch"]["previous"]}
-    elif pull:
-        res["model"] = res["previous_model"]
-    if "upload" in o:
-        res["uploaded"] = {"name": name, "version": o["upload"]["version"],
-                           "parent": o["upload"]["parent"]}
-    # Extra figures for the fleet and the summary (JobOutcome allows extra keys).
-    res["export"] = {k: o["export"].get(k) for k in EXPORT_FIGURES} if "export" in o else None
-    res["health"] = health or None
-    ft = o.get("finetune")
-    res["memory"] = _memory(ft) if ft else None
-    res["governor"] = _governor(ft) if ft else None
-    res["report_png"] = ft.get("report_png") if ft else None
-    return res
-
-
-EXPORT_FIGURES = ("winner", "int8_drop_pts", "p50_ms_b1", "int8_recipe", "isa", "fallback",
-                  "excluded_layers")
-"""What the fleet and the summary read of an export: the winner's figures, the recipe and
-host, and, when plain INT8 missed its gates, what it measured and what was left in float."""
-
-
-def _memory(ft: dict[str, Any]) -> dict[str, Any]:
-    mem = ft.get("memory") or {}
-    plan = mem.get("plan") or {}
-    micro = plan.get("micro_batch_size", ft.get("micro_batch_size"))
-    return {"peak_tree_mb": mem.get("tree_peak_mb"), "budget_mb": mem.get("budget_mb"),
-            "micro_batch": micro,
-            "accumulation": plan.get("accumulation_steps", ft.get("accumulation_steps")),
-            "planned": bool(plan)}
-
-
-def _governor(ft: dict[str, Any]) -> dict[str, Any]:
-    """The pacing summary; all None when the fine-tune ran without sensors (no governor)."""
-    g = ft.get("governor") or {}
-    held = [g[k] for k in ("paced_s", "waited_s") if g.get(k) is not None]
-    return {"max_temp_c": ft.get("max_temp_c"), "target_c": ft.get("target_c"),
-            "throttled_s": round(sum(held), 2) if held else None,
-            "time_above_target_s": g.get("time_above_target_s"),
-            "state_changes": g.get("events")}

@@ -1,8 +1,12 @@
-"""Resident memory of a whole process tree, sampled from /proc: the job's real footprint.
+"""Memory of a whole process tree, sampled from /proc: the job's real footprint.
 
-The budget covers the job process, its probe subprocesses and the training child together;
-``ru_maxrss`` of one process misses the others, so a thread sums VmRSS over the tree every
-``interval_s`` and keeps the peak. Torch-free and cheap (a few /proc reads per sample).
+The budget covers the job process, its probe subprocesses and each step's child together;
+``ru_maxrss`` of one process misses the others, so a thread sums the tree every
+``interval_s`` and keeps the peak. Summed as PSS (``/proc/PID/smaps_rollup``), the way the
+kernel shares the charge of a page among the processes that map it: summed VmRSS counts the
+shared library pages (torch, onnxruntime: ~100 MB) once per process, over-stating a tree of
+two torch processes. Where smaps_rollup cannot be read (an old kernel, another user's
+process) VmRSS stands in. Torch-free and cheap (a few /proc reads per sample).
 """
 
 from __future__ import annotations
@@ -48,13 +52,33 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def pss_mb(pid: int) -> float:
+    """The process's proportional set size in MiB (VmRSS where smaps_rollup is unreadable)."""
+    try:
+        for line in (_PROC / str(pid) / "smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return rss_mb(pid)
+
+
+def tree_pss_mb(root: int | None = None) -> float:
+    """Summed PSS of ``root`` (default: this process) and all its descendants, in MiB."""
+    return sum(pss_mb(p) for p in tree_pids(os.getpid() if root is None else root))
+
+
 def tree_rss_mb(root: int | None = None) -> float:
     """Summed RSS of ``root`` (default: this process) and all its descendants, in MiB."""
     return sum(rss_mb(p) for p in tree_pids(os.getpid() if root is None else root))
 
 
+MEASURE = "PSS of the job's process tree (/proc/PID/smaps_rollup), sampled every 20 ms"
+"""How the job's reported peaks are measured (the report says so)."""
+
+
 class TreePeak:
-    """Samples the tree's summed RSS in a daemon thread; ``peak_mb`` is the highest seen."""
+    """Samples the tree's summed PSS in a daemon thread; ``peak_mb`` is the highest seen."""
 
     def __init__(self, root: int | None = None, interval_s: float = 0.02) -> None:
         self.root = os.getpid() if root is None else root
@@ -65,7 +89,7 @@ class TreePeak:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak_mb = max(self.peak_mb, tree_rss_mb(self.root))
+            self.peak_mb = max(self.peak_mb, tree_pss_mb(self.root))
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> TreePeak:
@@ -75,4 +99,4 @@ class TreePeak:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak_mb = max(self.peak_mb, tree_rss_mb(self.root))
+        self.peak_mb = max(self.peak_mb, tree_pss_mb(self.root))

@@ -208,15 +208,9 @@ class DeviceJob(BaseModel):
             raise ValueError("steps.upload needs a registry: set registry or upload.registry")
         return self
 
-    def planned_steps(self) -> list[str]:
-        """The steps this job runs, in order (commit and rollback are alternatives)."""
-        steps = ["pull", "finetune"]
-        if self.steps.export:
-            steps.append("export")
-        steps += ["stage", "health", "commit"]
-        if self.steps.upload:
-            steps.append("upload")
-        return steps
+    def skipped_steps(self) -> set[str]:
+        """The optional steps this job leaves out (``agent.jobs.machine`` raises ``skip``)."""
+        return {s for s in ("export", "upload") if not getattr(self.steps, s)}
 
 
 class DeployJob(BaseModel):
@@ -238,8 +232,8 @@ class DeployJob(BaseModel):
     trusted_keys: Path | None = None
     """Folder of trusted *.pub.pem keys (null: STATE_DIR/trusted_keys)."""
 
-    def planned_steps(self) -> list[str]:
-        return ["pull", "stage", "health", "commit"]
+    def skipped_steps(self) -> set[str]:
+        return set()
 
 
 class RollbackJob(BaseModel):
@@ -252,8 +246,8 @@ class RollbackJob(BaseModel):
     reason: str | None = Field(default=None, max_length=500)
     trusted_keys: Path | None = None
 
-    def planned_steps(self) -> list[str]:
-        return ["switch"]
+    def skipped_steps(self) -> set[str]:
+        return set()
 
 
 SPECS: dict[str, type[BaseModel]] = {"finetune": DeviceJob, "deploy": DeployJob,
@@ -398,54 +392,3 @@ def resolve(type_: str, args: BaseModel, settings: DeviceSettings) -> BaseModel:
         "upload": {"registry": upload_to, "version": args.upload.version},
         "steps": args.steps.model_dump(), "registry": settings.registry,
         "trusted_keys": settings.trusted_keys, "signing_key": settings.signing_key})
-
-
-def check_inputs(job: DeviceJob, state_dir: Path | None = None) -> None:
-    """Checks on the file system that must fail before any probe, download or job folder:
-    each raises ValueError naming the option. With ``state_dir``: the upstream model must be
-    readable there (its slot marker and signed manifest), or fetchable (--registry). Reads
-    only; creates nothing."""
-    data = job.data
-    if state_dir is not None:
-        _check_upstream(job, Path(state_dir))
-    if not data.exists():
-        raise ValueError(f"--data {data}: no such file or folder")
-    if data.is_dir():
-        if not any(p.is_dir() and any(p.iterdir()) for p in data.iterdir()):
-            raise ValueError(f"--data {data}: empty (no class sub-folder with images)")
-    elif data.suffix != ".npz":
-        raise ValueError(f"--data {data}: expected a folder of class sub-folders or an .npz")
-    elif data.stat().st_size == 0:
-        raise ValueError(f"--data {data}: empty file")
-    else:
-        try:
-            import zipfile
-
-            with zipfile.ZipFile(data) as z:
-                names = set(z.namelist())
-        except (OSError, zipfile.BadZipFile) as e:
-            raise ValueError(f"--data {data}: not a readable .npz ({e})") from None
-        if not {"x.npy", "y.npy"} <= names:
-            raise ValueError(f"--data {data}: the .npz needs arrays x and y")
-
-
-def _check_upstream(job: DeviceJob, state_dir: Path) -> None:
-    from agent.storage.slots import ModelSlots
-    from registry.errors import RegistryError
-
-    slots = ModelSlots(state_dir, job.model)
-    try:
-        active = slots.active()
-        base = slots.installed(job.version) if active is not None else None
-    except RegistryError as e:
-        if "not installed" in str(e) and job.registry:
-            return  # another version: pull fetches it
-        raise ValueError(f"--model {job.model}: the installed checkpoint is unreadable ({e})"
-                         if "not installed" not in str(e) else
-                         f"--version {job.version}: {e}; give --registry to fetch it") from None
-    if base is None and not (job.version and job.registry):
-        raise ValueError(f"--model {job.model}: not installed in {state_dir}; give --version "
-                         "and --registry to fetch it")
-    if base is not None and not (base.path / "model.safetensors").is_file():
-        raise ValueError(f"--model {job.model}: the installed checkpoint {base.path} has no "
-                         "model.safetensors")

@@ -12,7 +12,6 @@ The worker dies with its parent, so a kill -9 of the daemon never leaves two wor
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -23,30 +22,29 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agent.jobs.machine import TRANSITIONS, planned_steps, run
+from agent.jobs.protocol import (
+    EX_TEMPFAIL,
+    JobContext,
+    StopFlag,
+    Suspended,
+    die_with_parent,
+)
+from agent.jobs.spec import SPECS
+from agent.jobs.steps import WORKER_STEPS
 from agent.jobs.store import JobState, JobStore
+from contract import check_command_id
+from hpc_core.atomic import remove_stale_temps
 
-EX_TEMPFAIL = 75
 log = logging.getLogger(__name__)
 
 
-def die_with_parent() -> None:
-    """PR_SET_PDEATHSIG(SIGKILL), then check the parent did not die before it took effect."""
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent or parent == 1:
-        os._exit(1)
-
-
 def run_job(
-    state_dir: Path, job_id: str, on_event: Callable[[str, dict[str, Any]], None] | None = None
+    state_dir: Path, job_id: str, on_event: Callable[[str, dict[str, Any]], None] | None = None,
+    stop: StopFlag | None = None,
 ) -> int:
-    """Run (or resume) ``job_id`` in this process; returns the worker exit code."""
-    from agent.jobs import steps
-    from agent.jobs.machine import JobContext, Suspended, run
-    from agent.jobs.spec import SPECS
-
+    """Run (or resume) ``job_id`` in this process; returns the worker exit code. ``stop``: the
+    flag this process's SIGTERM handler sets (the job suspends at the next check)."""
     store = JobStore(state_dir)
     rec = store.get(job_id)
     if rec is None:
@@ -54,18 +52,22 @@ def run_job(
         return 2
     if rec.terminal:
         return 0
-    if rec.type not in SPECS:
+    if rec.type not in SPECS or rec.type not in TRANSITIONS:
         store.transition(job_id, JobState.FAILED, error={
             "code": "UNAVAILABLE", "message": f"job type {rec.type!r} is not one of "
-            f"{sorted(SPECS)}", "retryable": False})
+            f"{sorted(TRANSITIONS)}", "retryable": False})
         return 0
     rec = store.transition(job_id, JobState.IN_PROGRESS)
     spec = SPECS[rec.type].model_validate(rec.spec)
     deadline = rec.started_at + rec.timeout_s if rec.timeout_s and rec.started_at else None
-    ctx = JobContext(store, job_id, Path(state_dir), spec, deadline=deadline, on_event=on_event)
+    ctx = JobContext(store, job_id, Path(state_dir), spec, deadline=deadline, on_event=on_event,
+                     stop=stop or StopFlag(),
+                     planned=planned_steps(TRANSITIONS[rec.type], spec))
     ctx.job_dir.mkdir(parents=True, exist_ok=True)
+    # A previous attempt killed mid-write (kill -9, power cut) leaves its temp files here.
+    remove_stale_temps(ctx.job_dir, recursive=True)
     try:
-        run(ctx, steps.STEPS)
+        run(ctx, rec.type, WORKER_STEPS)
     except Suspended:
         return EX_TEMPFAIL
     return 0
@@ -78,8 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-parent-check", action="store_true",
                    help="run detached (tests, a shell): do not die with the parent")
     a = p.parse_args(argv)
-    from agent.mqtt.contract import check_command_id
-
     try:
         check_command_id(a.job_id, "--job-id")
     except ValueError as e:
@@ -87,16 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PYTHONSAFEPATH"] = "1"  # the torch children: never import from their cwd
     if not a.no_parent_check:
         die_with_parent()
-    from agent.jobs import steps
-
-    def on_term(signum: int, frame: Any) -> None:
-        steps.SIGTERM_SEEN["flag"] = True
-
-    signal.signal(signal.SIGTERM, on_term)
+    stop = StopFlag()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     if threading.current_thread() is threading.main_thread():
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     t0 = time.monotonic()
-    code = run_job(a.state_dir, a.job_id)
+    code = run_job(a.state_dir, a.job_id, stop=stop)
     log.info("worker done in %.1fs, exit %d", time.monotonic() - t0, code)
     return code
 

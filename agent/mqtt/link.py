@@ -35,8 +35,8 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from agent.mqtt.contract import MAX_PAYLOAD_BYTES
 from agent.mqtt.outbox import Outbox, OutMessage
+from contract import MAX_PAYLOAD_BYTES
 
 log = logging.getLogger("agent.mqtt")
 

@@ -8,8 +8,9 @@ a crash between the broker's PUBACK and the delete resends the row with its orig
 which is how the fleet tells a repeat from a new message.
 
 The same database keeps the daemon's counters (result/event ``seq``, ``conn_seq``) and its
-ledger (see ``agent.daemon.ledger``), so a result and the fact that it was announced commit in
-one transaction.
+ledger (the command and announcement tables, created and queried by ``agent.daemon.ledger``),
+so a result and the fact that it was announced commit in one transaction. This module owns
+only the ``outbox`` and ``counters`` tables.
 """
 
 from __future__ import annotations
@@ -35,14 +36,9 @@ CREATE TABLE IF NOT EXISTS outbox (
     retain INTEGER NOT NULL, props TEXT
 );
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS commands (
-    id TEXT PRIMARY KEY, type TEXT NOT NULL, status TEXT NOT NULL, result TEXT, error TEXT,
-    ts REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS announced (
-    id TEXT NOT NULL, status TEXT NOT NULL, PRIMARY KEY (id, status)
-);
 """
+_IN_CHUNK = 500
+"""Values per ``IN (...)`` list: SQLite builds before 3.32 take at most 999 parameters."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +79,18 @@ class Tx:
         rowid = int(cur.lastrowid or 0)
         self.added.append(rowid)
         return rowid
+
+    def drop_counters(self, names: list[str]) -> None:
+        """Forget counters (a pruned job's crash count): the next ``next_seq`` starts at 0."""
+        self.delete_in("counters", "name", names)
+
+    def delete_in(self, table: str, column: str, values: list[str]) -> None:
+        """``DELETE FROM table WHERE column IN values``, in chunks; ``table`` and ``column``
+        are this code's own names, never input."""
+        for i in range(0, len(values), _IN_CHUNK):
+            part = values[i:i + _IN_CHUNK]
+            self.conn.execute(
+                f"DELETE FROM {table} WHERE {column} IN ({','.join('?' * len(part))})", part)
 
 
 class Outbox:

@@ -5,7 +5,9 @@ Layout under ``state_dir/models/<name>/``::
     slots/a/, slots/b/      one complete version each: model.safetensors, artefacts/,
                             manifest.json, manifest.sig, COMPLETE (written last)
     current -> slots/a      the active slot
-    installed.json          the highest signed sequence ever committed (rollback defence)
+    installed.json          the rollback defence: the highest sequence ever committed, the
+                            newest upstream release (base) committed and the highest
+                            sequence committed in that release's lineage
 
 Crash safety, instant by instant (Mender's A/B scheme, applied to a folder): :meth:`stage`
 only ever writes the slot ``current`` does not point at. The new slot is built under a
@@ -204,37 +206,80 @@ class ModelSlots:
         current = self._current_slot()
         return "a" if current is None else SLOT_NAMES[1 - SLOT_NAMES.index(current)]
 
+    def _record(self) -> dict[str, int]:
+        """installed.json: ``highest_sequence`` (every version ever committed here; a new
+        local version signs one above it), ``base_sequence`` (the newest upstream release
+        committed, directly or as the base of a fine-tune) and ``lineage_sequence`` (the
+        highest sequence committed among versions of that base). A record from before
+        lineage existed holds only the first: the active version's base stands in for it."""
+        path = self.root / INSTALLED
+        try:
+            doc = loads_strict(read_bytes(path, 1 << 16), str(path))
+        except FileNotFoundError:
+            return {"highest_sequence": 0, "base_sequence": 0, "lineage_sequence": 0}
+        except MalformedJsonError as e:
+            raise CorruptSlotError(f"{path} is unreadable ({e}): it guards against "
+                                   "downgrades, restore it rather than delete it") from None
+        rec = doc if isinstance(doc, dict) else {}
+        highest = rec.get("highest_sequence")
+        if not isinstance(highest, int) or isinstance(highest, bool) or highest < 0:
+            raise CorruptSlotError(f"{path}: bad highest_sequence {highest!r}: it guards "
+                                   "against downgrades, restore it rather than delete it")
+        if "base_sequence" not in rec:
+            active = self.active()
+            base = active.manifest.base_release.sequence if active is not None else highest
+            return {"highest_sequence": highest, "base_sequence": base,
+                    "lineage_sequence": highest}
+        out = {"highest_sequence": highest}
+        for k in ("base_sequence", "lineage_sequence"):
+            v = rec.get(k)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= highest:
+                raise CorruptSlotError(f"{path}: bad {k} {v!r}")
+            out[k] = v
+        return out
+
     def highest_sequence(self) -> int:
         """The highest signed sequence ever committed for this model here (0: none)."""
-        try:
-            path = self.root / INSTALLED
-            value = loads_strict(read_bytes(path, 1 << 16), str(path))["highest_sequence"]
-        except FileNotFoundError:
-            return 0
-        except (MalformedJsonError, KeyError, TypeError) as e:
-            raise CorruptSlotError(
-                f"{self.root / INSTALLED} is unreadable ({e}): it guards against downgrades, "
-                "restore it rather than delete it"
-            ) from None
-        if not isinstance(value, int) or value < 0:
-            raise CorruptSlotError(f"{self.root / INSTALLED}: bad highest_sequence {value!r}")
-        return value
+        return self._record()["highest_sequence"]
 
     def check_sequence(self, manifest: Manifest, *, allow_downgrade: bool = False) -> None:
-        """Refuse a version signed with a sequence below the highest installed here."""
-        highest = self.highest_sequence()
-        if manifest.sequence >= highest:
+        """Refuse a possible rollback, comparing like with like (the manifest's lineage):
+        an upstream release older than the newest one committed here, a version of an older
+        base, or, within the newest base's lineage, a sequence below the highest committed.
+        So a device that fine-tuned release 1 (its version signed 4) still takes release 2
+        (signed 3 upstream), and a replay of release 1 stays refused."""
+        rec = self._record()
+        base = manifest.base_release.sequence
+        if base > rec["base_sequence"] or (
+                base == rec["base_sequence"] and manifest.sequence >= rec["lineage_sequence"]):
             return
         fields = {"model": self.name, "version": manifest.version,
-                  "sequence": manifest.sequence, "highest_sequence": highest}
+                  "sequence": manifest.sequence, "base_sequence": base, **{
+                      f"installed_{k}": v for k, v in rec.items()}}
+        if base < rec["base_sequence"]:
+            why = (f"its upstream release has sequence {base}, below {rec['base_sequence']}, "
+                   "the newest release committed here")
+        else:
+            why = (f"it has sequence {manifest.sequence}, below {rec['lineage_sequence']}, the "
+                   "highest committed here from the same upstream release")
         if not allow_downgrade:
             raise DowngradeError(
-                f"{manifest.ref} has sequence {manifest.sequence}, below {highest}, the highest "
-                f"installed here: refused as a possible rollback attack (to go back on purpose, "
-                f"`agentctl rollback` or pull with --allow-downgrade)"
+                f"{manifest.ref}: {why}: refused as a possible rollback attack (to go back on "
+                f"purpose, `agentctl rollback` or pull with --allow-downgrade)"
             )
-        log.warning("downgrade allowed: installing %s below the highest sequence %d",
-                    manifest.ref, highest, extra={"fields": {"event": "downgrade", **fields}})
+        log.warning("downgrade allowed: installing %s (%s)", manifest.ref, why,
+                    extra={"fields": {"event": "downgrade", **fields}})
+
+    def _record_commit(self, manifest: Manifest) -> None:
+        rec = self._record()
+        base = manifest.base_release.sequence
+        new = dict(rec, highest_sequence=max(rec["highest_sequence"], manifest.sequence))
+        if base > rec["base_sequence"]:
+            new |= {"base_sequence": base, "lineage_sequence": manifest.sequence}
+        elif base == rec["base_sequence"]:
+            new["lineage_sequence"] = max(rec["lineage_sequence"], manifest.sequence)
+        if new != rec:
+            write_json_atomic(self.root / INSTALLED, {**new, "version": manifest.version})
 
     # -- stage / commit / discard
 
@@ -277,10 +322,7 @@ class ModelSlots:
             self.check_sequence(staged.manifest, allow_downgrade=allow_downgrade)
             # Recorded before the switch: a crash in between leaves the record ahead of the
             # active version (harmless), never behind it (a downgrade window).
-            if staged.manifest.sequence > self.highest_sequence():
-                write_json_atomic(self.root / INSTALLED, {
-                    "highest_sequence": staged.manifest.sequence, "version": staged.version,
-                })
+            self._record_commit(staged.manifest)
             self._point_current(staged.slot)
             return SwitchResult(self.name, staged, previous, changed=True)
 

@@ -29,6 +29,12 @@ _ONE_PUBLIC_KEY = re.compile(
 )
 
 
+def default_trusted_keys(state_dir: Path) -> Path:
+    """The trusted-keys folder of a device whose config (``registry.trusted_keys``) or
+    command line (``--trusted-keys``) names none: ``STATE_DIR/trusted_keys``."""
+    return state_dir / "trusted_keys"
+
+
 def _owners() -> set[int]:
     """root and the user this process runs as (the service user under systemd)."""
     return {0, os.geteuid()}

@@ -205,6 +205,11 @@ def fetch_training_source(
     return pulled, got
 
 
+def next_local_sequence(slots: ModelSlots, parent: InstalledSlot) -> int:
+    """The sequence a version the device makes from ``parent`` signs: one above both."""
+    return max(parent.manifest.sequence, slots.highest_sequence()) + 1
+
+
 def stage_local(
     content: VersionContent,
     *,
@@ -221,7 +226,9 @@ def stage_local(
     unchanged tensors reuse the parent's chunks. The signature is then verified like any
     pulled version: the device key must be in ``trusted`` with a scope covering
     ``NAME@VERSION`` (e.g. ``digits-cnn@*+jetson-07.*``), or the version is refused. The
-    sequence is one above both the parent's and the highest installed. ``current`` is not
+    sequence is one above both the parent's and the highest installed
+    (:func:`next_local_sequence`); the manifest names the upstream release the lineage
+    starts from (``base``). ``current`` is not
     touched: commit with ``ModelSlots.commit(version)`` once the gates pass, or
     ``discard_staged()``.
     """
@@ -238,11 +245,12 @@ def stage_local(
         store.commit_partial(ref.sha256)
 
     with StateLock(state_dir):
-        sequence = max(parent.manifest.sequence, slots.highest_sequence()) + 1
+        sequence = next_local_sequence(slots, parent)
         signed = sign_version(
             name=parent.manifest.name, version=version, sequence=sequence,
             model=content.model, tensors=content.tensors, key=key, on_chunk=keep_chunk,
-            parent=parent.version, training=content.training, artefacts=artefacts,
+            parent=parent.version, base=parent.manifest.base_release,
+            training=content.training, artefacts=artefacts,
             chunk_size=parent.manifest.chunk_size, pack_below=parent.manifest.pack_below,
         )
         manifest, verified_by = verify_signed_manifest(

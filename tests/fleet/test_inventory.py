@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from agent.mqtt.contract import Event, ModelInfo, Result, Status, Telemetry, Topics
+from contract import Event, ModelInfo, Result, Status, Telemetry, Topics
 from fleet.inventory import Inventory, render_table
 from fleet.mqtt import device_message
 

@@ -58,8 +58,8 @@ def test_example_plan_loads() -> None:
 def test_execution_ids_fit_the_contract_for_the_longest_names() -> None:
     """The longest rollout name (40) and device id (64) still make command ids the device
     takes (at most 128 characters), distinct per rollout, device, attempt and kind."""
-    from agent.mqtt.contract import check_command_id
-    from fleet.controller import exec_id
+    from contract import check_command_id
+    from fleet.rollout_run import exec_id
     from fleet.store import Rollout
 
     def rollout(name: str, nonce: str) -> Rollout:

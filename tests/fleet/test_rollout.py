@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from fleet.sim import SimFleet
+from fleet.sim_fleet import SimFleet
 from tests.fleet.conftest import fleetctl_argv
 
 Run = Callable[..., subprocess.CompletedProcess[str]]
@@ -157,7 +157,100 @@ def test_offline_device_times_out_and_rejected_is_not_retried(
     assert [e["status"] for e in by_dev["sim-0001"]] == ["REJECTED"]
     assert [e["status"] for e in by_dev["sim-0002"]] == ["TIMED_OUT", "TIMED_OUT"]
     assert [e["status"] for e in by_dev["sim-0000"]] == ["SUCCEEDED"]
-    assert rep["state"] == "succeeded" and rep["waves"][0]["failed"] == 2
+    assert rep["state"] == "completed_with_failures" and rep["waves"][0]["failed"] == 2
+
+
+def test_a_rollout_with_a_failed_device_never_says_succeeded(
+    sim_fleet: Callable[..., SimFleet], fleetctl: Run, tmp_path: Path
+) -> None:
+    # One device of three fails; under min_completed (5) the failure rate never aborts, so
+    # the rollout runs to its end: it must say that a device failed, not "succeeded".
+    sim_fleet(devices=3, behavior={"job_duration_s": 0.05},
+              overrides={"sim-0001": {"job_duration_s": 0.05, "fail": True}})
+    r = fleetctl("rollout", "create", "--name", "partial", "--group", "sim", "--job", "deploy",
+                 "--args", '{"version": "v2"}')
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[1] == "rollout partial: completed_with_failures (1 of 3 devices failed)"
+    assert "succeeded" not in lines[1] and "partial: succeeded" not in r.stdout
+    assert "failed devices (1):" in lines
+    row = next(x for x in lines if x.startswith("sim-0001 "))
+    assert row.split()[:5] == ["sim-0001", "0", "1", "FAILED", "JOB_FAILED"]
+    assert row.endswith("step deploy: simulated failure")
+    rep = report(tmp_path, "partial")
+    assert rep["state"] == "completed_with_failures" and rep["finished_at"] is not None
+    assert [(f["device"], f["status"], f["code"], f["message"]) for f in rep["failures"]] \
+        == [("sim-0001", "FAILED", "JOB_FAILED", "step deploy: simulated failure")]
+    txt = (tmp_path / "reports" / "partial.txt").read_text()
+    assert txt.splitlines()[0] == lines[1]
+    listed = fleetctl("rollout", "list", "--json")
+    assert [(x["id"], x["state"]) for x in json.loads(listed.stdout)] \
+        == [("partial", "completed_with_failures")]
+    # Every device succeeding is still "succeeded", exit 0.
+    ok = fleetctl("rollout", "create", "--name", "whole", "--devices", "sim-0000,sim-0002",
+                  "--job", "deploy", "--args", '{"version": "v2"}')
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.stdout.splitlines()[1] == "rollout whole: succeeded"
+    assert "failed devices" not in ok.stdout
+
+
+def test_rollout_status_names_each_failed_device_and_its_reason(
+    sim_fleet: Callable[..., SimFleet], fleetctl: Run, tmp_path: Path
+) -> None:
+    # Four ways to fail: FAILED by the job, REJECTED at once, no reply at all (offline: our
+    # own timeout), and the device's own gates rolling the new model back.
+    fleet = sim_fleet(devices=5, behavior={"job_duration_s": 0.05},
+                      overrides={"sim-0001": {"job_duration_s": 0.05, "fail": True},
+                                 "sim-0002": {"reject": True},
+                                 "sim-0004": {"job_duration_s": 0.05, "gate_rollback": True}})
+    fleet.crash("sim-0003")
+    time.sleep(0.2)
+    r = fleetctl("rollout", "create", "--name", "why", "--group", "sim", "--job", "deploy",
+                 "--args", '{"version": "v2"}', "--timeout-s", "1", "--abort-failure-rate", "1")
+    assert r.returncode == 1, r.stdout + r.stderr
+    st = fleetctl("rollout", "status", "why")
+    assert st.returncode == 1, st.stdout + st.stderr
+    lines = st.stdout.splitlines()
+    assert lines[0] == "rollout why: completed_with_failures (4 of 5 devices failed)"
+    i = lines.index("failed devices (4):")
+    assert lines[i + 1].split() == ["DEVICE", "WAVE", "ATTEMPT", "STATUS", "CODE", "MESSAGE"]
+    rows = {x.split()[0]: x for x in lines[i + 2:]}
+    assert set(rows) == {"sim-0001", "sim-0002", "sim-0003", "sim-0004"}
+    want = {
+        "sim-0001": (["FAILED", "JOB_FAILED"], "step deploy: simulated failure"),
+        "sim-0002": (["REJECTED", "BAD_ARGS"], "args.version: simulated refusal"),
+        "sim-0003": (["TIMED_OUT", "CONTROLLER_TIMEOUT"], "no terminal result within 1 s"),
+        "sim-0004": (["ROLLED_BACK", "-"], "gate: accuracy below threshold"),
+    }
+    for dev, (cells, msg) in want.items():
+        assert rows[dev].split()[3:5] == cells and rows[dev].endswith(msg), rows[dev]
+    # --json carries the same, with the full message.
+    js = fleetctl("rollout", "status", "why", "--json")
+    s = json.loads(js.stdout)
+    assert js.returncode == 1 and s["state"] == "completed_with_failures"
+    assert {f["device"]: (f["status"], f["code"], f["message"]) for f in s["failures"]} == {
+        dev: (cells[0], None if cells[1] == "-" else cells[1], msg)
+        for dev, (cells, msg) in want.items()}
+
+
+def test_pause_resume_abort_of_a_finished_rollout_say_so(
+    sim_fleet: Callable[..., SimFleet], fleetctl: Run, tmp_path: Path
+) -> None:
+    sim_fleet(devices=2, behavior={"job_duration_s": 0.05})
+    assert fleetctl("rollout", "create", "--name", "done", "--group", "sim", "--job",
+                    "deploy", "--args", '{"version": "v2"}').returncode == 0
+    for verb in ("pause", "resume", "abort"):
+        r = fleetctl("rollout", verb, "done")
+        assert r.returncode == 2, (verb, r.stdout, r.stderr)
+        assert r.stdout == ""
+        assert r.stderr.startswith("fleetctl: rollout done is already finished (succeeded at "), \
+            r.stderr
+        assert r.stderr.rstrip().endswith(f"Z): nothing to {verb}"), r.stderr
+    with sqlite3.connect(tmp_path / "fleet.db", timeout=5) as c:
+        assert c.execute("SELECT state, request FROM rollouts").fetchall() \
+            == [("succeeded", None)]  # no request left behind for a controller
+    st = fleetctl("rollout", "status", "done")
+    assert st.returncode == 0 and st.stdout.splitlines()[0] == "rollout done: succeeded"
 
 
 def test_bad_plan_is_refused_naming_the_field(fleetctl: Run, tmp_path: Path) -> None:
@@ -235,6 +328,8 @@ def test_operator_pause_resume_abort(sim_fleet: Callable[..., SimFleet], fleetct
     assert rep["state"] == "aborted" and rep["reason"] == "operator abort"
     assert rep["waves"][2]["sent"] == 0 and rep["rolled_back"] == 10
     assert {d.model.version for d in fleet.devices.values()} == {"v1"}
+    r = fleetctl("rollout", "resume", "ops")  # aborted is final: no controller would resume it
+    assert r.returncode == 2 and "is already finished (aborted at " in r.stderr, r.stderr
 
 
 def test_watch_follows_status_and_telemetry(sim_fleet: Callable[..., SimFleet], fleetctl: Run
@@ -298,7 +393,7 @@ def test_abort_cancels_queued_lets_running_finish_then_rolls_back(
 def test_fleetctl_over_mutual_tls(mosquitto: Callable[..., Any], tmp_path: Path,
                                   subprocess_env: dict[str, str]) -> None:
     from fleet.mqtt import BrokerConfig
-    from fleet.sim import SimConfig
+    from fleet.sim_config import SimConfig
     from tests.support.pki import make_pki
 
     pki = make_pki(tmp_path / "pki", ["sim-0000", "sim-0001", "ops"])

@@ -50,3 +50,29 @@ def test_threads_writing_one_file_at_once_never_collide(tmp_path: Path) -> None:
         list(pool.map(lambda i: write_bytes_atomic(target, payloads[i % 8]), range(200)))
     assert target.read_bytes() in payloads
     assert os.listdir(tmp_path) == ["chunk"]
+
+
+def test_stale_temps_of_dead_writers_are_removed_live_ones_kept(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from hpc_core.atomic import remove_stale_temps
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (tmp_path / "jobs" / "j1").mkdir(parents=True)
+        stale = tmp_path / "jobs" / "j1" / f".tmp-{dead_pid}-0a1b2c3d-context.json"
+        busy = tmp_path / "jobs" / f".tmp-{live.pid}-0a1b2c3d-x.json"
+        other = tmp_path / "jobs" / ".tmp-notapid-x.json"  # not ours to judge
+        kept = tmp_path / "jobs" / "j1" / "context.json"
+        for p in (stale, busy, other, kept):
+            p.write_text("{}")
+        assert remove_stale_temps(tmp_path / "jobs") == []  # not recursive: j1 untouched
+        assert remove_stale_temps(tmp_path / "jobs", recursive=True) == [stale]
+        assert busy.exists() and other.exists() and kept.exists() and not stale.exists()
+    finally:
+        live.kill()
+        live.wait()

@@ -22,12 +22,9 @@ optuna = pytest.importorskip("optuna")
 from hpc_core.cli import main  # noqa: E402
 from hpc_core.config import load_config  # noqa: E402
 from hpc_core.search_space import SearchSpace, load_space  # noqa: E402
-from hpc_core.tune import (  # noqa: E402
-    hyperband_max_resource,
-    make_storage,
-    run_worker,
-    summary_markdown,
-)
+from hpc_core.tune_report import summary_markdown  # noqa: E402
+from hpc_core.tune_storage import make_storage  # noqa: E402
+from hpc_core.tune_worker import hyperband_max_resource, run_worker  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -150,7 +147,7 @@ import sys
 
 import optuna
 
-from hpc_core.tune import make_storage
+from hpc_core.tune_storage import make_storage
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 print("ready", flush=True)

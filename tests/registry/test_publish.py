@@ -229,6 +229,7 @@ def cli(argv: list[str]) -> int:
 
 def test_keygen_and_publish_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli(["keygen", "--out", str(tmp_path / "k"), "--name", "ci"]) == 0
+    assert "never copy it to devices" in capsys.readouterr().out  # an upstream key
     assert cli(["keygen", "--out", str(tmp_path / "k"), "--name", "ci"]) == 2  # never overwrite
     src = checkpoint(tmp_path / "c", state(0))
     argv = ["publish", str(src), "--registry", str(tmp_path / "reg"), "--name", "digits",
@@ -245,7 +246,12 @@ def test_keygen_scope_writes_what_the_device_key_may_sign(
     keys = tmp_path / "k"
     assert cli(["keygen", "--out", str(keys), "--name", "jetson-07",
                 "--scope", "digits@*+jetson-07.*", "--scope", "probe"]) == 0
-    assert "jetson-07.scope" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "jetson-07.scope" in out and "never copy it to devices" in out  # not only its own
+    assert cli(["keygen", "--out", str(tmp_path / "d"), "--name", "jetson-08",
+                "--scope", "digits@*+jetson-08.*"]) == 0
+    out = capsys.readouterr().out  # the device's own key: it lives on that device
+    assert "never copy it to devices" not in out and "keep it on that device" in out
     (key,) = load_trusted_keys(keys).values()
     assert key.scope == ("digits@*+jetson-07.*", "probe")
     assert key.may_sign("digits", "3+jetson-07.1") and key.may_sign("probe", "9")

@@ -19,7 +19,7 @@ import paho.mqtt.client as mqtt
 import pytest
 import yaml
 
-from agent.mqtt.contract import (
+from contract import (
     CommandRejected,
     Result,
     Status,

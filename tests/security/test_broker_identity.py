@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.mqtt.contract import Topics
+from contract import Topics
 from tests.security.conftest import SecureBroker
 from tests.support.mqtt import Peer
 from tests.support.pki import make_pki

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from agent.jobs.store import JobStore
-from agent.mqtt.contract import MAX_PAYLOAD_BYTES, TERMINAL_STATUSES, Topics
+from contract import MAX_PAYLOAD_BYTES, TERMINAL_STATUSES, Topics
 from tests.agent.daemon.conftest import (  # noqa: F401 (fixtures)
     AgentProc,
     agent,

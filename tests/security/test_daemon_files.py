@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.mqtt.contract import TERMINAL_STATUSES, Topics
+from contract import TERMINAL_STATUSES, Topics
 from registry.signing import generate_keypair
 from tests.agent.daemon.conftest import (  # noqa: F401 (fixtures)
     AgentProc,

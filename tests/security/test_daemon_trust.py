@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from agent.jobs.store import JobStore
-from agent.mqtt.contract import TERMINAL_STATUSES, Topics
+from contract import TERMINAL_STATUSES, Topics
 from registry.signing import generate_keypair, load_signing_key
 from tests.agent.daemon.conftest import (  # noqa: F401 (fixtures)
     AgentProc,

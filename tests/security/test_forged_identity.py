@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent.mqtt.contract import Command, Event, JobOutcome, Result, Topics, utc_now
+from contract import Command, Event, JobOutcome, Result, Topics, utc_now
 from tests.security.conftest import Behaviour, FakeDevice, SecureBroker, run_fleetctl
 
 T = Topics()

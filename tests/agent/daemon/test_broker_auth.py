@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.mqtt.contract import Topics
+from contract import Topics
 from tests.agent.daemon.conftest import AgentProc, command
 from tests.support.mosquitto import ACL_FLEET, Broker
 from tests.support.mqtt import Peer

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from agent.mqtt.contract import Result, Status, Topics
+from contract import Result, Status, Topics
 from tests.agent.daemon.conftest import AgentProc, command, expired_at
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import Peer, Received

@@ -19,7 +19,7 @@ import pytest
 
 from agent.daemon.config import AgentConfig
 from agent.daemon.main import Daemon
-from agent.mqtt.contract import TELEMETRY_EXPIRY_S, Event, Telemetry, Topics
+from contract import TELEMETRY_EXPIRY_S, Event, Telemetry, Topics
 from tests.agent.daemon.conftest import command
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import Peer

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from agent.daemon.config import AgentConfig
 from agent.daemon.main import Daemon
-from agent.mqtt.contract import COMMAND_TYPES, MAX_PAYLOAD_BYTES, ErrorCode, Result, Topics
 from agent.mqtt.link import Inbound
+from contract import COMMAND_TYPES, MAX_PAYLOAD_BYTES, ErrorCode, Result, Topics
 from tests.agent.daemon.conftest import AgentProc, command
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import Peer

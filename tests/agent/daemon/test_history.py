@@ -13,8 +13,8 @@ from pathlib import Path
 from agent.daemon.config import AgentConfig
 from agent.daemon.main import Daemon
 from agent.jobs.store import JobState
-from agent.mqtt.contract import Result, Topics
 from agent.mqtt.link import Inbound
+from contract import Result, Topics
 from tests.agent.daemon.conftest import command
 
 T = Topics()

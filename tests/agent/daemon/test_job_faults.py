@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from agent.jobs.store import JobStore
-from agent.mqtt.contract import TERMINAL_STATUSES, Topics
+from contract import TERMINAL_STATUSES, Topics
 from tests.agent.daemon.conftest import AgentProc, command
 from tests.support.device import ProvisionedDevice
 from tests.support.mosquitto import Broker

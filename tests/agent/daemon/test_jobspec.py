@@ -9,9 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from agent.daemon.config import AgentConfig
-from agent.daemon.jobspec import validate_job
+from agent.daemon.jobspec import resolve_command_args
 from agent.jobs.spec import COMMAND_ARGS, SPECS, DeviceSettings
-from agent.mqtt.contract import JOB_TYPES, CommandRejected, error_from_validation
+from contract import JOB_TYPES, CommandRejected, error_from_validation
 
 
 def _settings(tmp_path: Path, **cfg: object) -> DeviceSettings:
@@ -24,17 +24,17 @@ def _settings(tmp_path: Path, **cfg: object) -> DeviceSettings:
 def test_every_contract_job_type_has_the_jobs_spec(tmp_path: Path) -> None:
     assert set(SPECS) == set(JOB_TYPES) == set(COMMAND_ARGS)
     dev = _settings(tmp_path, registry={"url": "/r"})
-    ft = validate_job("finetune", {"model": "digits", "data": "d.npz",
-                                   "finetune": {"steps": 3}}, dev)
+    ft = resolve_command_args("finetune", {"model": "digits", "data": "d.npz",
+                                           "finetune": {"steps": 3}}, dev)
     # The stored spec is the resolved model's full dump: the worker re-validates it unchanged.
     assert SPECS["finetune"].model_validate(ft).model_dump(mode="json") == ft
     assert ft["finetune"]["steps"] == 3 and ft["steps"]["export"] is True
     assert ft["data"] == str(tmp_path / "data" / "d.npz")
-    dep = validate_job("deploy", {"model": "digits", "version": "2"}, dev)
+    dep = resolve_command_args("deploy", {"model": "digits", "version": "2"}, dev)
     assert dep["version"] == "2" and dep["health"]["max_accuracy_drop_pts"] == 0.0
     assert dep["registry"] == "/r"
-    assert validate_job("rollback", {"name": "digits", "reason": "drill"}, dev)["reason"] == (
-        "drill")
+    rb = resolve_command_args("rollback", {"name": "digits", "reason": "drill"}, dev)
+    assert rb["reason"] == "drill"
 
 
 @pytest.mark.parametrize(("type_", "args", "field"), [
@@ -49,7 +49,7 @@ def test_every_contract_job_type_has_the_jobs_spec(tmp_path: Path) -> None:
 def test_bad_job_args_name_the_field(tmp_path: Path, type_: str, args: dict, field: str) -> None:
     dev = _settings(tmp_path, registry={"url": "/r"})
     with pytest.raises((ValidationError, CommandRejected)) as e:
-        validate_job(type_, args, dev)
+        resolve_command_args(type_, args, dev)
     message = (error_from_validation(e.value).message if isinstance(e.value, ValidationError)
                else e.value.message)
     assert field in message, message
@@ -82,7 +82,7 @@ def test_trust_roots_and_paths_are_refused_with_the_field(
             "deploy": {"model": "digits", "version": "2"}, "rollback": {"name": "digits"}}
     dev = _settings(tmp_path, registry={"url": "/r"})
     with pytest.raises((ValidationError, CommandRejected)) as e:
-        validate_job(type_, {**base[type_], **args}, dev)
+        resolve_command_args(type_, {**base[type_], **args}, dev)
     message = (error_from_validation(e.value).message if isinstance(e.value, ValidationError)
                else e.value.message)
     assert field in message, message
@@ -93,10 +93,10 @@ def test_the_device_config_is_the_only_source_of_trust_and_paths(tmp_path: Path)
     dev = _settings(tmp_path, profile="sim", sensors="sim", data_root=str(tmp_path / "data"),
                     registry={"url": "http://reg:8080", "upload_url": "http://up:8080",
                               "signing_key": str(key)})
-    ft = validate_job("finetune", {"model": "digits", "data": "d.npz",
-                                   "finetune": {"epochs": 2, "sensors": "none"},
-                                   "export": {"tensorrt": {"timing_cache": "orin"}},
-                                   "steps": {"upload": True}}, dev)
+    ft = resolve_command_args("finetune", {"model": "digits", "data": "d.npz",
+                                           "finetune": {"epochs": 2, "sensors": "none"},
+                                           "export": {"tensorrt": {"timing_cache": "orin"}},
+                                           "steps": {"upload": True}}, dev)
     assert ft["registry"] == "http://reg:8080" and ft["upload"]["registry"] == "http://up:8080"
     assert ft["signing_key"] == str(key)  # signer = the device id
     assert ft["trusted_keys"] == str(tmp_path / "trusted_keys")
@@ -104,24 +104,24 @@ def test_the_device_config_is_the_only_source_of_trust_and_paths(tmp_path: Path)
     # The board's profile unless the command names another; the command's own knobs win.
     assert (ft["finetune"]["profile"], ft["finetune"]["sensors"]) == ("sim", "none")
     assert ft["finetune"]["epochs"] == 2
-    rb = validate_job("rollback", {"name": "digits"}, dev)
+    rb = resolve_command_args("rollback", {"name": "digits"}, dev)
     assert "registry" not in rb and rb["trusted_keys"] == str(tmp_path / "trusted_keys")
 
     unset = _settings(tmp_path)
-    assert validate_job("finetune", {"model": "digits", "data": "d.npz"},
-                        unset)["signing_key"] == str(tmp_path / "device.key.pem")
+    assert resolve_command_args("finetune", {"model": "digits", "data": "d.npz"},
+                                unset)["signing_key"] == str(tmp_path / "device.key.pem")
     with pytest.raises(CommandRejected, match=r"args\.steps\.upload: this device has no "
                        "registry"):
-        validate_job("finetune", {"model": "digits", "data": "d.npz",
-                                  "steps": {"upload": True}}, unset)
+        resolve_command_args("finetune", {"model": "digits", "data": "d.npz",
+                                          "steps": {"upload": True}}, unset)
     with pytest.raises(CommandRejected, match=r"args\.version: this device has no registry"):
-        validate_job("deploy", {"model": "digits", "version": "2"}, unset)
+        resolve_command_args("deploy", {"model": "digits", "version": "2"}, unset)
     with pytest.raises(CommandRejected, match=r"args\.data: no data set 'cam9'"):
-        validate_job("finetune", {"model": "digits", "data": "cam9"}, unset)
+        resolve_command_args("finetune", {"model": "digits", "data": "cam9"}, unset)
 
 
 def test_a_data_name_may_not_lead_out_of_the_data_root(tmp_path: Path) -> None:
     dev = _settings(tmp_path)
     (tmp_path / "data" / "escape").symlink_to(tmp_path)  # planted inside data_root
     with pytest.raises(CommandRejected, match="leads out of data_root"):
-        validate_job("finetune", {"model": "digits", "data": "escape"}, dev)
+        resolve_command_args("finetune", {"model": "digits", "data": "escape"}, dev)

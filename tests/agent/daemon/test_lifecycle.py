@@ -13,7 +13,7 @@ from pathlib import Path
 from agent.daemon.config import AgentConfig
 from agent.daemon.main import Daemon
 from agent.daemon.sdnotify import Notifier
-from agent.mqtt.contract import Topics
+from contract import Topics
 from tests.agent.daemon.conftest import AgentProc, Notify, command
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import Peer

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agent.jobs.machine import EXPORT_FIGURES
+from agent.jobs.outcome import EXPORT_FIGURES
 from agent.jobs.spec import DeviceJob
 from agent.jobs.store import JobState, JobStore
 from exporters.cpu_isa import detect_isa
@@ -150,13 +150,13 @@ def test_whole_job_commits_an_int8_model_and_uploads_it_signed(clean_run: CleanR
                                   load_trusted_keys(device_only), cfg).manifest
     assert got.parent == "v1" and got.signer.name == "device"
     # Upload again (a crash after the registry took it, before the step was recorded): done.
-    from agent.jobs import steps
-    from agent.jobs.machine import JobContext
+    from agent.jobs.protocol import JobContext
+    from agent.jobs.steps import upload
 
     ctx = JobContext(JobStore(device.state), "j1", device.state,
                      DeviceJob.model_validate(rec.spec))
     ctx.outputs = {s.name: s.outputs or {} for s in JobStore(device.state).steps("j1")}
-    again = steps.upload(ctx)
+    again = upload.run(ctx)
     assert again["version"] == up["version"] and again["parent"] == "v1"
     # agentctl jobs / job show it.
     from agent.cli import main
@@ -178,7 +178,7 @@ def test_kill_9_at_every_point_then_restart_finishes_once(device: Device,
     """kill -9 of the job process at 11 points (inside each child step, after each step),
     a restart after each: the job finishes exactly once, no finished step runs again, and
     the committed weights equal an uninterrupted run's (atol 1e-5)."""
-    from agent.jobs.machine import CRASH_ENV
+    from agent.jobs.protocol import CRASH_ENV
 
     store = JobStore(device.state)
     submit(device, "k1", finetune=LEARN)
@@ -204,6 +204,8 @@ def test_kill_9_at_every_point_then_restart_finishes_once(device: Device,
     for s in store.steps("k1"):
         if s.name in done:
             assert (s.started_at, s.finished_at) == done[s.name], s.name
+    # No temp file of a killed writer is left (the stage's context.json was one).
+    assert sorted(p for p in device.state.rglob(".tmp-*")) == []
     crashed = final_weights(device.state)
     # The uninterrupted run: the same job on another fresh device (its upload changes no
     # weight: the specs differ in steps.upload only).
@@ -283,6 +285,11 @@ def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
             assert mem["budget_mb"] == budget and mem["micro_batch"] == plan["micro_batch_size"]
             assert mem["accumulation"] == plan["accumulation_steps"]
             assert 0 < mem["peak_tree_mb"] <= 1.05 * budget, (what, mem)
+            # Every step's whole tree (health included) is measured and within the budget,
+            # and the job's report agrees with the outside sampler (both PSS) within 5%.
+            assert {"pull", "finetune", "stage", "health"} <= set(mem["steps_peak_mb"]), mem
+            assert max(mem["steps_peak_mb"].values()) <= 1.05 * budget, (what, mem)
+            assert abs(mem["peak_tree_mb"] - r["peak"]) <= 0.05 * r["peak"], (what, mem, r)
             names = [s.name for s in r["steps"]]
             if r["run"] == 0:  # the impossible gate
                 assert rec.state is JobState.FAILED, (what, rec.error)
@@ -307,6 +314,24 @@ def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
     assert rec is not None and rec.state is JobState.FAILED, rec
     assert rec.error["code"] == "JOB_FAILED"
     assert "finetune.budget_mb=250" in rec.error["message"], rec.error
+    # A micro-batch forced beside a budget it cannot fit is refused with the numbers, before
+    # any training (the probes are the cached ones).
+    # The size: past what the 450 MB runs' own probes say fits.
+    p = {s.name: s for s in results[450][1]["steps"]}["finetune"].outputs["memory"]["plan"]
+    big = int((450 - p["job_process_mb"] - p["margin_mb"] - p["base_mb"]) / p["per_sample_mb"])
+    big += 64
+    submit(base, "mbig", finetune={"micro_batch": big, "effective_batch": big,
+                                   "budget_mb": 450, "steps": 6}, steps={"export": False})
+    done = subprocess.run([sys.executable, "-m", "agent.jobs.worker", "--state-dir",
+                           str(base.state), "--job-id", "mbig", "--no-parent-check"],
+                          cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rec = JobStore(base.state).get("mbig")
+    assert rec is not None and rec.state is JobState.FAILED, rec
+    assert rec.error["code"] == "BAD_ARGS", rec.error
+    assert f"finetune.micro_batch={big} does not fit finetune.budget_mb=450" in (
+        rec.error["message"]), rec.error
+    assert not (base.state / "jobs/mbig/finetune").exists()  # nothing trained
 
 
 # -- bad input ----------------------------------------------------------------------------
@@ -408,6 +433,8 @@ def test_agentctl_finetune_pulls_then_runs_governed_end_to_end(
             device.registry.url, "--data", str(device.data), "--state-dir",
             str(device.state), "--profile", "sim", "--sensors", "sim", "--trainable",
             "last_n:2", "--steps", "12", "--micro-batch", "32", "--no-export"]
+    # Trusted: the stranger and the device's own key (so the job may start), not upstream.
+    shutil.copy(device.state / "trusted_keys" / "device.pub.pem", stranger.trusted_dir)
     assert main([*argv, "--job-id", "p0", "--trusted-keys", str(stranger.trusted_dir)]) == 1
     assert "pull" in capsys.readouterr().err
     assert not (device.state / "models").exists() or not any(
@@ -433,7 +460,15 @@ def test_agentctl_finetune_pulls_then_runs_governed_end_to_end(
     assert gov["throttled_s"] >= 0 and gov["state_changes"] >= 0
     assert res["memory"]["micro_batch"] == 32 and res["memory"]["accumulation"] == 2
     assert "max temperature vs target" in err and '"stage": "finetune"' in err
-    # Bad input: named flag, exit 2, nothing run.
+    # Bad input: named flag, exit 2, nothing run. No signing key, or one the device does not
+    # trust: refused before anything starts, naming the file and how to make one.
+    assert main([*argv, "--job-id", "nokey", "--signing-key",
+                 str(device.state / "absent.key.pem")]) == 2
+    assert "hpc-train keygen" in capsys.readouterr().err
+    assert main([*argv, "--job-id", "nokey", "--signing-key",
+                 str(stranger.private_path)]) == 2
+    assert "is not in" in capsys.readouterr().err
+    assert not (device.state / "jobs/nokey").exists()
     assert main([*argv, "--job-id", "cli2", "--trainable", "some"]) == 2
     assert main([*argv, "--job-id", "cli3", "--profile", "jetson-orin-nano-9gb"]) == 2
     assert not (device.state / "jobs/cli2").exists()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.mqtt.contract import Topics
+from contract import Topics
 from tests.support.mosquitto import ACL_FLEET, Broker
 from tests.support.mqtt import Peer
 from tests.support.pki import make_pki, make_rogue_client

@@ -92,3 +92,53 @@ def test_a_local_version_must_verify_under_the_device_keys_scope(
         stage_local(content, state_dir=installed, parent=parent, version="2",
                     key=device.signing, trusted=load_trusted_keys(trusted))
     assert ModelSlots(installed, "digits").standby() is None
+
+
+def test_a_device_that_fine_tuned_still_takes_the_next_upstream_release(
+    new_model: Any, installed: Path, publisher: Any, registry_server: Any, upstream_key: Any,
+    make_keypair: Any, fast_transfers: TransferConfig, tmp_path: Path,
+) -> None:
+    """Upstream v1 -> two chained device fine-tunes (signed 2 and 3) -> upstream v2 (signed 2
+    in the registry) is deployed -> a fine-tune of v2 -> a replay of v1 is refused. Names stay
+    distinct and short for any chain; the manifest keeps the lineage."""
+    from registry.errors import DowngradeError
+    from registry.upload import default_version
+
+    device_id = "jetson-07-with-a-rather-long-device-name"
+    device = make_keypair(device_id)
+    trusted = tmp_path / "trusted"
+    shutil.copytree(upstream_key.trusted_dir, trusted)
+    shutil.copy(device.public_path, trusted / device.public_path.name)
+    (trusted / f"{device_id}.scope").write_text(f"digits@*+{device_id}.*\n")
+    keys = load_trusted_keys(trusted)
+    slots = ModelSlots(installed, "digits")
+
+    def fine_tune(tag: str) -> str:
+        parent = slots.active()
+        assert parent is not None
+        _, ckpt = tuned_checkpoint(new_model(), tmp_path / f"ft-{tag}")
+        version = default_version(parent.manifest.base_release.version, device_id,
+                                  max(parent.manifest.sequence, slots.highest_sequence()) + 1)
+        staged = stage_local(read_checkpoint(ckpt), state_dir=installed, parent=parent,
+                             version=version, key=device.signing, trusted=keys)
+        slots.commit(staged.version)
+        return staged.version
+
+    first, second = fine_tune("a"), fine_tune("b")  # a fine-tune of a fine-tune
+    assert first != second and all(v.startswith("1+jetson-07-") for v in (first, second))
+    assert all(len(v) <= 64 and f"+{device_id}." in v for v in (first, second))
+    m = slots.active().manifest  # type: ignore[union-attr]
+    assert (m.sequence, m.parent, m.base_release.version, m.base_release.sequence) == (
+        3, first, "1", 1)
+
+    publisher.publish(new_model(), "2", parent="1")  # upstream's next release: sequence 2
+    update(parse_ref("digits@2", registry_server.url), state_dir=installed, trusted=keys,
+           cfg=fast_transfers)
+    assert slots.active().version == "2"  # type: ignore[union-attr]
+
+    third = fine_tune("c")
+    assert third.startswith("2+") and slots.active().manifest.sequence == 4  # type: ignore[union-attr]
+    with pytest.raises(DowngradeError, match="upstream release has sequence 1, below 2"):
+        update(parse_ref("digits@1", registry_server.url), state_dir=installed, trusted=keys,
+               cfg=fast_transfers)
+    assert slots.active().version == third  # type: ignore[union-attr]

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from agent.mqtt.contract import (
+from contract import (
     MAX_PAYLOAD_BYTES,
     Command,
     CommandRejected,
@@ -36,8 +36,11 @@ def _cmd(**over: object) -> bytes:
 
 def test_contract_imports_neither_torch_nor_paho() -> None:
     code = (
-        "import sys, agent.mqtt.contract; "
-        "assert 'torch' not in sys.modules and 'paho' not in sys.modules"
+        "import sys, contract; "
+        "assert 'torch' not in sys.modules and 'paho' not in sys.modules; "
+        "side = {'agent', 'fleet', 'hpc_core', 'exporters', 'registry'}; "
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in side); "
+        "assert not loaded, loaded"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

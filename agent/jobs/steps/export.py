@@ -1,0 +1,63 @@
+"""export: the fine-tuned model pruned and quantized behind its gates (``exporters``), INT8
+first, falling back step by step; what passed is staged and signed with the weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agent.jobs.protocol import JobContext, StepContext, StepFailed, run_child
+from agent.jobs.steps.context import step_context
+
+
+def run(ctx: JobContext) -> dict[str, Any]:
+    out = run_child(ctx, "export", step_context(ctx))
+    if out.get("status") != "passed":
+        raise StepFailed("export", f"no export step met the gates: {out.get('fallback_reason')}")
+    return out
+
+
+def bounded_by_plan(export: dict[str, Any], setup: dict[str, Any] | None) -> dict[str, Any]:
+    """The export's batches (calibration, recovery fine-tune, every scoring pass) no larger
+    than the micro-batch the fine-tune's memory plan fitted into the job's budget: an
+    inference or calibration batch costs less than a training step of the same size, so the
+    export stays under the budget the fine-tune was planned for."""
+    micro = ((setup or {}).get("config") or {}).get("training", {}).get("micro_batch_size")
+    if not micro:
+        return export
+    out = {**export}
+    for part in ("calibration", "recovery", "gates"):
+        section = dict(out.get(part) or {})
+        section["batch_size"] = min(int(section.get("batch_size") or micro), int(micro))
+        out[part] = section
+    return out
+
+
+def child(c: StepContext) -> dict[str, Any]:
+    from exporters.job import ExportJob
+    from exporters.pipeline import run_export
+
+    job = ExportJob.model_validate(bounded_by_plan({
+        **c.spec["export"], "checkpoint": str(c.finetuned), "out_dir": str(c.job_dir / "export"),
+    }, c.setup))
+    report = run_export(job)
+    out: dict[str, Any] = {
+        "status": report.status, "winner": report.winner, "artefact": None,
+        "fallback_reason": report.fallback_reason, "fallback": report.fallback,
+        "isa": ((report.int8 or {}).get("isa") or {}).get("label"),
+        "seconds": round(report.seconds, 2),
+    }
+    if report.status == "passed":
+        out["artefact"] = str(job.out_dir / "model.onnx")
+        # The file and how it was made (recipe, ISA, excluded layers): staged and signed together.
+        out["artefacts"] = [out["artefact"], str(job.out_dir / "model.onnx.json")]
+        first = report.attempts[0].measurement if report.attempts else None
+        winner = next(a for a in report.attempts if a.passed)
+        out["excluded_layers"] = list(winner.excluded)
+        out["int8_recipe"] = winner.recipe  # what serves: a fallback step may have changed it
+        win = winner.measurement
+        if win is not None:
+            out["int8_drop_pts"] = getattr(win, "top1_drop_pts", None)
+            out["p50_ms_b1"] = getattr(getattr(win, "latency_b1", None), "p50_ms", None)
+        if first is not None:
+            out["reference_top1"] = getattr(first, "reference_top1", None)
+    return out

@@ -1,0 +1,161 @@
+"""finetune: the upstream trained on the device's data inside the memory budget, paced by the
+thermal/power governor, resumed from its last checkpoint after any interruption.
+
+Worker half: the set-up (``agent.finetune.setup``) is resolved once by a ``setup`` child
+(torch), the micro-batch planned here, torch-free, against the whole process tree's budget
+(this process, the probes, the child), and the result handed to the ``finetune`` child, which
+trains on exactly that set-up. With the micro-batch given there is nothing to plan: the
+fine-tune child resolves the set-up itself (one torch start less).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from agent.finetune.memory_plan import BudgetTooSmall, plan_micro_batch
+from agent.finetune.setup import FinetuneSetup
+from agent.jobs.proctree import rss_mb
+from agent.jobs.protocol import Canceled, JobContext, StepContext, StepFailed, run_child
+from agent.jobs.steps.context import SETUP, step_context
+from hpc_core.atomic import write_json_atomic
+
+
+def _read_setup(job_dir: Path) -> FinetuneSetup | None:
+    path = job_dir / SETUP
+    return FinetuneSetup.model_validate_json(path.read_bytes()) if path.is_file() else None
+
+
+def _plan(ctx: JobContext, setup: FinetuneSetup) -> Any:
+    """Probe (or reuse the cached probes of) this job's training step and fit the largest
+    micro-batch whose whole-tree peak stays within the budget."""
+    ft = ctx.spec.finetune
+    probe_cfg = setup.train_config()
+    probe_cfg = probe_cfg.model_copy(update={
+        "run": probe_cfg.run.model_copy(update={"output_dir": ctx.job_dir / "probes"}),
+        "training": probe_cfg.training.model_copy(update={"micro_batch_size": None})})
+    try:
+        return plan_micro_batch(
+            probe_cfg, Path(ctx.outputs["pull"]["path"]), ft.trainable, setup.budget_mb,
+            job_process_mb=rss_mb(os.getpid()),
+            cache=ctx.state_dir / "cache" / "memory_probes.json")
+    except BudgetTooSmall as e:  # the job's answer, not a crash to retry
+        raise StepFailed("finetune", str(e)) from None
+
+
+def run(ctx: JobContext) -> dict[str, Any]:
+    ft = ctx.spec.finetune
+    setup = _read_setup(ctx.job_dir)
+    # A micro-batch given beside an explicit budget is checked against it (probes), so a
+    # job never trains past the budget it was given.
+    check_forced = ft.micro_batch is not None and ft.budget_mb is not None
+    if setup is None and (ft.micro_batch is None or check_forced):
+        setup = FinetuneSetup.model_validate(run_child(ctx, "setup", step_context(ctx)))
+        write_json_atomic(ctx.job_dir / SETUP, setup.model_dump(mode="json"))
+    if setup is not None and check_forced:  # re-checked on a resume: the probes are cached
+        ctx.event("finetune", status="planning", budget_mb=setup.budget_mb)
+        plan = _plan(ctx, setup)
+        if plan.micro_batch_size < ft.micro_batch:
+            need = plan.job_process_mb + plan.base_mb + plan.per_sample_mb * ft.micro_batch
+            raise StepFailed(
+                "finetune", f"finetune.micro_batch={ft.micro_batch} does not fit "
+                f"finetune.budget_mb={ft.budget_mb:.0f}: the probes predict a whole-tree peak "
+                f"of ~{need:.0f} MB (+{plan.margin_mb:.0f} MB noise margin); the largest "
+                f"micro-batch that fits is {plan.micro_batch_size}: drop micro_batch to let "
+                "the planner choose, or raise the budget", code="BAD_ARGS")
+    if setup is not None and not setup.planned:
+        ctx.event("finetune", status="planning", budget_mb=setup.budget_mb)
+        setup = setup.with_plan(_plan(ctx, setup).to_dict())
+        write_json_atomic(ctx.job_dir / SETUP, setup.model_dump(mode="json"))
+    ctx.event("finetune", status="training", plan=setup.plan if setup else None)
+    out = run_child(ctx, "finetune", step_context(ctx))
+    if str(out.get("stopped_reason", "")).endswith("cancel"):
+        raise Canceled("canceled during finetune")
+    setup = _read_setup(ctx.job_dir)  # the child wrote it when it resolved it itself
+    assert setup is not None
+    out["memory"] = {"budget_mb": setup.budget_mb, "plan": setup.plan}
+    return out
+
+
+# -- the child's half -------------------------------------------------------------------------
+
+
+def finetune_job(c: StepContext) -> Any:
+    from agent.finetune.job import FinetuneJob
+
+    return FinetuneJob.model_validate({
+        **c.spec["finetune"], "checkpoint": str(c.upstream_path), "data": c.spec["data"],
+        "out": str(c.job_dir / "finetune")})
+
+
+def child_setup(c: StepContext) -> dict[str, Any]:
+    """The fine-tune's set-up, unplanned (the worker plans it): needs torch (device, model)."""
+    from agent.finetune.setup import resolve_setup
+
+    return resolve_setup(finetune_job(c), plan=False).model_dump(mode="json")
+
+
+class StoreHook:
+    """Cancel inside the fine-tune at the next optimizer step; progress a few times a second."""
+
+    def __init__(self, state_dir: Path, job_id: str, interval_s: float = 0.5) -> None:
+        from agent.jobs.store import JobStore
+
+        self.store, self.job_id, self.interval_s = JobStore(state_dir), job_id, interval_s
+        self._last = 0.0
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval_s and step < trainer.total_steps:
+            return
+        self._last = now
+        # One indexed read; the throttle keeps it off the hot path of tiny steps.
+        if self.store.cancel_requested(self.job_id):
+            trainer.request_stop("cancel")
+        self.store.set_progress(self.job_id, {
+            "id": self.job_id, "stage": "finetune", "step": step, "total": trainer.total_steps,
+            "pct": round(100 * step / max(trainer.total_steps, 1), 1),
+            "detail": {"loss": metrics.get("train/loss"),
+                       "micro_batch": trainer.state.micro_batch_size, **_governor(trainer)},
+        })
+
+
+def _governor(trainer: Any) -> dict[str, Any]:
+    """The governor's last decision, when one paces this run (its hook keeps ``last``)."""
+    for h in getattr(trainer, "hooks", []):
+        d = getattr(h, "last", None)
+        if d is not None and hasattr(d, "duty"):
+            state = getattr(d.state, "value", d.state)
+            return {"governor": str(state), "duty": round(float(d.duty), 2),
+                    "temp_c": d.temp_c, "limit": d.limit}
+    return {}
+
+
+def child(c: StepContext) -> dict[str, Any]:
+    """Train on the job's set-up (resolved here when the worker had nothing to plan), paced by
+    the governor, resumed from the last checkpoint; report.json/.png go to JOB_DIR/finetune."""
+    from agent.finetune.recipe import run_paced
+    from agent.finetune.setup import resolve_setup
+
+    job = finetune_job(c)
+    if c.setup is not None:
+        setup = FinetuneSetup.model_validate(c.setup)
+    else:
+        setup = resolve_setup(job, plan=False)
+        write_json_atomic(c.job_dir / SETUP, setup.model_dump(mode="json"))
+    result = run_paced(job, resume=True, hooks=[StoreHook(c.state_dir, c.job_id)], setup=setup)
+    r = result.report
+    gov = r.get("governor") or {}
+    png = job.out / "report.png"  # written only when a governor paced the run
+    return {
+        "checkpoint": r["checkpoint"], "stopped_reason": r["stopped_reason"], "steps": r["steps"],
+        "accuracy_before": r["accuracy_before"], "accuracy_after": r["accuracy_after"],
+        "micro_batch_size": r["micro_batch_size"],
+        "accumulation_steps": -(-job.effective_batch // r["micro_batch_size"]),
+        "peak_rss_mb": r["peak_rss_mb"],
+        "precision": r["precision"], "max_temp_c": gov.get("max_temp_c"),
+        "target_c": result.target_c, "governor": gov or None,
+        "report_png": str(png) if png.is_file() else None,
+    }

@@ -1,0 +1,129 @@
+"""health: the staged and the active model scored on the same held-out device data (accuracy,
+latency, finite outputs) against the job's health thresholds. Its verdict picks the machine's
+next state: commit or rollback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from agent.jobs.protocol import JobContext, StepContext, StepFailed, run_child
+from agent.jobs.steps.context import step_context
+
+
+def run(ctx: JobContext) -> dict[str, Any]:
+    from agent.storage.slots import ModelSlots
+
+    slots = ModelSlots(ctx.state_dir, ctx.spec.model)
+    active, staged = slots.active(), slots.standby()
+    if staged is None or staged.version != ctx.outputs["stage"]["version"]:
+        raise StepFailed("health", "the staged version is not in the standby slot")
+    # A device with no active model yet compares against the upstream it started from.
+    reference = active.path if active is not None else ctx.outputs["pull"].get("path")
+    return run_child(ctx, "health", step_context(
+        ctx, active_path=reference, staged_path=staged.path))
+
+
+# -- the child's half -------------------------------------------------------------------------
+
+
+def _data_config(c: StepContext) -> dict[str, Any] | None:
+    """The held-out split's data config: the fine-tune's own, or (a deploy) one built the
+    fine-tune's way from the job's data; None when a deploy has no data."""
+    if c.setup is not None:
+        return dict(c.setup["config"]["data"])
+    if not c.spec.get("data"):
+        return None
+    from agent.finetune.job import FinetuneJob
+    from agent.finetune.model import load_upstream
+    from agent.finetune.setup import build_config
+
+    assert c.staged_path is not None
+    _, upstream = load_upstream(c.staged_path)
+    job = FinetuneJob(checkpoint=c.staged_path, data=c.spec["data"], out=c.job_dir / "health")
+    return build_config(job, upstream, "fp32", None).data.model_dump(mode="json")
+
+
+def _held_out(c: StepContext, samples: int | None) -> tuple[Any, Any]:
+    import numpy as np
+
+    from hpc_core.config import DataConfig
+    from hpc_core.data import build_datasets, held_out
+
+    cfg = _data_config(c)
+    if cfg is None:  # no data: a fixed random batch checks the model loads and stays finite
+        from agent.finetune.model import load_upstream
+
+        assert c.staged_path is not None
+        _, m = load_upstream(c.staged_path)
+        rng = np.random.default_rng(0)
+        shape = (32, m.in_channels, m.image_size, m.image_size)
+        return rng.random(shape, dtype=np.float32), None
+    _, val, _ = build_datasets(DataConfig.model_validate(cfg))
+    x, y = held_out(val, samples)
+    return np.ascontiguousarray(x), y
+
+
+def _runner(slot: Path) -> tuple[Any, str]:
+    from agent.finetune.model import load_upstream
+    from exporters.ort_runner import OrtRunner
+    from exporters.runtime import TorchRunner
+
+    onnx = slot / "artefacts" / "model.onnx"
+    if onnx.is_file():
+        return OrtRunner(onnx), "onnxruntime"
+    model, _ = load_upstream(slot)
+    return TorchRunner(model.eval()), "torch"
+
+
+INFER_BATCH = 64
+"""Samples per scoring batch where no memory plan says more (a deploy, a given micro-batch)."""
+
+
+def infer_batch(c: StepContext) -> int:
+    """Scoring batch: the fine-tune's planned micro-batch (its training step fitted the
+    job's budget; scoring the same batch costs less), else :data:`INFER_BATCH`. Scoring 539
+    48-px samples in batches of 256 once took the health child alone past the budget."""
+    micro = ((c.setup or {}).get("config") or {}).get("training", {}).get("micro_batch_size")
+    return int(min(micro, 256)) if micro else INFER_BATCH
+
+
+def child(c: StepContext) -> dict[str, Any]:
+    import numpy as np
+
+    from exporters.runtime import batch_of, measure_latency, predict
+
+    opts = c.spec["health"]
+    x, y = _held_out(c, opts["samples"])
+    batch = infer_batch(c)
+    out: dict[str, Any] = {"samples": len(x), "tensorrt": "skipped: no TensorRT on this host"}
+    paths = {"active": c.active_path, "staged": c.staged_path}
+    roles = ("active", "staged") if c.active_path else ("staged",)
+    failures = []
+    for role in roles:
+        runner, runtime = _runner(Path(paths[role]))  # type: ignore[arg-type]
+        logits = predict(runner, x, batch=batch)
+        acc = float((logits.argmax(1) == y).mean()) if y is not None else None
+        lat = measure_latency(runner, batch_of(x, 1), warmup=5, iters=50)
+        out[role] = {"accuracy": acc, "p50_ms_b1": lat.p50_ms, "runtime": runtime}
+        if role == "staged" and not np.isfinite(logits).all():
+            failures.append("the staged model gives non-finite outputs")
+    if y is None or "active" not in out:
+        out["passed"], out["failures"] = not failures, failures
+        return out
+    a, s = out["active"], out["staged"]
+    drop = 100 * (a["accuracy"] - s["accuracy"])
+    if drop > opts["max_accuracy_drop_pts"]:
+        failures.append(f"accuracy {100 * s['accuracy']:.1f}% is {drop:.1f} points below the "
+                        f"active model's {100 * a['accuracy']:.1f}% "
+                        f"(health.max_accuracy_drop_pts={opts['max_accuracy_drop_pts']})")
+    if opts["min_accuracy"] is not None and s["accuracy"] < opts["min_accuracy"]:
+        failures.append(f"accuracy {100 * s['accuracy']:.1f}% is below health.min_accuracy="
+                        f"{opts['min_accuracy']}")
+    ratio = s["p50_ms_b1"] / max(a["p50_ms_b1"], 1e-9)
+    if opts["max_latency_ratio"] is not None and ratio > opts["max_latency_ratio"]:
+        failures.append(f"latency p50 {s['p50_ms_b1']:.2f} ms is {ratio:.2f}x the active "
+                        f"model's (health.max_latency_ratio={opts['max_latency_ratio']})")
+    out["latency_ratio"] = round(float(np.float64(ratio)), 3)
+    out["passed"], out["failures"] = not failures, failures
+    return out

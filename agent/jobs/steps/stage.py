@@ -1,0 +1,55 @@
+"""stage: the new version in the standby slot, ``current`` untouched. A fine-tune is signed
+with the device's key and verified against the trusted keys like any pulled version; a deploy
+stages the pulled registry version (already there when pull fetched it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agent.jobs.protocol import JobContext, StepContext, crash_inside_child, run_child
+from agent.jobs.spec import DeployJob
+from agent.jobs.steps.context import step_context
+
+
+def run(ctx: JobContext) -> dict[str, Any]:
+    if isinstance(ctx.spec, DeployJob):
+        pulled = ctx.outputs["pull"]
+        if pulled.get("fetched"):
+            return {"version": pulled["version"], "slot": pulled["slot"],
+                    "sequence": pulled["sequence"]}
+        # The version is active already: nothing new to stage.
+        return run_child(ctx, "fetch", step_context(ctx))
+    return run_child(ctx, "stage", step_context(ctx))
+
+
+def child(c: StepContext) -> dict[str, Any]:
+    from agent.storage.slots import ModelSlots, read_installed
+    from agent.storage.trust import load_trusted
+    from agent.storage.update import next_local_sequence, stage_local
+    from hpc_core.atomic import write_bytes_atomic
+    from hpc_core.model_spec import read_checkpoint
+    from registry.publish import collect_artefacts
+    from registry.signing import load_signing_key
+    from registry.upload import default_version
+
+    key = load_signing_key(c.signing_key)
+    # The upstream as pull left it (a slot, or the job's copy of a fetched version).
+    parent = read_installed(c.upstream_path, "upstream") if c.upstream_path else None
+    if parent is None:
+        raise RuntimeError(f"the upstream {c.upstream_path} is incomplete")
+    # The version name is fixed once, so a restarted stage rebuilds the very same version.
+    vfile = c.job_dir / "stage_version.txt"
+    if not vfile.is_file():
+        # Named after the lineage's upstream release and the sequence it will sign: unique on
+        # this device for any chain of fine-tunes (the manifest keeps the lineage itself).
+        seq = next_local_sequence(ModelSlots(c.state_dir, parent.manifest.name), parent)
+        name = default_version(parent.manifest.base_release.version, key.name, seq)
+        write_bytes_atomic(vfile, name.encode())
+    crash_inside_child("stage")  # the version is fixed, nothing is staged yet
+    staged = stage_local(
+        read_checkpoint(c.finetuned), state_dir=c.state_dir, parent=parent,  # type: ignore[arg-type]
+        version=vfile.read_text().strip(), key=key, trusted=load_trusted(c.trusted_keys),
+        artefacts=collect_artefacts(c.artefacts),
+    )
+    return {"version": staged.version, "slot": staged.slot,
+            "sequence": staged.manifest.sequence, "signer": key.name}

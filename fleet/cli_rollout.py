@@ -1,0 +1,272 @@
+"""``fleetctl rollout ...`` and ``fleetctl controller``: create a rollout from a plan (file
+and flags), drive it with the controller (one per state db, held by a lock beside it), show
+its status, list rollouts, post pause/resume/abort/rollback requests, and write its report;
+``register`` adds their sub-parsers, one create flag per ``RolloutPlan`` field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+from contract import Topics
+from fleet import report as reports
+from fleet.cli_options import (
+    EXIT_FAILED,
+    EXIT_OK,
+    UsageError,
+    connect,
+    inventory_membership,
+    read_json_arg,
+)
+from fleet.controller import Controller
+from fleet.inventory import discover, render_table
+from fleet.mqtt import FleetConnection
+from fleet.plan import RolloutPlan, load_plan, validate_plan
+from fleet.progress import Progress, status_text
+from fleet.rollout_run import RolloutRun, summarize
+from fleet.store import ROLLOUT_ACTIVE, ROLLOUT_FINAL, FleetStore
+
+
+def _controller_id(db: Path) -> str:
+    # One stable client id per state db: the broker keeps this controller's session (and the
+    # results sent while it was down) across restarts.
+    return "fleetctl-" + hashlib.sha1(str(db.resolve()).encode()).hexdigest()[:12]
+
+
+def _controller_lock(db: Path) -> int | None:
+    """An flock beside the db: one controller per db. None when another one holds it."""
+    fd = os.open(str(db) + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _plan_overrides(a: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, f in RolloutPlan.model_fields.items():
+        v = getattr(a, f"plan_{name}", None)
+        if v is None:
+            continue
+        ann = f.annotation
+        if name == "args":
+            v = read_json_arg(v, "--args")
+        elif get_origin(ann) is list or list in [get_origin(x) for x in get_args(ann)]:
+            v = [p.strip() for p in v.split(",") if p.strip()]
+        out[name] = v
+    return out
+
+
+def _plan(a: argparse.Namespace) -> RolloutPlan:
+    over = _plan_overrides(a)
+    if a.plan is not None:
+        return load_plan(a.plan, over)
+    return validate_plan(over, "rollout create")
+
+
+def _run_controller(a: argparse.Namespace, store: FleetStore, conn: FleetConnection,
+                    rids: list[str] | None, forever: bool = False) -> dict[str, str]:
+    progress = Progress(enabled=not a.quiet)
+    ctl = Controller(store, conn, on_progress=progress.update)
+    try:
+        states = ctl.run(rids, forever=forever)
+    finally:
+        progress.close()
+    for rid in states:
+        rep = reports.build(reports.load_run(store, rid))
+        paths = reports.write(rep, Path(a.report_dir))
+        print(reports.table(rep))
+        print(f"report: {paths['json']} {paths['png']}")
+    return states
+
+
+def _exit_code(store: FleetStore, states: dict[str, str]) -> int:
+    """0 when every rollout finished its waves with no device failed, or was rolled back
+    (on request) with no rollback failed."""
+    for rid, state in states.items():
+        s = summarize(reports.load_run(store, rid))
+        done = state == "succeeded" and not any(w["failed"] for w in s["waves"])
+        undone = state == "rolled_back" and s["rollback_failed"] == 0
+        if not (done or undone):
+            return EXIT_FAILED
+    return EXIT_OK
+
+
+def cmd_rollout_create(a: argparse.Namespace) -> int:
+    plan = _plan(a)
+    db = Path(a.db)
+    store = FleetStore(db)
+    lock = None if a.detach else _controller_lock(db)
+    t = Topics(a.prefix)
+    conn = connect(a, _controller_id(db) if lock is not None else f"fleetctl-create-{os.getpid()}",
+                   [t.all_status(), t.all_results()], persistent=lock is not None)
+    try:
+        inv = discover(conn, settle_s=a.settle_s, membership=inventory_membership(a))
+        targets = inv.select(plan.group, plan.devices)
+        if not targets:
+            print(f"rollout: no device lists group {plan.group!r}", file=sys.stderr)
+            return EXIT_FAILED
+        offline = [d for d in targets if d not in inv.devices or inv.devices[d].state != "online"]
+        r = store.create_rollout(plan, targets)
+        print(json.dumps({"rollout": r.id, "targets": len(targets), "offline": len(offline),
+                          "waves": plan.wave_sizes(len(targets))}), flush=True)
+        if lock is None:
+            if not a.detach:
+                print("another controller runs on this db: it takes the rollout over",
+                      file=sys.stderr)
+            return EXIT_OK
+        states = _run_controller(a, store, conn, [r.id])
+    finally:
+        conn.stop()
+    return _exit_code(store, states)
+
+
+def cmd_controller(a: argparse.Namespace) -> int:
+    db = Path(a.db)
+    store = FleetStore(db)
+    lock = _controller_lock(db)
+    if lock is None:
+        print(f"another controller holds {db}.lock", file=sys.stderr)
+        return EXIT_FAILED
+    t = Topics(a.prefix)
+    conn = connect(a, _controller_id(db), [t.all_results()], persistent=True)
+    try:
+        states = _run_controller(a, store, conn, a.rollout or None, forever=a.forever)
+    finally:
+        conn.stop()
+    return _exit_code(store, states)
+
+
+def _get_run(store: FleetStore, rid: str) -> RolloutRun:
+    try:
+        return reports.load_run(store, rid)
+    except KeyError as e:
+        raise UsageError(str(e.args[0])) from None
+
+
+def cmd_rollout_status(a: argparse.Namespace) -> int:
+    store = FleetStore(Path(a.db))
+    while True:
+        run = _get_run(store, a.id)
+        s = summarize(run)
+        if a.json:
+            print(json.dumps(s, indent=1))
+        else:
+            if a.follow and sys.stdout.isatty():
+                print("\x1b[2J\x1b[H", end="")
+            print(status_text(s))
+        if not a.follow or s["state"] not in ROLLOUT_ACTIVE:
+            return EXIT_OK if s["state"] in ROLLOUT_ACTIVE or s["state"] == "succeeded" \
+                else EXIT_FAILED
+        time.sleep(a.interval_s)
+
+
+def cmd_rollout_list(a: argparse.Namespace) -> int:
+    store = FleetStore(Path(a.db))
+    rows = [{"id": r.id, "state": r.state, "job": r.plan.job,
+             "group": r.plan.group or f"{len(r.plan.devices or [])} devices",
+             "reason": r.reason, "request": r.request} for r in store.rollouts()]
+    print(json.dumps(rows, indent=1) if a.json else
+          render_table(rows, ["id", "state", "job", "group", "reason", "request"]))
+    return EXIT_OK
+
+
+TAKES_REQUESTS = ("running", "paused")
+"""The states whose controller acts on pause, resume and abort."""
+
+
+def _utc(ts: float | None) -> str:
+    return "?" if ts is None else \
+        datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def cmd_rollout_request(a: argparse.Namespace) -> int:
+    store = FleetStore(Path(a.db))
+    _get_run(store, a.id)
+    verb = a.rollout_cmd
+    if verb == "rollback":
+        if store.reopen_for_rollback(a.id):
+            print(json.dumps({"rollout": a.id, "state": "rolling_back", "next":
+                              "fleetctl controller (or the running one) sends the rollbacks"}))
+            return EXIT_OK
+        store.post_request(a.id, verb)
+    elif not store.post_request(a.id, verb, TAKES_REQUESTS):
+        # Finished (or winding down): no controller would act on it; say so, post nothing.
+        r = store.rollout(a.id)
+        assert r is not None
+        if r.state in ROLLOUT_FINAL:
+            raise UsageError(f"rollout {a.id} is already finished ({r.state} at "
+                             f"{_utc(r.finished_at)}): nothing to {verb}")
+        why = f" ({r.reason})" if r.reason else ""
+        raise UsageError(f"rollout {a.id} is {r.state}{why}: nothing to {verb}")
+    print(json.dumps({"rollout": a.id, "request": verb}))
+    return EXIT_OK
+
+
+def cmd_rollout_report(a: argparse.Namespace) -> int:
+    store = FleetStore(Path(a.db))
+    rep = reports.build(_get_run(store, a.id))
+    paths = reports.write(rep, Path(a.report_dir))
+    print(reports.table(rep))
+    print(f"report: {paths['json']} {paths['png']}")
+    return EXIT_OK
+
+
+def _add_plan_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per plan field, from the model itself: the flags cannot drift from it."""
+    for name, f in RolloutPlan.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(flag, dest=f"plan_{name}", metavar="VALUE",
+                       help=(f.description or "").split("\n")[0].replace("%", "%%"))
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("controller", help="drive (resume) every active rollout")
+    p.add_argument("--rollout", action="append", help="only these (repeatable)")
+    p.add_argument("--forever", action="store_true", help="keep running, take new rollouts")
+    p.set_defaults(fn=cmd_controller)
+
+    ro = sub.add_parser("rollout", help="staged rollouts").add_subparsers(
+        dest="rollout_cmd", required=True)
+    p = ro.add_parser("create", help="create a rollout and drive it (unless --detach)",
+                      allow_abbrev=False)
+    p.add_argument("--plan", type=Path, help="rollout.yaml; flags override its fields")
+    p.add_argument("--detach", action="store_true", help="only create; `fleetctl controller`")
+    _add_plan_flags(p)
+    p.set_defaults(fn=cmd_rollout_create)
+    h = ("per-wave table with progress bars, then each failed device with its reason (exit 0 "
+         "while it is active or once it succeeded, 1 when it ended otherwise)")
+    p = ro.add_parser("status", help=h, description=h)
+    p.add_argument("id")
+    p.add_argument("--follow", action="store_true")
+    p.add_argument("--interval-s", type=float, default=1.0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_rollout_status)
+    p = ro.add_parser("list")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_rollout_list)
+    for verb in ("pause", "resume", "abort"):
+        h = (f"ask the controller to {verb} a running or paused rollout (exit 2, nothing "
+             "posted, when it is finished or winding down)")
+        p = ro.add_parser(verb, help=h, description=h)
+        p.add_argument("id")
+        p.set_defaults(fn=cmd_rollout_request)
+    h = ("abort and roll back a running rollout, or roll back a finished one (rolling_back "
+         "again, for the controller)")
+    p = ro.add_parser("rollback", help=h, description=h)
+    p.add_argument("id")
+    p.set_defaults(fn=cmd_rollout_request)
+    p = ro.add_parser("report", help="write the JSON, table and PNG report again")
+    p.add_argument("id")
+    p.set_defaults(fn=cmd_rollout_report)
