@@ -1,4 +1,5 @@
-"""hpc-train: validate configs, train models, publish signed checkpoints."""
+"""hpc-train: validate configs, train models, publish signed checkpoints, aggregate device
+fine-tunes."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import importlib
 import sys
 from pathlib import Path
 
+from hpc_core.aggregation.command import register_cli as register_aggregate_cli
 from hpc_core.batch_find import add_batch_find_args, run_batch_find
 from hpc_core.config import ConfigError, load_config, reference_markdown, summarize
 from hpc_core.estimate import add_estimate_args, run_estimate
@@ -121,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
             raise
     else:
         publish_cli.register_cli(sub)
+    register_aggregate_cli(sub)
     return p
 
 

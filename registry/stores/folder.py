@@ -6,7 +6,8 @@ import os
 from pathlib import Path
 
 from hpc_core.atomic import write_bytes_atomic
-from registry.errors import StoreError, StoreNotFoundError, StoreTransientError
+from registry.errors import RefError, StoreError, StoreNotFoundError, StoreTransientError
+from registry.names import check_model_name, check_version
 from registry.stores.base import RangeReader, safe_key
 from registry.transfer import Deadline
 
@@ -57,6 +58,30 @@ class LocalStore:
 
     def close(self) -> None:
         pass
+
+    def list_versions(self, name: str) -> list[str]:
+        """The versions of model ``name`` that have a manifest, sorted as strings ([] for an
+        unknown model). Only a folder store lists: HTTP (``registry.serve`` or a static server)
+        and S3 are read by key, so a caller names the versions it wants there."""
+        try:
+            folder = self.path(check_model_name(name))
+        except ValueError as e:
+            raise RefError(str(e)) from None
+        try:
+            entries = list(folder.iterdir())
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise StoreError(f"cannot list {folder}: {e.strerror}") from None
+        out = []
+        for entry in entries:
+            try:
+                check_version(entry.name)
+            except ValueError:
+                continue  # _sequence.json and anything else that is not a version
+            if (entry / "manifest.json").is_file():
+                out.append(entry.name)
+        return sorted(out)
 
     def open_range(self, key: str, start: int, deadline: Deadline | None = None) -> RangeReader:
         try:

@@ -104,9 +104,11 @@ def test_kill9_at_random_points_of_a_finetune_job(
             pings.append(command("ping"))
             fleet.publish(T.command("dev-a", "ping"), pings[-1])
         a.start()
-        online.append(fleet.wait_for(lambda m: m.topic == T.status("dev-a")
-                                     and m.json()["state"] == "online",
-                                     count=i + 2)[-1].json())
+        # The new connection's online status (a commit also republishes the status, with the
+        # model, on the connection that made it).
+        online.append(fleet.wait_for(lambda m, w=will: m.topic == T.status("dev-a")
+                                     and m.json()["state"] == "online"
+                                     and m.json()["conn_seq"] > w["conn_seq"])[-1].json())
         assert online[-1]["conn_seq"] > will["conn_seq"], (name, seed)
 
     fleet.wait_for(lambda m: _res(jid)(m) and m.json()["status"] in TERMINAL_STATUSES,

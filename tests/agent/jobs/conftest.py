@@ -59,9 +59,18 @@ class Device:
                trusted=load_trusted_keys(self.state / "trusted_keys"))
 
 
-def build_template(root: Path) -> Path:
-    """Upstream model (``root/up``), device data, upstream and device keys under ``root``;
-    also used by benchmarks/device_job.py."""
+SMALL_CNN = ["training.epochs=4", "model.kwargs={width: 8, norm: group}"]
+"""The tests' upstream: small_cnn (GroupNorm, width 8) at the config's 16 px."""
+
+
+def build_template(root: Path, upstream: list[str] | None = None, image_size: int = 16
+                   ) -> Path:
+    """Upstream model (``root/up``, trained with ``upstream`` overrides of
+    configs/digits.yaml), device data at ``image_size``, upstream and device keys under
+    ``root``; also used by benchmarks/device_job.py and benchmarks/job_budget.py."""
+    overrides = [f"run.output_dir={root / 'up'}", "logging.progress=off",
+                 "checkpoint.best_metric=null", f"data.image_size={image_size}",
+                 *(SMALL_CNN if upstream is None else upstream)]
     code = f"""
 import sys
 sys.path.insert(0, {str(REPO / 'scripts')!r})
@@ -70,11 +79,9 @@ from hpc_core.config import load_config
 from hpc_core.trainer import Trainer
 from make_device_data import make_device_data
 root = Path({str(root)!r})
-cfg = load_config(Path({str(REPO / 'configs/digits.yaml')!r}), [f"run.output_dir={{root/'up'}}",
-      "training.epochs=4", "logging.progress=off", "model.kwargs={{width: 8, norm: group}}",
-      "checkpoint.best_metric=null"])
+cfg = load_config(Path({str(REPO / 'configs/digits.yaml')!r}), {overrides!r})
 Trainer(cfg).train()
-make_device_data(root / "device.npz", ["invert", "noise"], image_size=16)
+make_device_data(root / "device.npz", ["invert", "noise"], image_size={image_size})
 """
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
     from registry.signing import generate_keypair, load_signing_key

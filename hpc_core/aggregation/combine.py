@@ -1,0 +1,181 @@
+"""The passes of one aggregation round over the selected updates.
+
+1. :func:`measure_updates`: per update, hash every chunk and sum its delta's squares in the
+   same read (one update at a time, a piece at a time); an update whose chunks do not verify,
+   or whose weights are not finite, is skipped here.
+2. krum only, :func:`pairwise`: every pairwise distance, block by block across the N updates.
+3. :func:`combine`: tensor by tensor, block by block: stack the N scaled deltas of the block,
+   combine them, accumulate each update's distance to the result, add DP noise, add the base
+   and write the bytes out.
+
+Memory: one N x block float32 array and a few block-sized float64 temporaries at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hpc_core.aggregation.blobs import ChunkCache, ChunkChangedError, LocalBlob, local_blob
+from hpc_core.aggregation.deltas import (
+    Deltas,
+    UpdateBlob,
+    element_blocks,
+    measure,
+    read_elements,
+    verify_release,
+)
+from hpc_core.aggregation.dtypes import COMBINED, encode, item_size
+from hpc_core.aggregation.privacy import GaussianNoise
+from hpc_core.aggregation.select import Release, Selection, Skipped, Update
+from hpc_core.aggregation.strategies import PairwiseDistances, Strategy, combine_block
+from registry.errors import RegistryError
+from registry.manifest import TensorEntry
+from registry.stores import RegistryStore
+from registry.transfer import TransferConfig
+
+COPY_PIECE = 1 << 20
+"""Bytes of a kept (non-floating) base tensor copied at a time."""
+
+
+@dataclass
+class Measured:
+    update: Update
+    data: UpdateBlob
+    norm: float
+    """L2 norm of the update's delta against its release, before clipping."""
+
+
+@dataclass
+class Blobs:
+    base: LocalBlob
+    measured: list[Measured] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+
+
+def _why(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def measure_updates(selection: Selection, store: RegistryStore, cache: ChunkCache | None,
+                    cfg: TransferConfig) -> Blobs:
+    """Pass 1. The base's chunks must verify (RegistryError otherwise); an update's that do
+    not, or those of the older release it was trained from, skip that update."""
+    verified: dict[Path, tuple[int, int, int]] = {}
+    releases: dict[str, LocalBlob | Exception] = {}
+
+    def release_blob(release: Release) -> LocalBlob:
+        version = release.manifest.version
+        if version not in releases:
+            try:
+                blob = local_blob(store, release.manifest, cache, cfg, verified)
+                verify_release(blob)
+                releases[version] = blob
+            except (RegistryError, OSError) as e:
+                releases[version] = e
+        found = releases[version]
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+    out = Blobs(release_blob(selection.lineage[0]))
+    for update in selection.updates:
+        try:
+            reference = release_blob(update.release)
+        except (RegistryError, OSError) as e:
+            out.skipped.append(Skipped(update.version, f"its release {update.release.manifest.ref}"
+                                       f" does not verify ({_why(e)})"))
+            continue
+        try:
+            data = UpdateBlob(update.version, local_blob(store, update.manifest, cache, cfg,
+                                                         verified), reference)
+            norm = measure(data)
+        except ChunkChangedError:
+            raise  # a release changed under us: the whole run is in doubt
+        except (RegistryError, OSError) as e:
+            out.skipped.append(Skipped(update.version, _why(e)))
+            continue
+        if not math.isfinite(norm):
+            out.skipped.append(Skipped(update.version, "its weights hold NaN or infinity"))
+            continue
+        out.measured.append(Measured(update, data, norm))
+    return out
+
+
+def per_row(block_bytes: int, rows: int) -> int:
+    """Elements per row of an N x block float32 block of about ``block_bytes``."""
+    return max(1024, block_bytes // (4 * max(rows, 1)))
+
+
+def combined_tensors(base: LocalBlob) -> list[TensorEntry]:
+    return [t for t in sorted(base.manifest.tensors, key=lambda t: t.offset)
+            if t.dtype in COMBINED]
+
+
+def pairwise(deltas: Deltas, base: LocalBlob, block_bytes: int) -> np.ndarray:
+    """Pass 2 (krum): N x N squared distances between the scaled deltas."""
+    distances = PairwiseDistances(len(deltas.updates))
+    step = per_row(block_bytes, len(deltas.updates))
+    for entry in combined_tensors(base):
+        for start, stop in element_blocks(numel(entry), step):
+            distances.add(deltas.stack(entry.name, start, stop))
+    return distances.squared()
+
+
+@dataclass
+class Combined:
+    distances: np.ndarray
+    """Each update's L2 distance to the combined delta (before DP noise)."""
+    delta_norm: float
+    """L2 norm of the combined delta (before DP noise)."""
+    noise_norm: float
+    kept_from_base: list[str]
+
+
+def numel(entry: TensorEntry) -> int:
+    """Elements of a tensor."""
+    return entry.nbytes // item_size(entry.dtype)
+
+
+def combine(deltas: Deltas, base: LocalBlob, strategy: Strategy, *, weights: np.ndarray,
+            trim: float, block_bytes: int, write: Callable[[bytes], None],
+            noise: GaussianNoise | None = None, measure_distances: bool = True) -> Combined:
+    """Pass 3: write base + combined delta for every tensor, in the base's blob order."""
+    n = len(deltas.updates)
+    dist2 = np.zeros(n, dtype=np.float64)
+    delta2 = 0.0
+    kept: list[str] = []
+    step = per_row(block_bytes, n)
+    tmp = np.empty(0, dtype=np.float64)
+    for entry in sorted(base.manifest.tensors, key=lambda t: t.offset):
+        # A tensor no update changed keeps the base's bytes; not under DP, where every
+        # coordinate is noised (which tensors the devices left alone is theirs to hide).
+        untouched = noise is None and all(u.unchanged(entry.name) for u in deltas.updates)
+        if entry.dtype not in COMBINED or untouched:
+            if entry.dtype not in COMBINED:
+                kept.append(entry.name)
+            for start in range(0, entry.nbytes, COPY_PIECE):
+                raw = np.empty(min(COPY_PIECE, entry.nbytes - start), dtype=np.uint8)
+                base.read_into(raw, entry.offset + start)
+                write(raw.tobytes())
+            continue
+        for start, stop in element_blocks(numel(entry), step):
+            block = deltas.stack(entry.name, start, stop)
+            combined = combine_block(strategy, block, weights=weights, trim=trim)
+            if measure_distances:
+                if tmp.shape[0] != combined.shape[0]:
+                    tmp = np.empty_like(combined)
+                for i in range(n):
+                    np.subtract(block[i], combined, out=tmp)
+                    dist2[i] += float(np.dot(tmp, tmp))
+            delta2 += float(np.dot(combined, combined))
+            if noise is not None:
+                noise.add(combined)
+            combined += read_elements(base, entry, start, stop)
+            write(encode(combined, entry.dtype))
+    noise_norm = math.sqrt(noise.sum_squares) if noise is not None else 0.0
+    return Combined(np.sqrt(dist2), math.sqrt(delta2), noise_norm, kept)

@@ -1,0 +1,136 @@
+"""One aggregation round end to end: select, verify and measure, combine, write, report."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpc_core.aggregation.blobs import ChunkCache
+from hpc_core.aggregation.combine import (
+    Blobs,
+    Combined,
+    combine,
+    combined_tensors,
+    measure_updates,
+    numel,
+    pairwise,
+)
+from hpc_core.aggregation.deltas import Deltas
+from hpc_core.aggregation.options import Options
+from hpc_core.aggregation.output import CheckpointWriter
+from hpc_core.aggregation.privacy import GaussianNoise, Privacy, epsilon, noise_std
+from hpc_core.aggregation.report import Krum, Scales, build, too_few
+from hpc_core.aggregation.select import Selection, lineage, load_base, select
+from hpc_core.aggregation.strategies import (
+    fedavg_weights,
+    krum_choice,
+    min_updates,
+    staleness_scale,
+)
+from registry.credentials import credential_from_env
+from registry.signing import load_trusted_keys
+from registry.stores import LocalStore, open_store
+from registry.transfer import TransferConfig
+
+
+class TooFewUpdates(Exception):
+    """Fewer usable updates than the round needs; the message lists every skip and why."""
+
+
+def _scales(opts: Options, blobs: Blobs) -> Scales:
+    clip = [1.0 if opts.clip_norm is None or m.norm <= opts.clip_norm
+            else opts.clip_norm / m.norm for m in blobs.measured]
+    stale = [staleness_scale(m.update.release.staleness) for m in blobs.measured]
+    return Scales(clip, stale)
+
+
+def _select(opts: Options, store: Any, trusted: Any, cfg: TransferConfig) -> Selection:
+    base = load_base(store, opts.model, opts.base, trusted, cfg)
+    releases, note = lineage(store, base, opts.max_staleness, trusted, cfg)
+    return select(store, base, releases, note, opts.updates, trusted, cfg)
+
+
+def run_round(opts: Options, rng: np.random.Generator | None = None) -> dict[str, Any]:
+    """Aggregate into ``opts.out``; returns the report. Raises TooFewUpdates, RegistryError
+    (UsageError: exit 2), ChunkChangedError; writes nothing unless it returns."""
+    opts.check()
+    trusted = load_trusted_keys(opts.trusted_keys)
+    cfg = TransferConfig()
+    store = open_store(opts.registry, cfg, credential_from_env())
+    need = max(opts.min_updates, min_updates(opts.strategy, opts.trim, opts.krum_f))
+    work: Path | None = None
+    try:
+        selection = _select(opts, store, trusted, cfg)
+        if len(selection.updates) < need:
+            raise TooFewUpdates(too_few(opts, need, len(selection.updates), selection, None))
+        cache = None
+        if not isinstance(store, LocalStore):
+            work = Path(tempfile.mkdtemp(prefix=".aggregate-chunks-",
+                                         dir=opts.work_dir or opts.out.parent))
+            cache = ChunkCache(work)
+        blobs = measure_updates(selection, store, cache, cfg)
+        if len(blobs.measured) < need:
+            raise TooFewUpdates(too_few(opts, need, len(blobs.measured), selection, blobs))
+        return _combine_and_write(opts, selection, blobs, rng)
+    finally:
+        store.close()
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _combine_and_write(opts: Options, selection: Selection, blobs: Blobs,
+                       rng: np.random.Generator | None) -> dict[str, Any]:
+    scales = _scales(opts, blobs)
+    for i, m in enumerate(blobs.measured):
+        m.data.scale = scales.total(i)
+    deltas = Deltas([m.data for m in blobs.measured])
+    block_bytes = opts.block_bytes(sum(4 * numel(t) for t in combined_tensors(blobs.base)))
+    weights, weighting = None, "none: coordinate-wise, every update alike"
+    if opts.strategy == "fedavg":
+        weights, weighting = fedavg_weights([m.update.samples for m in blobs.measured])
+    privacy, noise = None, None
+    if opts.dp is not None and weights is not None:
+        std = noise_std(opts.dp, weights)
+        privacy = Privacy(opts.dp.noise_multiplier, std, opts.dp.delta,
+                          epsilon(opts.dp.noise_multiplier, opts.dp.delta, opts.dp.rounds),
+                          opts.dp.rounds)
+        noise = GaussianNoise(std, rng)
+    writer = CheckpointWriter(opts.out, selection.base)
+    try:
+        krum = None
+        if opts.strategy == "krum":
+            d2 = pairwise(deltas, blobs.base, block_bytes)
+            chosen, scores = krum_choice(d2, opts.krum_f)
+            krum = Krum(chosen, scores)
+            weights = np.eye(len(blobs.measured))[chosen]
+            weighting = "krum: the chosen update only"
+            result = combine(Deltas([blobs.measured[chosen].data]), blobs.base, "fedavg",
+                             weights=np.ones(1), trim=0.0, block_bytes=block_bytes,
+                             write=writer.write, measure_distances=False)
+            result = replace(result, distances=np.sqrt(d2[:, chosen]))
+        else:
+            result = combine(deltas, blobs.base, opts.strategy,
+                             weights=weights if weights is not None else np.empty(0),
+                             trim=opts.trim, block_bytes=block_bytes, write=writer.write,
+                             noise=noise)
+        report = build(opts, selection, blobs, weighting=weighting, weights=weights,
+                       scales=scales, combined=result, krum=krum, privacy=privacy)
+        writer.finish(report, _metrics(result, blobs, privacy))
+    except BaseException:
+        writer.abort()
+        raise
+    return report
+
+
+def _metrics(result: Combined, blobs: Blobs, privacy: Privacy | None) -> dict[str, float]:
+    """What the published version's manifest carries about how it was made."""
+    out = {"aggregate/updates": float(len(blobs.measured)),
+           "aggregate/delta_norm": result.delta_norm}
+    if privacy is not None:
+        out["aggregate/dp_epsilon"] = privacy.epsilon
+    return out

@@ -1,0 +1,131 @@
+"""How N update deltas become one, on an N x block array of one tensor's element range.
+
+* ``fedavg`` (McMahan et al. 2017): the weighted mean, weights summing to 1.
+* ``trimmed-mean`` (Yin et al. 2018): per coordinate, drop the ``int(trim * N)`` smallest and
+  as many largest values and average the rest (what ``scipy.stats.trim_mean`` computes).
+* ``median``: the coordinate-wise median (``np.median``; the mean of the two middle values
+  for an even N).
+* ``krum`` (Blanchard et al. 2017): the one update whose summed squared distance to its
+  N - f - 2 nearest others is smallest. It needs every pairwise distance first, accumulated
+  block by block as a Gram matrix (:class:`PairwiseDistances`); the chosen update's delta is
+  then the aggregate.
+
+Every function here is coordinate-wise over a block, so the streaming combination over row
+blocks equals the same function on the whole stacked models.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+Strategy = Literal["fedavg", "trimmed-mean", "median", "krum"]
+STRATEGIES: tuple[Strategy, ...] = ("fedavg", "trimmed-mean", "median", "krum")
+
+
+def min_updates(strategy: Strategy, trim: float, krum_f: int) -> int:
+    """The fewest updates the strategy is defined for."""
+    if strategy == "krum":
+        return 2 * krum_f + 3  # Krum's guarantee needs N > 2f + 2
+    return 1  # trim < 0.5 always leaves a value per coordinate
+
+
+def trimmed_count(n: int, trim: float) -> int:
+    """Values dropped at each end of each coordinate (scipy.stats.trim_mean's rule)."""
+    return int(trim * n)
+
+
+def fedavg(block: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """sum_i weights[i] * block[i], accumulated in float64 one row at a time."""
+    out = np.zeros(block.shape[1], dtype=np.float64)
+    tmp = np.empty_like(out)
+    for row, w in zip(block, weights, strict=True):
+        if w:
+            np.multiply(row, np.float64(w), out=tmp)
+            out += tmp
+    return out
+
+
+# Order statistics sort each column: on an N x block array numpy's sort along axis 0 is
+# several times faster than np.partition / np.median there (strided, one column at a time).
+
+
+def trimmed_mean(block: np.ndarray, trim: float) -> np.ndarray:
+    n = block.shape[0]
+    k = trimmed_count(n, trim)
+    if k == 0:
+        return block.mean(axis=0, dtype=np.float64)
+    return np.sort(block, axis=0)[k : n - k].mean(axis=0, dtype=np.float64)
+
+
+def median(block: np.ndarray) -> np.ndarray:
+    n = block.shape[0]
+    ordered = np.sort(block, axis=0)
+    if n % 2:
+        return ordered[n // 2].astype(np.float64)
+    return (ordered[n // 2 - 1].astype(np.float64) + ordered[n // 2]) / 2
+
+
+def combine_block(strategy: Strategy, block: np.ndarray, *, weights: np.ndarray,
+                  trim: float) -> np.ndarray:
+    """The combined delta of one block (krum is combined as fedavg with a one-hot weight)."""
+    if strategy in ("fedavg", "krum"):
+        return fedavg(block, weights)
+    if strategy == "trimmed-mean":
+        return trimmed_mean(block, trim)
+    return median(block)
+
+
+class PairwiseDistances:
+    """Squared L2 distances between N updates, accumulated block by block (float64 Gram)."""
+
+    def __init__(self, n: int) -> None:
+        self.gram = np.zeros((n, n), dtype=np.float64)
+
+    def add(self, block: np.ndarray) -> None:
+        b = block.astype(np.float64)
+        self.gram += b @ b.T
+
+    def squared(self) -> np.ndarray:
+        diag = np.diag(self.gram)
+        d2 = diag[:, None] + diag[None, :] - 2.0 * self.gram
+        np.fill_diagonal(d2, 0.0)
+        return np.maximum(d2, 0.0)  # rounding may leave -1e-17 for identical updates
+
+
+def krum_scores(d2: np.ndarray, f: int) -> np.ndarray:
+    """Each update's sum of squared distances to its N - f - 2 nearest other updates."""
+    n = d2.shape[0]
+    m = n - f - 2
+    if m < 1:
+        raise ValueError(f"krum needs N - f - 2 >= 1 (N={n}, f={f})")
+    scores = np.empty(n, dtype=np.float64)
+    for i in range(n):
+        others = np.delete(d2[i], i)
+        scores[i] = np.sort(others)[:m].sum()
+    return scores
+
+
+def krum_choice(d2: np.ndarray, f: int) -> tuple[int, np.ndarray]:
+    """The index Krum picks (the first on a tie) and every update's score."""
+    scores = krum_scores(d2, f)
+    return int(np.argmin(scores)), scores
+
+
+STALENESS_EXPONENT = 0.5
+
+
+def staleness_scale(staleness: int) -> float:
+    """FedBuff's discount (Nguyen et al. 2022): an update trained from a release ``staleness``
+    releases behind the base has its delta multiplied by ``1 / (1 + staleness) ** 0.5``."""
+    return float((1 + staleness) ** -STALENESS_EXPONENT)
+
+
+def fedavg_weights(samples: list[float | None]) -> tuple[np.ndarray, str]:
+    """Weights summing to 1: by training sample count when every update carries one, else
+    equal (a mix of counted and uncounted updates has no fair common scale)."""
+    if samples and all(s is not None for s in samples):
+        w = np.array(samples, dtype=np.float64)
+        return w / w.sum(), "samples"
+    return np.full(len(samples), 1.0 / max(len(samples), 1)), "equal"

@@ -1,0 +1,62 @@
+"""Two poisoned updates of eight (scaled x50 and sign-flipped): the robust strategies stay
+near the clean mean, the plain mean does not."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from tests.hpc_core.aggregation.conftest import Result
+from tests.support.fleet_registry import FleetRegistry
+
+
+@pytest.fixture
+def poisoned(fleet: FleetRegistry) -> tuple[dict, np.ndarray]:
+    rng = np.random.default_rng(7)
+    base = {"w": rng.normal(size=(64, 32)).astype(np.float32),
+            "b": rng.normal(size=32).astype(np.float32)}
+    release = fleet.release("1", base)
+    truth = {k: rng.normal(size=v.shape).astype(np.float32) * 0.01 for k, v in base.items()}
+    clean = [{k: t + rng.normal(size=t.shape).astype(np.float32) * 0.002
+              for k, t in truth.items()} for _ in range(6)]
+    bad = [{k: -50 * t for k, t in truth.items()} for _ in range(2)]
+    fleet.fine_tunes(release, base, clean + bad)
+    clean_mean = np.concatenate([np.mean([c[k] for c in clean], axis=0).ravel()
+                                 for k in ("w", "b")])
+    return base, clean_mean
+
+
+def _delta(result: Result, base: dict) -> np.ndarray:
+    assert result.code == 0, result.stderr
+    return np.concatenate([(result.tensors[k] - base[k]).ravel() for k in ("w", "b")])
+
+
+def test_trimmed_mean_and_median_resist_what_moves_fedavg_far(
+        poisoned: tuple[dict, np.ndarray], aggregate: Callable[..., Result]) -> None:
+    base, clean_mean = poisoned
+    scale = np.linalg.norm(clean_mean)
+    errors = {
+        strategy: np.linalg.norm(_delta(aggregate("--strategy", strategy, *extra), base)
+                                 - clean_mean) / scale
+        for strategy, extra in (("fedavg", []), ("median", []),
+                                ("trimmed-mean", ["--trim", "0.25"]),
+                                ("krum", ["--krum-f", "2"]))
+    }
+    assert errors["fedavg"] > 10  # (6 - 100) / 8: the mean is dragged 12x the signal away
+    assert errors["median"] < 0.25
+    assert errors["trimmed-mean"] < 0.25
+    assert errors["krum"] < 0.5  # one clean update: its own noise, no poison
+
+
+def test_clipping_bounds_what_a_poisoned_update_can_do_to_fedavg(
+        poisoned: tuple[dict, np.ndarray], aggregate: Callable[..., Result]) -> None:
+    base, clean_mean = poisoned
+    scale = np.linalg.norm(clean_mean)
+    result = aggregate("--clip-norm", f"{scale * 1.05:.6f}")
+    error = np.linalg.norm(_delta(result, base) - clean_mean) / scale
+    assert 0.3 < error < 1.0  # two bounded pulls against six: moved, not overturned
+    rows = result.report["updates"]
+    assert max(r["clipped_norm"] for r in rows) == pytest.approx(scale * 1.05, rel=1e-5)
+    assert sorted(r["norm"] > 40 * scale for r in rows) == [False] * 6 + [True] * 2

@@ -1,0 +1,77 @@
+"""The combining functions on whole arrays: a worked example, and scipy/numpy references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from hpc_core.aggregation.strategies import (
+    PairwiseDistances,
+    combine_block,
+    fedavg_weights,
+    krum_choice,
+    staleness_scale,
+)
+from tests.hpc_core.aggregation.conftest import HAND_DELTAS, HAND_EXPECTED, reference_krum
+
+
+def _flat(d: dict) -> np.ndarray:
+    return np.concatenate([np.ravel(d["w"]), np.ravel(d["b"])]).astype(np.float32)
+
+
+HAND = np.stack([_flat(d) for d in HAND_DELTAS])
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "median", "trimmed-mean"])
+def test_the_worked_example(strategy: str) -> None:
+    weights = np.full(5, 0.2)
+    got = combine_block(strategy, HAND, weights=weights, trim=0.2)  # type: ignore[arg-type]
+    np.testing.assert_allclose(got, _flat(HAND_EXPECTED[strategy]), rtol=1e-6)
+
+
+def test_krum_on_the_worked_example_picks_update_3() -> None:
+    distances = PairwiseDistances(5)
+    distances.add(HAND[:, :4])  # two blocks: the Gram matrix adds up
+    distances.add(HAND[:, 4:])
+    d2 = distances.squared()
+    assert d2[2, 3] == 76 and d2[0, 3] == 109 and d2[1, 2] == 119
+    chosen, scores = krum_choice(d2, f=1)
+    assert chosen == 3 and scores[3] == 76 + 109 and scores[2] == 76 + 119
+    assert chosen == reference_krum(HAND, 1)
+
+
+@pytest.mark.parametrize("n", [3, 7, 10])
+def test_blockwise_equals_the_whole_array_references(n: int) -> None:
+    rng = np.random.default_rng(n)
+    updates = rng.normal(size=(n, 257)).astype(np.float32)
+    blocks = [(0, 100), (100, 200), (200, 257)]
+
+    def streamed(strategy: str, **kw: object) -> np.ndarray:
+        return np.concatenate([combine_block(strategy, updates[:, a:b], **kw)  # type: ignore
+                               for a, b in blocks])
+
+    w = rng.uniform(1, 5, n)
+    w /= w.sum()
+    np.testing.assert_allclose(streamed("fedavg", weights=w, trim=0), w @ updates, rtol=1e-5,
+                               atol=1e-6)
+    for trim in (0.1, 0.2, 0.34):
+        np.testing.assert_allclose(streamed("trimmed-mean", weights=w, trim=trim),
+                                   stats.trim_mean(updates, trim, axis=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(streamed("median", weights=w, trim=0),
+                               np.median(updates, axis=0), rtol=1e-6)
+    distances = PairwiseDistances(n)
+    for a, b in blocks:
+        distances.add(updates[:, a:b])
+    for f in range(0, (n - 3) // 2 + 1):
+        assert krum_choice(distances.squared(), f)[0] == reference_krum(updates, f)
+
+
+def test_weights_and_the_staleness_discount() -> None:
+    w, by = fedavg_weights([10.0, 30.0])
+    assert by == "samples" and np.allclose(w, [0.25, 0.75])
+    w, by = fedavg_weights([10.0, None, 30.0])  # one update without a count: all alike
+    assert by == "equal" and np.allclose(w, 1 / 3)
+    assert staleness_scale(0) == 1.0
+    assert staleness_scale(1) == pytest.approx(2 ** -0.5)
+    assert staleness_scale(3) == pytest.approx(0.5)

@@ -1,0 +1,143 @@
+"""Every update is verified as a device verifies a pull; what fails is skipped with its
+reason, never combined, and too few usable updates write nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from hpc_core.aggregation.select import listed_versions
+from hpc_core.config import ModelConfig
+from registry.errors import UsageError
+from registry.stores import HttpStore
+from tests.hpc_core.aggregation.conftest import Result, hand_deltas
+from tests.support.fleet_registry import SPEC, FleetRegistry
+from tests.support.registry_server import RegistryServer
+
+ZERO = {"w": np.zeros((2, 3), np.float32), "b": np.zeros(2, np.float32)}
+GOOD = hand_deltas()[:4]
+
+
+def _tensors(delta: dict) -> dict:
+    return {k: ZERO[k] + delta[k] for k in ZERO}
+
+
+def _bad_updates(fleet: FleetRegistry, base) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    """One update per refusal; returns version -> the words its reason must hold."""
+    step = _tensors(GOOD[0])
+    tampered = fleet.update(fleet.device("tampered"), base, {"w": step["w"] * 3, "b": step["b"]})
+    chunk = fleet.chunk_path(tampered, "w")
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    rogue = fleet.update(fleet.device("rogue", trusted=False), base, step)
+    scoped = fleet.update(fleet.device("jetson-09", scope=f"{fleet.name}@*+jetson-10.*"),
+                          base, step, version=f"1+jetson-09.{base.sequence}")
+    shape = fleet.update(fleet.device("reshaped"), base,
+                         {"w": np.zeros((3, 2), np.float32), "b": step["b"]})
+    other = ModelConfig(**{**SPEC.model_dump(), "kwargs": {"hidden": [16]}})
+    spec = fleet.update(fleet.device("other-spec"), base, step, spec=other)
+    chained = fleet.update(fleet.device("chained"), base, step,
+                           parent=fleet.update(fleet.device("chained"), base, step))
+    return {
+        tampered.version: "ChunkHashError",
+        rogue.version: "UnknownKeyError",
+        scoped.version: "KeyScopeError",
+        shape.version: "tensor w is F32[3, 2], the base's F32[2, 3]",
+        spec.version: "model spec",
+        chained.version: "a fine-tune of a fine-tune",
+    }
+
+
+def test_each_unverifiable_or_mismatched_update_is_skipped_with_its_reason(
+        fleet: FleetRegistry, aggregate: Callable[..., Result]) -> None:
+    base = fleet.release("1", ZERO)
+    good = fleet.fine_tunes(base, ZERO, GOOD)
+    bad = _bad_updates(fleet, base)
+    result = aggregate("--strategy", "fedavg")
+    assert result.code == 0, result.stderr
+    report = result.report
+    # The chained fine-tune's parent (a direct fine-tune of 1) is itself a good update.
+    chained_parent = sorted(set(report["combined"]) - {g.version for g in good})
+    assert len(chained_parent) == 1 and chained_parent[0].startswith("1+chained.")
+    skipped = result.skipped()
+    assert set(skipped) == set(bad)
+    for version, words in bad.items():
+        assert words in skipped[version], (version, skipped[version])
+    assert report["ignored"] == {}
+    # Only the good ones were averaged: the mean of the four hand deltas and the chain's step.
+    steps = [d["w"] for d in GOOD] + [GOOD[0]["w"]]
+    np.testing.assert_allclose(result.tensors["w"], np.mean(steps, axis=0), rtol=1e-6)
+    for version in bad:
+        assert version in result.stdout  # the summary names each skip too
+
+
+def test_too_few_usable_updates_exit_1_naming_every_reason(
+        fleet: FleetRegistry, aggregate: Callable[..., Result]) -> None:
+    base = fleet.release("1", ZERO)
+    fleet.fine_tunes(base, ZERO, GOOD[:1])
+    bad = _bad_updates(fleet, base)
+    # Three pass the manifest checks (the good one, the chain's parent, the tampered one);
+    # hashing the chunks leaves two.
+    result = aggregate("--min-updates", "3")
+    assert result.code == 1
+    assert "2 usable update(s) of digits@1, 3 needed" in result.stderr
+    assert "nothing written" in result.stderr
+    for version in bad:
+        assert version in result.stderr
+    assert not result.out.exists()
+    assert not [p for p in result.out.parent.iterdir() if p.name.startswith(".tmp-")]
+    # Krum needs N >= 2f + 3 whatever --min-updates says.
+    fleet.fine_tunes(base, ZERO, GOOD[1:], prefix="more")
+    assert aggregate("--strategy", "krum", "--krum-f", "1").code == 0  # 5 >= 5
+    result = aggregate("--strategy", "krum", "--krum-f", "2")
+    assert result.code == 1 and "7 needed" in result.stderr
+
+
+def test_an_explicit_list_skips_what_it_names_but_cannot_use(
+        fleet: FleetRegistry, aggregate: Callable[..., Result]) -> None:
+    base = fleet.release("1", ZERO)
+    good = fleet.fine_tunes(base, ZERO, GOOD)
+    two = fleet.release("2", ZERO, parent=base)
+    names = [good[0].version, good[2].version, "1+ghost.20261126T000000Z.9", two.version]
+    result = aggregate("--updates", ",".join(names))
+    assert result.code == 0, result.stderr
+    assert result.report["combined"] == [good[0].version, good[2].version]
+    skipped = result.skipped()
+    assert "no such version" in skipped["1+ghost.20261126T000000Z.9"]
+    assert "upstream release" in skipped["2"]
+
+
+def test_the_base_must_be_a_verified_upstream_release(
+        fleet: FleetRegistry, aggregate: Callable[..., Result]) -> None:
+    base = fleet.release("1", ZERO)
+    good = fleet.fine_tunes(base, ZERO, GOOD)
+    result = aggregate(base=good[0].version)
+    assert result.code == 2 and "is a device version" in result.stderr
+    result = aggregate(base="7")
+    assert result.code == 2 and "no such version" in result.stderr
+
+
+def test_over_http_updates_are_named_and_fetched_into_a_private_cache(
+        fleet: FleetRegistry, aggregate: Callable[..., Result]) -> None:
+    base = fleet.release("1", ZERO)
+    good = fleet.fine_tunes(base, ZERO, GOOD)
+    with RegistryServer(fleet.root) as server:
+        result = aggregate("--strategy", "median", registry=server.url)
+        assert result.code == 2 and "--updates V1,V2" in result.stderr
+        result = aggregate("--strategy", "median", "--updates",
+                           ",".join(g.version for g in good), registry=server.url)
+    assert result.code == 0, result.stderr
+    np.testing.assert_allclose(result.tensors["w"], np.median([d["w"] for d in GOOD], axis=0))
+    assert not [p for p in result.out.parent.iterdir() if p.name.startswith(".aggregate-")]
+
+
+def test_only_a_folder_store_lists_versions(fleet: FleetRegistry) -> None:
+    base = fleet.release("1", ZERO)
+    good = fleet.fine_tunes(base, ZERO, GOOD[:2])
+    assert fleet.store.list_versions(fleet.name) == sorted(["1", *(g.version for g in good)])
+    assert fleet.store.list_versions("unknown-model") == []
+    with pytest.raises(UsageError, match="only a folder registry"):
+        listed_versions(HttpStore("http://127.0.0.1:9/registry"), fleet.name)
