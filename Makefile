@@ -52,7 +52,7 @@ demo: setup services
 test: setup services
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25  # the slowest, to keep it under 30 min
 
 # One script per target in the issues; each prints its figures beside its baseline.
 bench: setup
@@ -62,6 +62,8 @@ bench: setup
 	$(PY) benchmarks/export.py
 	$(PY) benchmarks/upstream.py
 	$(PY) benchmarks/fleet.py
+	$(PY) benchmarks/job_budget.py
+	$(PY) benchmarks/aggregate.py
 
 lint: setup
 	$(VENV)/bin/ruff check .
