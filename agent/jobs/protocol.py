@@ -219,6 +219,14 @@ class StepContext(BaseModel):
     upstream)."""
     staged_path: Path | None = None
 
+    @property
+    def micro_batch(self) -> int | None:
+        """The micro-batch the fine-tune's set-up fixed (the plan's, or the job's own): the
+        largest batch known to fit the job's budget. None before the set-up exists."""
+        micro = ((self.setup or {}).get("config") or {}).get("training", {}).get(
+            "micro_batch_size")
+        return int(micro) if micro else None
+
 
 def write_context(ctx: StepContext) -> None:
     write_json_atomic(ctx.job_dir / CONTEXT, ctx.model_dump(mode="json"))

@@ -16,18 +16,17 @@ def run(ctx: JobContext) -> dict[str, Any]:
     return out
 
 
-def bounded_by_plan(export: dict[str, Any], setup: dict[str, Any] | None) -> dict[str, Any]:
+def bounded_by_plan(export: dict[str, Any], micro: int | None) -> dict[str, Any]:
     """The export's batches (calibration, recovery fine-tune, every scoring pass) no larger
     than the micro-batch the fine-tune's memory plan fitted into the job's budget: an
     inference or calibration batch costs less than a training step of the same size, so the
     export stays under the budget the fine-tune was planned for."""
-    micro = ((setup or {}).get("config") or {}).get("training", {}).get("micro_batch_size")
     if not micro:
         return export
     out = {**export}
     for part in ("calibration", "recovery", "gates"):
         section = dict(out.get(part) or {})
-        section["batch_size"] = min(int(section.get("batch_size") or micro), int(micro))
+        section["batch_size"] = min(int(section.get("batch_size") or micro), micro)
         out[part] = section
     return out
 
@@ -38,7 +37,7 @@ def child(c: StepContext) -> dict[str, Any]:
 
     job = ExportJob.model_validate(bounded_by_plan({
         **c.spec["export"], "checkpoint": str(c.finetuned), "out_dir": str(c.job_dir / "export"),
-    }, c.setup))
+    }, c.micro_batch))
     report = run_export(job)
     out: dict[str, Any] = {
         "status": report.status, "winner": report.winner, "artefact": None,

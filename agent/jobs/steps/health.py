@@ -84,8 +84,7 @@ def infer_batch(c: StepContext) -> int:
     """Scoring batch: the fine-tune's planned micro-batch (its training step fitted the
     job's budget; scoring the same batch costs less), else :data:`INFER_BATCH`. Scoring 539
     48-px samples in batches of 256 once took the health child alone past the budget."""
-    micro = ((c.setup or {}).get("config") or {}).get("training", {}).get("micro_batch_size")
-    return int(min(micro, 256)) if micro else INFER_BATCH
+    return min(c.micro_batch, 256) if c.micro_batch else INFER_BATCH
 
 
 def child(c: StepContext) -> dict[str, Any]:
