@@ -9,13 +9,15 @@ Optimizer examples use 500-1000 images).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod
-from torch.utils.data import Dataset
 
 from exporters.job import CalibMethod, CalibrationConfig
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
 
 _ORT_METHODS = {
     "minmax": CalibrationMethod.MinMax,
@@ -38,8 +40,10 @@ def ort_calibration_options(cfg: CalibrationConfig) -> dict[str, object]:
 def representative_inputs(dataset: Dataset, samples: int, seed: int = 0) -> np.ndarray:
     """``samples`` inputs drawn at random from ``dataset``, as one float32 NCHW array.
 
-    A data set smaller than ``samples`` is used whole.
+    A data set smaller than ``samples`` is used whole. Drawn by the torch half of an export
+    (``exporters.prepare``); the quantizing half reads them back and never imports torch.
     """
+    import torch
     n = len(dataset)  # type: ignore[arg-type]
     if n == 0:
         raise ValueError("the calibration data set is empty")

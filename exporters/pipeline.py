@@ -17,11 +17,15 @@ Steps, in order, each gated on the artefact it produced:
 The first step that meets every gate wins and is installed into the output folder
 (``model.onnx``, and ``model.engine`` + ``model.engine.json`` for TensorRT); the report says
 which step won and why the earlier ones did not. Nothing is installed when no step passes.
+
+Two halves: ``exporters.prepare`` (torch: prune, recover, FP32 ONNX, reference logits) hands
+over through ``exporters.handoff`` to :func:`quantize_and_gate` here, which never imports
+torch. :func:`run_export` runs both in one process; a device job runs each in its own child
+(``agent.jobs.steps.export``) so torch and ONNX Runtime are never resident together.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import shutil
 import time
@@ -31,77 +35,19 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import torch
-from torch import nn
-from torch.utils.data import Dataset
 
-from exporters.calibration import representative_inputs
 from exporters.cpu_isa import detect_isa
-from exporters.flops import count_flops
 from exporters.gates import GateResult, judge, measure
+from exporters.handoff import Prepared, read_prepared
 from exporters.int8_recipe import Int8Recipe, choose_recipe
 from exporters.job import ExportJob, Precision
-from exporters.onnx_export import OnnxExport, export_onnx
-from exporters.onnx_weights import check_semi_structured
 from exporters.ort_runner import OrtRunner
-from exporters.prune import PruneResult, prune_model
 from exporters.qdq_check import check_qdq
 from exporters.quantize import prepare_for_quantization, quantizable_nodes, quantize_int8
-from exporters.recovery import recover
-from exporters.report import (
-    Attempt,
-    ExportReport,
-    artefact_info,
-    fallback_note,
-    versions,
-    write_report,
-)
-from exporters.runtime import Runner, TorchRunner, predict
-from exporters.tensorrt_build import (
-    TensorRTRunner,
-    build_engine,
-    require_tensorrt,
-)
+from exporters.report import Attempt, ExportReport, artefact_info, fallback_note, write_report
+from exporters.runtime import Runner, predict
+from exporters.tensorrt_build import TensorRTRunner, build_engine
 from hpc_core.atomic import atomic_output, write_json_atomic
-from hpc_core.checkpoint import load_model, resolve_checkpoint
-from hpc_core.config import DataConfig, TrainConfig
-from hpc_core.data import build_datasets, held_out
-
-INSTALLED = ("model.onnx", "model.onnx.json", "model.engine", "model.engine.json", "report.json")
-
-
-@dataclass
-class Source:
-    model: nn.Module
-    config: TrainConfig
-    checkpoint: Path
-    train: Dataset
-    val: Dataset
-    input_shape: tuple[int, int, int]
-
-
-def load_source(job: ExportJob) -> Source:
-    """The checkpoint's model (safetensors, never unpickled) and the job's data splits."""
-    ckpt_dir = resolve_checkpoint(job.checkpoint)
-    model, cfg = load_model(ckpt_dir, "cpu")
-    m = cfg.model
-    data = cfg.data.model_dump()
-    if job.data is not None:  # the fields the job sets override the checkpoint's
-        data.update(job.data.model_dump(include=job.data.model_fields_set))
-    data = DataConfig.model_validate({**data, "image_size": m.image_size})
-    train, val, info = build_datasets(data)
-    if info.in_channels != m.in_channels:
-        raise ValueError(
-            f"data has {info.in_channels} channel(s) but the model takes {m.in_channels}: "
-            "fix data.grayscale or use the model's data"
-        )
-    if info.num_classes > (m.num_classes or 0):
-        raise ValueError(
-            f"data has {info.num_classes} classes but the model predicts {m.num_classes}"
-        )
-    cfg = cfg.model_copy(update={"data": data})
-    shape = (int(m.in_channels or 1), int(m.image_size or 1), int(m.image_size or 1))
-    return Source(model.eval(), cfg, ckpt_dir, train, val, shape)
 
 
 def _sha256(path: Path) -> str:
@@ -118,17 +64,9 @@ class _Run:
 
     job: ExportJob
     work: Path
-    fp32: OnnxExport
-    train: Dataset
-    input_shape: tuple[int, int, int]
-    inputs: np.ndarray
-    labels: np.ndarray
-    reference_logits: np.ndarray
-    fidelity_logits: np.ndarray
-    sparse: bool
+    src: Prepared
     recipe: Int8Recipe
     """The first INT8 step's recipe."""
-    calib: np.ndarray | None = None
     prepared: Path | None = None
     sensitivity: list[tuple[str, float]] | None = None
     notes: list[str] = field(default_factory=list)
@@ -145,14 +83,12 @@ class _Run:
         return self.work / f"calibration_ranges.{recipe.name}.json"
 
     def calibration_inputs(self) -> np.ndarray:
-        if self.calib is None:
-            c = self.job.calibration
-            self.calib = representative_inputs(self.train, c.samples, c.seed)
-        return self.calib
+        return self.src.calib
 
     def prepared_fp32(self) -> Path:
         if self.prepared is None:
-            self.prepared = prepare_for_quantization(self.fp32.path, self.work / "fp32.prep.onnx")
+            self.prepared = prepare_for_quantization(self.src.fp32_path,
+                                                     self.work / "fp32.prep.onnx")
         return self.prepared
 
     def quantize(
@@ -164,7 +100,7 @@ class _Run:
             self.prepared_fp32(),
             out,
             calib_inputs=self.calibration_inputs(),
-            input_name=self.fp32.input_name,
+            input_name=self.src.input_name,
             cfg=self.job.calibration,
             recipe=recipe,
             cache_path=self.cache(recipe),
@@ -244,15 +180,15 @@ def _make_artefact(
         violations = [str(v) for v in check_qdq(
             onnx_path, activations_signed=recipe.activations_signed)]
     elif precision == "fp16" and run.job.target == "onnxruntime":
-        onnx_path = _fp16_onnx(run.fp32.path, run.work / "fp16.onnx")
+        onnx_path = _fp16_onnx(run.src.fp32_path, run.work / "fp16.onnx")
     else:
-        onnx_path = run.fp32.path
+        onnx_path = run.src.fp32_path
     if run.job.target == "onnxruntime":
         return onnx_path, onnx_path, violations
     engine = run.work / f"{step}.engine"
     build_engine(
-        onnx_path, engine, precision=precision, sparse_weights=run.sparse,
-        input_shape=run.input_shape, cfg=run.job.tensorrt,
+        onnx_path, engine, precision=precision, sparse_weights=run.src.sparse,
+        input_shape=run.src.input_shape, cfg=run.job.tensorrt,
     )
     return onnx_path, engine, violations
 
@@ -266,10 +202,10 @@ def _gate(run: _Run, artefact: Path) -> GateResult:
     )
     m = measure(
         runner,
-        inputs=run.inputs,
-        labels=run.labels,
-        reference_logits=run.reference_logits,
-        fidelity_logits=run.fidelity_logits,
+        inputs=run.src.inputs,
+        labels=run.src.labels,
+        reference_logits=run.src.reference_logits,
+        fidelity_logits=run.src.fidelity_logits,
         size_bytes=artefact.stat().st_size,
         cfg=g,
     )
@@ -281,98 +217,36 @@ def _install(src: Path, dest: Path) -> None:
         shutil.copyfile(src, tmp)
 
 
-def _prune(job: ExportJob, src: Source, model: nn.Module, report: ExportReport) -> bool:
-    """Prune and recover ``model`` in place; True when its weights are 2:4."""
-    assert job.prune is not None
-    example = torch.zeros(1, *src.input_shape)
-    result: PruneResult = prune_model(model, job.prune, example)
-    report.prune = {
-        "spec": job.prune.label,
-        "sparsity": result.total_sparsity,
-        "layers": [vars(s) for s in result.layers],
-    }
-    if "channels" in result.extra:
-        ch = result.extra["channels"]
-        report.prune["channels"] = {k: list(v) for k, v in ch.layers.items()}
-        report.prune["channels_kept_whole"] = ch.skipped
-    if job.recovery.steps > 0:
-        rec = recover(
-            model, result.masks, (src.train, src.val), src.config, job.recovery,
-            job.out_dir / "work" / "recovery",
-        )
-        report.recovery = {"steps": rec.steps, "metrics": rec.metrics, "seconds": rec.seconds}
-    return job.prune.method == "semi_structured"
-
-
-def _model_summary(model: nn.Module, shape: tuple[int, ...]) -> dict[str, int]:
-    return {
-        "params": sum(p.numel() for p in model.parameters()),
-        "flops": count_flops(model, shape).total,
-    }
-
-
 def run_export(job: ExportJob) -> ExportReport:
-    """Run ``job``; the report is also written to ``<out_dir>/report.json``."""
+    """Run ``job`` whole in this process (``agentctl export``, ``python -m exporters``); the
+    report is also written to ``<out_dir>/report.json``."""
     t0 = time.perf_counter()
-    if job.target == "tensorrt":
-        require_tensorrt()  # fail before minutes of pruning and calibration
-    out, work = job.out_dir, job.out_dir / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    for name in INSTALLED:  # a stale artefact must never pass for this job's result
-        (out / name).unlink(missing_ok=True)
-    report = ExportReport(target=job.target, job=job.model_dump(mode="json"), versions=versions())
-    src = load_source(job)
-    report.checkpoint = str(src.checkpoint)
-    inputs, labels = held_out(src.val, job.gates.eval_samples)
-    batch = job.gates.batch_size  # every scoring pass: the job's batch, never more
-    reference_logits = predict(TorchRunner(src.model), inputs, batch=batch)
-    before = _model_summary(src.model, src.input_shape)
-    model = copy.deepcopy(src.model)
-    sparse = _prune(job, src, model, report) if job.prune is not None else False
-    after = _model_summary(model, src.input_shape)
-    report.model = {
-        "name": src.config.model.name,
-        "kwargs": src.config.model.kwargs,
-        "input_shape": list(src.input_shape),
-        "num_classes": src.config.model.num_classes,
-        "params_before": before["params"],
-        "params_after": after["params"],
-        "flops_before": before["flops"],
-        "flops_after": after["flops"],
-    }
-    fidelity_logits = predict(TorchRunner(model), inputs, batch=batch)
-    fp32 = export_onnx(model, out / "model.fp32.onnx", src.input_shape, job.onnx)
-    report.onnx = {
-        "opset": fp32.opset,
-        "exporter": job.onnx.exporter,
-        "simplified_by": fp32.simplified_by,
-        "fp32_size_bytes": fp32.size_bytes,
-    }
-    if sparse:
-        checks = check_semi_structured(fp32.path)
-        eligible = [c for c in checks if c.eligible]
-        bad = [c.node for c in eligible if c.violations]
-        report.semi_structured = {
-            "layers_2_4": len(eligible) - len(bad),
-            "eligible_layers": len(eligible),
-            "not_2_4": bad,
-        }
-        if bad or not eligible:
-            raise RuntimeError(f"exported weights are not 2:4 in {bad or 'any layer'}")
+    from exporters.prepare import prepare  # torch: only where both halves share a process
+
+    prepare(job)
+    return quantize_and_gate(job, started=t0)
+
+
+def quantize_and_gate(job: ExportJob, started: float | None = None) -> ExportReport:
+    """The second half of ``job`` on what ``exporters.prepare`` handed over: quantize, gate,
+    fall back step by step, install the winner; writes ``<out_dir>/report.json``."""
+    t0 = time.perf_counter() if started is None else started
+    work = job.out_dir / "work"
+    src = read_prepared(work)
+    report = src.report
     isa = detect_isa()
     recipe = choose_recipe(job.target, isa, job.int8_recipe)
     if job.precision == "int8":
         report.int8 = {"recipe": recipe.name, "reason": recipe.reason, "isa": isa.to_dict()}
-    run = _Run(job, work, fp32, src.train, src.input_shape, inputs, labels, reference_logits,
-               fidelity_logits, sparse, recipe)
+    run = _Run(job, work, src, recipe)
     _run_attempts(run, report)
     report.fallback = fallback_note(report)
     if report.sensitivity is None and run.sensitivity is not None:
         report.sensitivity = [{"node": n, "logit_mse": s} for n, s in run.sensitivity]
     if not job.keep_intermediates:
         shutil.rmtree(work, ignore_errors=True)
-    report.seconds = time.perf_counter() - t0
-    write_report(report, out / "report.json")
+    report.seconds += time.perf_counter() - t0
+    write_report(report, job.out_dir / "report.json")
     return report
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
-from torch import nn
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 class Runner(Protocol):
@@ -23,15 +24,18 @@ class Runner(Protocol):
 
 
 class TorchRunner:
-    """Eager PyTorch on CPU, the FP32 reference."""
+    """Eager PyTorch on CPU, the FP32 reference. torch is imported by whoever built the model;
+    this module stays importable without it (the quantizing half of an export)."""
 
     def __init__(self, model: nn.Module, name: str = "torch") -> None:
         self.model = model.eval()
         self.name = name
 
-    @torch.no_grad()
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return self.model(torch.from_numpy(x)).float().numpy()
+        import torch
+
+        with torch.no_grad():
+            return self.model(torch.from_numpy(x)).float().numpy()
 
 
 def predict(

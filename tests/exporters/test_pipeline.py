@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +14,11 @@ from exporters.cpu_isa import detect_isa
 from exporters.int8_recipe import choose_recipe
 from exporters.job import ExportJob
 from exporters.onnx_weights import check_semi_structured, weight_refs
-from exporters.pipeline import load_source, run_export
+from exporters.pipeline import run_export
+from exporters.prepare import load_source
 from exporters.qdq_check import check_qdq
 
+REPO = Path(__file__).resolve().parents[2]
 FAST_GATES = {"latency_iters": 3, "latency_warmup": 1, "batch_size": 8}
 
 
@@ -151,3 +155,11 @@ def test_symmetric_int8_needs_no_recipe_step(cnn: Any, tmp_path: Path) -> None:
                              gates={"max_abs_logit_delta": 1e-4},
                              fallback={"max_excluded_layers": 1, "fp16": False}))
     assert [a.step for a in report.attempts] == ["int8", "int8-exclude-1", "fp32"]
+
+
+def test_the_quantizing_half_never_imports_torch() -> None:
+    """A device job runs it in its own process so torch and ONNX Runtime are never resident
+    together (the budget of the whole job); importing torch here would undo that."""
+    code = ("import sys, exporters.pipeline, agent.jobs.steps.export; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

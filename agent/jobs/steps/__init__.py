@@ -25,6 +25,7 @@ WORKER_STEPS: dict[str, Callable[[JobContext], dict[str, Any]]] = {
 
 CHILD_STEPS: dict[str, Callable[[StepContext], dict[str, Any]]] = {
     "fetch": pull.child_fetch, "setup": finetune.child_setup, "finetune": finetune.child,
-    "export": export.child, "stage": stage.child, "health": health.child,
+    "export_prepare": export.child_prepare, "export": export.child, "stage": stage.child,
+    "health": health.child,
 }
 """Child step name -> the function ``python -m agent.jobs.child`` runs (torch side)."""
