@@ -133,6 +133,11 @@ class TrainingConfig(StrictModel):
     """Passes over the training split (used when max_steps is null)."""
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
     """fp16 uses a GradScaler; bf16 needs no scaling (Ampere/Orin, or CPU)."""
+    proximal_mu: float = Field(default=0.0, ge=0.0)
+    """FedProx's proximal term (Li et al. 2020), (mu / 2) * ||w - w_start||^2 over the
+    trainable weights, w_start the weights training started from: keeps devices with unlike
+    data from drifting apart before their updates are combined. 0 = off. Reported losses
+    exclude it."""
     grad_clip_norm: float | None = Field(default=1.0, gt=0.0)
     """Clip the global gradient L2 norm to this (null = no clipping)."""
     eval_every_steps: int | None = Field(default=None, ge=1)

@@ -188,6 +188,9 @@ class Trainer:
         self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters (all requires_grad=False)")
+        # FedProx's anchor: the weights as given, before any resume loads later ones.
+        self.anchor = ([p.detach().clone() for p in self.params]
+                       if self.cfg.training.proximal_mu > 0 else [])
         self.model: nn.Module = self.raw_model
         if self.dist.enabled:
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -374,6 +377,7 @@ class Trainer:
         assert loss is not None
         if self.scaler.is_enabled():
             self.scaler.unscale_(self.optimizer)
+        self._proximal_gradient()
         max_norm = self.cfg.training.grad_clip_norm or math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         # With fp16 an inf gradient is the GradScaler's business (it skips the step); a NaN
@@ -420,6 +424,17 @@ class Trainer:
                 self.scaler.scale(loss * (len(xm) / n)).backward()
             total += loss.detach() * len(xm)
         return total / n
+
+    @torch.no_grad()
+    def _proximal_gradient(self) -> None:
+        """Add the gradient of (mu / 2) * ||w - anchor||^2, mu * (w - anchor), to the unscaled
+        gradients: the same step as putting the term in the loss, without the autograd."""
+        if not self.anchor:
+            return
+        mu = self.cfg.training.proximal_mu
+        for p, p0 in zip(self.params, self.anchor, strict=True):
+            if p.grad is not None:
+                p.grad.add_(p.detach() - p0, alpha=mu)
 
     def _shrink_micro_batch(self, step: int) -> None:
         old = self.state.micro_batch_size

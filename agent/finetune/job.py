@@ -59,6 +59,10 @@ class FinetuneJob(BaseModel):
     """Optimizer steps (wins over epochs)."""
     epochs: int | None = Field(default=None, ge=1)
     lr: float = Field(default=1e-3, gt=0)
+    proximal_mu: float = Field(default=0.0, ge=0)
+    """FedProx: pull the weights towards the upstream's by (mu / 2) * ||w - w_upstream||^2, so
+    devices with unlike data drift less apart before the fleet combines them (0 = off;
+    0.001-0.1 are usual)."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
     """sgd uses momentum 0.9."""
     trainable: str = "head"

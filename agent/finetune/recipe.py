@@ -60,6 +60,9 @@ def run_finetune(
         "device": setup.device,
         "precision": setup.precision,
         "trainable_params": sum(p.numel() for p in trainer.params),
+        "total_params": sum(p.numel() for p in trainer.raw_model.parameters()),
+        "train_samples": len(trainer.train_ds),  # type: ignore[arg-type]
+        "held_out_samples": len(trainer.val_ds),  # type: ignore[arg-type]
         "memory_plan": setup.plan,
         "micro_batch_size": trainer.state.micro_batch_size,
         "budget_mb": setup.budget_mb,

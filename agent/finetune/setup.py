@@ -84,6 +84,7 @@ def build_config(
                 "precision": precision,
                 "device": job.device,
                 "grad_clip_norm": 1.0,
+                "proximal_mu": job.proximal_mu,
             },
             "checkpoint": {
                 "every_steps": job.checkpoint_every,

@@ -243,3 +243,32 @@ def test_sigterm_then_resume_is_bitwise_identical(
         assert a.keys() == b.keys()
         diff = [k for k in a if not torch.equal(a[k], b[k])]
         assert not diff, f"stopped at {stop_at}: {name} differs in {diff}"
+
+
+def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return float(sum(((a[k].float() - b[k].float()) ** 2).sum() for k in a) ** 0.5)
+
+
+def test_proximal_term_adds_mu_times_the_drift_to_each_gradient(make_config) -> None:
+    """FedProx: the gradient of (mu / 2) * ||w - w_start||^2 is mu * (w - w_start), added
+    to whatever the data gave."""
+    t = Trainer(make_config("prox", ["training.proximal_mu=0.5"]))
+    with torch.no_grad():
+        for p in t.params:
+            p.add_(1.0)
+            p.grad = torch.full_like(p, 2.0)
+    t._proximal_gradient()
+    for p in t.params:
+        torch.testing.assert_close(p.grad, torch.full_like(p, 2.0 + 0.5 * 1.0))
+    off = Trainer(make_config("noprox"))
+    assert off.anchor == []  # off: no copy of the weights is kept
+
+
+def test_proximal_term_keeps_the_weights_closer_to_where_they_started(make_config) -> None:
+    init = params(Trainer(make_config("init")))
+    drift = {}
+    for mu in (0.0, 1.0, 10.0):
+        t = Trainer(make_config(f"mu{mu}", [f"training.proximal_mu={mu}"]))
+        t.train()
+        drift[mu] = _distance(params(t), init)
+    assert drift[10.0] < drift[1.0] < drift[0.0], drift

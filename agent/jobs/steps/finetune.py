@@ -153,6 +153,8 @@ def child(c: StepContext) -> dict[str, Any]:
         "checkpoint": r["checkpoint"], "stopped_reason": r["stopped_reason"], "steps": r["steps"],
         "accuracy_before": r["accuracy_before"], "accuracy_after": r["accuracy_after"],
         "micro_batch_size": r["micro_batch_size"],
+        "train_samples": r["train_samples"], "held_out_samples": r["held_out_samples"],
+        "trainable_params": r["trainable_params"], "total_params": r["total_params"],
         "accumulation_steps": -(-job.effective_batch // r["micro_batch_size"]),
         "peak_rss_mb": r["peak_rss_mb"],
         "precision": r["precision"], "max_temp_c": gov.get("max_temp_c"),

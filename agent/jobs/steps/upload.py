@@ -34,13 +34,31 @@ def run(ctx: JobContext) -> dict[str, Any]:
         report = publish(
             content, parent=parent.manifest, target=target, key=key, version=version,
             artefacts=artefacts,
-            metrics={"device/acc": ctx.outputs["health"]["staged"]["accuracy"]},
+            metrics=update_metrics(ctx.outputs),
         )
         m, uri = report.manifest, report.uri
     except VersionExistsError:
         m, uri = _uploaded_before(ctx, target, version, parent.version, key), target
     return {"version": m.version, "parent": m.parent, "sequence": m.sequence, "uri": str(uri),
             "signer": m.signer.name}
+
+
+def update_metrics(outputs: dict[str, Any]) -> dict[str, float]:
+    """What upstream needs to combine this update with the fleet's (``hpc-train aggregate``):
+    how many samples and steps it learned from (FedAvg weights by samples), how much of the
+    model it trained, and its accuracy before and after on this device's held-out data.
+    Counts and figures only: no sample leaves the device."""
+    ft, staged = outputs["finetune"], outputs["health"]["staged"]
+    out = {"device/acc": staged["accuracy"], "train/steps": ft["steps"]}
+    for key, name in (("train_samples", "train/samples"), ("held_out_samples",
+                      "device/held_out_samples"), ("accuracy_before", "device/acc_before"),
+                      ("accuracy_after", "device/acc_after"),
+                      ("trainable_params", "train/trainable_params")):
+        if ft.get(key) is not None:  # a job recorded before these existed lacks them
+            out[name] = float(ft[key])
+    if ft.get("trainable_params") and ft.get("total_params"):
+        out["train/trainable_fraction"] = ft["trainable_params"] / ft["total_params"]
+    return out
 
 
 def _uploaded_before(ctx: JobContext, target: str, version: str, parent: str,

@@ -149,6 +149,17 @@ def test_whole_job_commits_an_int8_model_and_uploads_it_signed(clean_run: CleanR
                                   Ref("digits", up["version"], device.registry.url),
                                   load_trusted_keys(device_only), cfg).manifest
     assert got.parent == "v1" and got.signer.name == "device"
+    # Enough for upstream to combine it with the fleet's (signed with it): what it learned
+    # from and how it did on this device's held-out data, as counts and figures.
+    m, ft = got.training.metrics, {s.name: s for s in JobStore(device.state).steps("j1")}
+    ft_out = ft["finetune"].outputs or {}
+    assert m["train/samples"] == ft_out["train_samples"] > 0
+    assert m["train/steps"] == ft_out["steps"] == rec.spec["finetune"]["steps"]
+    assert m["device/held_out_samples"] == ft_out["held_out_samples"] > 0
+    assert m["device/acc_before"] == pytest.approx(ft_out["accuracy_before"])
+    assert m["device/acc_after"] == pytest.approx(ft_out["accuracy_after"])
+    assert m["device/acc"] == pytest.approx(res["metrics_after"]["eval/acc"])  # as served
+    assert 0 < m["train/trainable_fraction"] <= 1
     # Upload again (a crash after the registry took it, before the step was recorded): done.
     from agent.jobs.protocol import JobContext
     from agent.jobs.steps import upload
