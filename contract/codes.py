@@ -9,10 +9,10 @@ from typing import Literal
 PROTOCOL_VERSION = 1
 
 CommandType = Literal[
-    "ping", "status", "finetune", "deploy", "rollback", "cancel", "set_power_mode"
+    "ping", "status", "finetune", "deploy", "rollback", "evaluate", "cancel", "set_power_mode"
 ]
 COMMAND_TYPES: tuple[str, ...] = CommandType.__args__  # type: ignore[attr-defined]
-JOB_TYPES = frozenset({"finetune", "deploy", "rollback"})
+JOB_TYPES = frozenset({"finetune", "deploy", "rollback", "evaluate"})
 """Commands that run as a queued job (one at a time); the rest are answered at once."""
 
 ResultStatus = Literal[

@@ -6,6 +6,7 @@
                                                              \\-failed-> rollback -> rolled back
     deploy:   pull -> stage -> health -passed-> commit -> done   (-failed-> rollback)
     rollback: switch -> done
+    evaluate: pull -> evaluate -> done   (a registry version scored, never installed)
 
 Events: ``done`` (the step finished), ``skip`` (the job's spec leaves an optional step out),
 ``passed`` / ``failed`` (health's verdict). A restart replays the recorded steps through the
@@ -73,6 +74,11 @@ TRANSITIONS: dict[str, Table] = {
     "rollback": {
         (START, "begin"): "switch",
         ("switch", "done"): DONE,
+    },
+    "evaluate": {
+        (START, "begin"): "pull",
+        ("pull", "done"): "evaluate",
+        ("evaluate", "done"): DONE,
     },
 }
 """Job type -> its transitions. A state is a step name (``agent.jobs.steps.WORKER_STEPS``)

@@ -31,6 +31,10 @@ def outcome(ctx: JobContext) -> dict[str, Any]:
         kind, reason = "unchanged", None
     if "switch" in o:  # a rollback job
         kind, reason = "rolled_back", ctx.spec.reason or "rollback requested"
+    ev = o.get("evaluate")
+    if ev is not None:  # an evaluate job: the baseline before, the candidate after
+        before = {"eval/acc": ev["baseline"]["accuracy"]} if "baseline" in ev else {}
+        after = {"eval/acc": ev["accuracy"]}
     name = ctx.model_name()
     res: dict[str, Any] = {"outcome": kind, "reason": reason, "metrics_before": before,
                            "metrics_after": after}
@@ -52,6 +56,7 @@ def outcome(ctx: JobContext) -> dict[str, Any]:
     # Extra figures for the fleet and the summary (JobOutcome allows extra keys).
     res["export"] = {k: o["export"].get(k) for k in EXPORT_FIGURES} if "export" in o else None
     res["health"] = health or None
+    res["evaluation"] = ev
     ft = o.get("finetune")
     res["memory"] = _memory(ft, o) if ft else None
     res["governor"] = _governor(ft) if ft else None

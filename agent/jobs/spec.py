@@ -22,12 +22,10 @@ Torch-free: the daemon validates commands against it.
 from __future__ import annotations
 
 import copy
-import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -36,30 +34,14 @@ from pydantic import (
 )
 
 from agent.finetune.job import FinetuneJob
+from agent.jobs.evaluate_spec import EvaluateArgs, EvaluateJob
+from agent.jobs.names import ModelName, Name, Version
 from exporters.job import ExportJob, Precision, TensorRTConfig
 from hpc_core.job_args import flag
-from registry.names import check_model_name, check_version
 
 JOB_STEPS = ("pull", "finetune", "export", "stage", "health", "commit", "rollback", "upload")
 
 
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-"""A name a command gives for something the device keeps under a root of its own."""
-
-
-def _name(v: str) -> str:
-    if not NAME_RE.fullmatch(v):
-        raise ValueError(
-            f"{v!r} is not a name: 1-128 of A-Z a-z 0-9 . _ -, starting with a letter or "
-            "digit; a command names things under the device's own folders, never a path"
-        )
-    return v
-
-
-Name = Annotated[str, AfterValidator(_name)]
-# The registry's own rules: both become folder names in the state dir and the registry.
-ModelName = Annotated[str, AfterValidator(check_model_name)]
-Version = Annotated[str, AfterValidator(check_version)]
 
 
 def _without(
@@ -251,7 +233,7 @@ class RollbackJob(BaseModel):
 
 
 SPECS: dict[str, type[BaseModel]] = {"finetune": DeviceJob, "deploy": DeployJob,
-                                     "rollback": RollbackJob}
+                                     "rollback": RollbackJob, "evaluate": EvaluateJob}
 """Job type (contract JOB_TYPES) -> the resolved spec the worker runs."""
 
 
@@ -304,7 +286,7 @@ class RollbackArgs(BaseModel):
 
 
 COMMAND_ARGS: dict[str, type[BaseModel]] = {"finetune": FinetuneArgs, "deploy": DeployArgs,
-                                            "rollback": RollbackArgs}
+                                            "rollback": RollbackArgs, "evaluate": EvaluateArgs}
 """Job type -> the allow-list of what its command may carry (extra fields are refused)."""
 
 
@@ -370,6 +352,10 @@ def resolve(type_: str, args: BaseModel, settings: DeviceSettings) -> BaseModel:
             model=args.model, version=args.version, registry=settings.registry,
             data=resolve_data(args.data, settings) if args.data else None,
             health=args.health, trusted_keys=settings.trusted_keys)
+    if isinstance(args, EvaluateArgs):
+        return EvaluateJob(model=args.model, version=args.version,
+                           data=resolve_data(args.data, settings), evaluate=args.evaluate,
+                           registry=settings.registry, trusted_keys=settings.trusted_keys)
     if not isinstance(args, FinetuneArgs):
         raise TypeError(f"no resolution for {type_} args {type(args).__name__}")
     upload_to = settings.upload_registry or settings.registry

@@ -14,18 +14,28 @@ from collections.abc import Callable
 from typing import Any
 
 from agent.jobs.protocol import JobContext, StepContext
-from agent.jobs.steps import commit, export, finetune, health, pull, stage, switch, upload
+from agent.jobs.steps import (
+    commit,
+    evaluate,
+    export,
+    finetune,
+    health,
+    pull,
+    stage,
+    switch,
+    upload,
+)
 
 WORKER_STEPS: dict[str, Callable[[JobContext], dict[str, Any]]] = {
     "pull": pull.run, "finetune": finetune.run, "export": export.run, "stage": stage.run,
     "health": health.run, "commit": commit.run, "rollback": commit.rollback,
-    "upload": upload.run, "switch": switch.run,
+    "upload": upload.run, "switch": switch.run, "evaluate": evaluate.run,
 }
 """State name -> the function the worker runs for it."""
 
 CHILD_STEPS: dict[str, Callable[[StepContext], dict[str, Any]]] = {
     "fetch": pull.child_fetch, "setup": finetune.child_setup, "finetune": finetune.child,
     "export_prepare": export.child_prepare, "export": export.child, "stage": stage.child,
-    "health": health.child,
+    "health": health.child, "evaluate": evaluate.child,
 }
 """Child step name -> the function ``python -m agent.jobs.child`` runs (torch side)."""

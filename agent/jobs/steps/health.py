@@ -44,7 +44,7 @@ def _data_config(c: StepContext) -> dict[str, Any] | None:
     return build_config(job, upstream, "fp32", None).data.model_dump(mode="json")
 
 
-def _held_out(c: StepContext, samples: int | None) -> tuple[Any, Any]:
+def held_out_data(c: StepContext, samples: int | None) -> tuple[Any, Any]:
     import numpy as np
 
     from hpc_core.config import DataConfig
@@ -64,7 +64,7 @@ def _held_out(c: StepContext, samples: int | None) -> tuple[Any, Any]:
     return np.ascontiguousarray(x), y
 
 
-def _runner(slot: Path) -> tuple[Any, str]:
+def runner_for(slot: Path) -> tuple[Any, str]:
     from agent.finetune.model import load_upstream
     from exporters.ort_runner import OrtRunner
     from exporters.runtime import TorchRunner
@@ -93,14 +93,14 @@ def child(c: StepContext) -> dict[str, Any]:
     from exporters.runtime import batch_of, measure_latency, predict
 
     opts = c.spec["health"]
-    x, y = _held_out(c, opts["samples"])
+    x, y = held_out_data(c, opts["samples"])
     batch = infer_batch(c)
     out: dict[str, Any] = {"samples": len(x), "tensorrt": "skipped: no TensorRT on this host"}
     paths = {"active": c.active_path, "staged": c.staged_path}
     roles = ("active", "staged") if c.active_path else ("staged",)
     failures = []
     for role in roles:
-        runner, runtime = _runner(Path(paths[role]))  # type: ignore[arg-type]
+        runner, runtime = runner_for(Path(paths[role]))  # type: ignore[arg-type]
         logits = predict(runner, x, batch=batch)
         acc = float((logits.argmax(1) == y).mean()) if y is not None else None
         lat = measure_latency(runner, batch_of(x, 1), warmup=5, iters=50)

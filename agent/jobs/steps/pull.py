@@ -71,8 +71,8 @@ def child_fetch(c: StepContext) -> dict[str, Any]:
     """Pull a registry version (manifest verified before any chunk, every chunk hashed).
 
     A deploy stages it into the standby slot (the active model is not touched; a possible
-    rollback is refused). A fine-tune only trains from it: it goes to JOB_DIR/upstream and
-    never into a slot (``fetch_training_source``)."""
+    rollback is refused). A fine-tune only trains from it and an evaluate only scores it: it
+    goes to JOB_DIR/upstream and never into a slot (``fetch_training_source``)."""
     from agent.storage.chunk_store import ChunkStore
     from agent.storage.slots import ModelSlots
     from agent.storage.trust import load_trusted
@@ -82,7 +82,7 @@ def child_fetch(c: StepContext) -> dict[str, Any]:
     spec = c.spec
     ref = Ref(spec["model"], spec["version"], spec["registry"])
     trusted = load_trusted(c.trusted_keys)
-    if "finetune" in spec:
+    if "finetune" in spec or "evaluate" in spec:
         pulled, source = fetch_training_source(ref, c.job_dir / "upstream",
                                                state_dir=c.state_dir, trusted=trusted)
         return {"version": source.version, "path": str(source.path), "slot": source.slot,

@@ -1,0 +1,83 @@
+"""evaluate: a registry version scored on this device's held-out data, never installed.
+
+The candidate was verified into the job folder by ``pull`` (like a fine-tune's upstream);
+the baseline (``evaluate.baseline``: an installed version, else fetched and verified the same
+way; null: the active model) is scored beside it on the very same samples, through the
+runtime the health check uses (the slot's ONNX artefact where there is one, else PyTorch).
+Upstream's publish gates read the two accuracies (``hpc-train publish --device-evals``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from agent.jobs.protocol import JobContext, StepContext, StepFailed, run_child
+from agent.jobs.steps.context import step_context, trusted_keys
+
+
+def _baseline(ctx: JobContext) -> tuple[str | None, Path | None]:
+    """(version, folder) of what the candidate is compared with; (None, None): nothing."""
+    from agent.storage.slots import ModelSlots
+    from registry.errors import RegistryError
+
+    slots = ModelSlots(ctx.state_dir, ctx.spec.model)
+    want = ctx.spec.evaluate.baseline
+    if want is None:
+        active = slots.active()
+        return (active.version, active.path) if active is not None else (None, None)
+    try:
+        installed = slots.installed(want)
+    except RegistryError:
+        installed = None
+    if installed is not None:
+        return installed.version, installed.path
+    if not ctx.spec.registry:
+        raise StepFailed("evaluate", f"baseline {ctx.spec.model}@{want} is not on this device "
+                         "and the job has no registry to fetch it from", code="NOT_FOUND")
+    from agent.storage.update import fetch_training_source
+    from registry.refs import Ref
+
+    try:
+        _, source = fetch_training_source(
+            Ref(ctx.spec.model, want, ctx.spec.registry), ctx.job_dir / "baseline",
+            state_dir=ctx.state_dir, trusted=trusted_keys(ctx))
+    except RegistryError as e:
+        raise StepFailed("evaluate", f"baseline {ctx.spec.model}@{want}: {e}") from None
+    return source.version, source.path
+
+
+def run(ctx: JobContext) -> dict[str, Any]:
+    version, path = _baseline(ctx)
+    out = run_child(ctx, "evaluate", step_context(
+        ctx, active_path=path, staged_path=Path(ctx.outputs["pull"]["path"])))
+    out["version"] = ctx.outputs["pull"]["version"]
+    if "baseline" in out:
+        out["baseline"]["version"] = version
+    return out
+
+
+# -- the child's half -------------------------------------------------------------------------
+
+
+def child(c: StepContext) -> dict[str, Any]:
+    from agent.jobs.steps.health import held_out_data, infer_batch, runner_for
+    from exporters.runtime import predict
+
+    samples = c.spec["evaluate"].get("samples")
+    x, y = held_out_data(c, samples)
+    if y is None:
+        raise ValueError("evaluate needs labelled data: data is unset")
+    out: dict[str, Any] = {"samples": len(x)}
+    roles = {"candidate": c.staged_path, "baseline": c.active_path}
+    for role, path in roles.items():
+        if path is None:
+            continue
+        runner, runtime = runner_for(Path(path))
+        logits = predict(runner, x, batch=infer_batch(c))
+        finite = bool((logits == logits).all())  # NaN != NaN
+        acc = float((logits.argmax(1) == y).mean()) if finite else 0.0
+        out[role] = {"accuracy": acc, "runtime": runtime, "finite": finite}
+    out["accuracy"] = out["candidate"]["accuracy"]
+    if "baseline" in out:
+        out["gain_pts"] = round(100 * (out["accuracy"] - out["baseline"]["accuracy"]), 3)
+    return out
