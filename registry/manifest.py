@@ -136,23 +136,9 @@ class ArtefactEntry(_Strict):
         return check_sha256(v)
 
 
-class TrainingInfo(_Strict):
-    config_sha256: str | None = None
-    """TrainConfig.digest() of the run that produced the weights."""
-    step: int | None = None
-    epoch: int | None = None
-    metrics: dict[str, float] = Field(default_factory=dict)
-
-
-class Signer(_Strict):
-    key_id: str
-    """First 16 hex digits of sha256(raw Ed25519 public key)."""
-    name: str
-    """The key's name (file stem) as its owner called it, e.g. 'upstream' or a device id."""
-
-
 class BaseRelease(_Strict):
-    """The upstream release a device-made version descends from."""
+    """An upstream release, by version and signed sequence: the one a device-made version
+    descends from, or the one an aggregate's device fine-tunes were made from."""
 
     version: str
     sequence: int = Field(ge=1, le=(1 << 53))
@@ -161,6 +147,49 @@ class BaseRelease(_Strict):
     @classmethod
     def _version(cls, v: str) -> str:
         return check_version(v)
+
+
+class AggregateInfo(_Strict):
+    """The lineage of a version ``hpc-train aggregate`` made from device fine-tunes."""
+
+    base: BaseRelease
+    """The upstream release whose fine-tunes were combined (the deltas' reference)."""
+    combined: tuple[str, ...] = Field(min_length=1)
+    """The device versions combined, as the round's report lists them."""
+    strategy: str = Field(min_length=1, max_length=64)
+    """How the deltas were combined (fedavg, trimmed-mean, median, krum)."""
+    report_sha256: str
+    """sha256 of the round's aggregate.json, so the full report (per-update weights, norms,
+    skips), wherever it is kept, can be tied to this version."""
+
+    @field_validator("combined")
+    @classmethod
+    def _versions(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(v)) != len(v):
+            raise ValueError("a combined version is listed twice")
+        return tuple(check_version(x) for x in v)
+
+    @field_validator("report_sha256")
+    @classmethod
+    def _hex(cls, v: str) -> str:
+        return check_sha256(v)
+
+
+class TrainingInfo(_Strict):
+    config_sha256: str | None = None
+    """TrainConfig.digest() of the run that produced the weights."""
+    step: int | None = None
+    epoch: int | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+    aggregate: AggregateInfo | None = None
+    """Set when the weights are an aggregate of device fine-tunes; None for a training run."""
+
+
+class Signer(_Strict):
+    key_id: str
+    """First 16 hex digits of sha256(raw Ed25519 public key)."""
+    name: str
+    """The key's name (file stem) as its owner called it, e.g. 'upstream' or a device id."""
 
 
 class Manifest(_Strict):
@@ -277,6 +306,10 @@ class Manifest(_Strict):
         doc = self.model_dump(mode="json")
         if doc["base"] is None:  # an upstream release: the same bytes as before lineage existed
             del doc["base"]
+        # Left out unless set, for the same reason: a device whose schema predates the field
+        # (extra keys forbidden) still takes every version that is not an aggregate.
+        if doc["training"]["aggregate"] is None:
+            del doc["training"]["aggregate"]
         return (json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 
     @classmethod
