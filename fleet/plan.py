@@ -30,8 +30,10 @@ class RolloutPlan(BaseModel):
     """Target every device whose retained status lists this group (snapshot at creation)."""
     devices: list[str] | None = None
     """Or target these device ids explicitly."""
-    job: Literal["finetune", "deploy"]
-    """The device job each target runs (contract JOB_TYPES)."""
+    job: Literal["finetune", "deploy", "evaluate"]
+    """The device job each target runs (contract JOB_TYPES). ``evaluate`` scores a version on
+    each device's held-out data and installs nothing (fleet learning's federated evaluation):
+    its outcome's metrics_before / metrics_after are the baseline's and the candidate's."""
     args: dict[str, Any] = Field(default_factory=dict)
     """The job's args, sent as they are; the device validates them (REJECTED = never retried)."""
     waves: list[int | str] = Field(default_factory=lambda: ["100%"])
