@@ -7,8 +7,8 @@ resume or abort of a finished one).
 
 Each command group lives in a module of its own that adds its sub-parsers through
 ``register(sub)``: ``fleet.cli_devices`` (devices, watch, send), ``fleet.cli_broker``
-(broker-config) and ``fleet.cli_rollout`` (controller, rollout ...); the global options, exit
-codes and logging they share are ``fleet.cli_options``.
+(broker-config), ``fleet.cli_rollout`` (controller, rollout ...) and ``fleet.cli_learn``
+(learn ...); the global options, exit codes and logging they share are ``fleet.cli_options``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import argparse
 import logging
 import sys
 
-from fleet import cli_broker, cli_devices, cli_rollout
+from fleet import cli_broker, cli_devices, cli_learn, cli_rollout
 from fleet.cli_options import (
     EXIT_FAILED,
     EXIT_USAGE,
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_devices.register(sub)
     cli_broker.register(sub)
     cli_rollout.register(sub)
+    cli_learn.register(sub)
     return ap
 
 

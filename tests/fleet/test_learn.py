@@ -1,0 +1,397 @@
+"""``fleetctl learn`` end to end: the real command against a real mosquitto and simulated
+devices that fine-tune (and upload), evaluate and deploy.
+
+The round logic runs with a stand-in for ``hpc-train`` (``tests/fleet/fake_hpc_train.py``:
+same arguments, exit codes and report files, and it counts every call); one test runs the real
+``hpc-train aggregate`` and ``publish`` on real device-signed uploads in a folder registry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fleet import learn_report
+from fleet.learn_store import LearnStore
+from fleet.mqtt import BrokerConfig
+from fleet.sim_fleet import SimFleet
+from fleet.store import FleetStore
+from tests.fleet.conftest import fleetctl_argv
+from tests.fleet.learn_sim import Scores, read_tensors, start
+from tests.support.fleet_registry import FleetRegistry
+
+FAKE = f"{sys.executable} {Path(__file__).with_name('fake_hpc_train.py')}"
+REAL = f"{sys.executable} -m hpc_core.cli"
+
+
+@pytest.fixture
+def learn_fleet(broker: BrokerConfig) -> Iterator[Callable[..., SimFleet]]:
+    started: list[SimFleet] = []
+
+    def run(scores: Scores, **cfg: Any) -> SimFleet:
+        fleet = start(broker, scores, **cfg)
+        started.append(fleet)
+        return fleet
+
+    yield run
+    for f in started:
+        f.stop()
+        assert not f.errors, f.errors
+
+
+@pytest.fixture
+def env(subprocess_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """The stand-in hpc-train for every fleetctl (a resumed controller too), its call log."""
+    return subprocess_env | {"FAKE_HPC_TRAIN_LOG": str(tmp_path / "tool-calls.jsonl"),
+                             "FLEETCTL_HPC_TRAIN": FAKE}
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> dict[str, Path]:
+    """A trusted-keys folder and a signing key (the fake tool signs nothing; paths must exist)."""
+    trusted = tmp_path / "trusted"
+    trusted.mkdir()
+    key = tmp_path / "upstream.key.pem"
+    key.write_text("not a key: the fake publish never reads it\n")
+    return {"trusted": trusted, "key": key, "registry": tmp_path / "registry"}
+
+
+def learn_argv(broker: BrokerConfig, tmp_path: Path, *args: str) -> list[str]:
+    return [*fleetctl_argv(broker, tmp_path), "learn", *args]
+
+
+def start_args(name: str, keys: dict[str, Path], *extra: str, base: str = "v1",
+               fake: bool = True) -> list[str]:
+    return ["start", name, "--group", "sim", "--model", "digits", "--base", base,
+            "--data", "cam0", "--registry", str(keys["registry"]),
+            "--trusted-keys", str(keys["trusted"]), "--sign-key", str(keys["key"]),
+            *(["--hpc-train", FAKE] if fake else ["--hpc-train", REAL]), *extra]
+
+
+def status(tmp_path: Path, name: str) -> dict[str, Any]:
+    """What ``fleetctl learn status NAME --json`` prints, read from the db in this process."""
+    store = FleetStore(tmp_path / "fleet.db")
+    try:
+        return learn_report.load(store, LearnStore(store), name)
+    finally:
+        store.close()
+
+
+def tool_calls(tmp_path: Path) -> list[list[str]]:
+    path = tmp_path / "tool-calls.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["argv"] for line in path.read_text().splitlines()]
+
+
+def calls(tmp_path: Path, tool: str, version: str | None = None,
+          base: str | None = None) -> list[list[str]]:
+    out = []
+    for argv in tool_calls(tmp_path):
+        if argv[0] != tool:
+            continue
+        if version is not None and argv[argv.index("--version") + 1] != version:
+            continue
+        if base is not None and argv[argv.index("--base") + 1] != base:
+            continue
+        out.append(argv)
+    return out
+
+
+def opt(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def ran_twice(fleet: SimFleet) -> dict[str, list[str]]:
+    return {d.id: d.executed for d in fleet.devices.values()
+            if len(set(d.executed)) != len(d.executed)}
+
+
+def test_a_round_published_and_deployed_then_one_refused_keeps_its_base(
+    broker: BrokerConfig, learn_fleet: Callable[..., SimFleet], keys: dict[str, Path],
+    tmp_path: Path, env: dict[str, str],
+) -> None:
+    # Round 1: every device gains 2 points -> released and deployed. Round 2: sim-0001 loses 5.
+    scores = Scores(gains={}, gain=0.02)
+    fleet = learn_fleet(scores, devices=4, behavior={"job_duration_s": 0.05})
+    scores.by_candidate = {"nl-r2-candidate": {"sim-0001": -0.05}}
+    (tmp_path / "upstream-ckpt").mkdir()
+    (tmp_path / "upstream.yaml").write_text("data: {source: digits}\n")
+    r = subprocess.run(learn_argv(broker, tmp_path, *start_args(
+        "nl", keys, "--rounds", "2", "--min-updates", "4", "--max-device-drop", "2",
+        "--min-devices", "4", "--deploy", "--timeout-s", "20", "--max-upstream-drop", "1",
+        "--base-checkpoint", str(tmp_path / "upstream-ckpt"),
+        "--eval-config", str(tmp_path / "upstream.yaml"))),
+        capture_output=True, text=True, env=env | {"FAKE_UPSTREAM_DROP_PTS": "0.5"}, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    s = status(tmp_path, "nl")
+    assert s["state"] == "finished" and s["base"] == "nl-r1"
+    r1, r2 = s["history"]
+    assert (r1["outcome"], r1["release"], r1["deploy"]) == ("published", "nl-r1", "succeeded")
+    assert r1["updates"] == {"chosen": 4, "combined": 4, "skipped": 0, "dropped": 0, "stale": 0}
+    assert r1["evaluation"]["devices"] == 4 and r1["evaluation"]["mean_gain_pts"] == 2.0
+    assert [g["flag"] for g in r1["gates"]] == \
+        ["--max-upstream-drop 1", "--min-devices 4", "--max-device-drop 2"]
+    assert all(g["passed"] for g in r1["gates"])
+    assert (r2["base"], r2["outcome"], r2["release"], r2["deploy"]) == \
+        ("nl-r1", "refused", None, None)
+    assert "--max-device-drop 2: sim-0001 dropped 5 pts" in r2["reason"]
+    # What ran upstream: per round one aggregate of that round's base, the candidate, the
+    # release with the device gates (the second refused, exit 4); the evals file as published.
+    work = tmp_path / "fleet.db.learn" / "nl"
+    assert [opt(a, "--base") for a in calls(tmp_path, "aggregate")] == ["v1", "nl-r1"]
+    (cand1,) = calls(tmp_path, "publish", "nl-r1-candidate")
+    (cand2,) = calls(tmp_path, "publish", "nl-r2-candidate")
+    # The upstream gate scores each candidate against the checkpoint its base came from.
+    assert opt(cand1, "--base-checkpoint") == str(tmp_path / "upstream-ckpt")
+    assert opt(cand2, "--base-checkpoint") == str(work / "round-1" / "aggregate")
+    assert "--device-evals" not in cand1 and "--max-upstream-drop" not in calls(
+        tmp_path, "publish", "nl-r1")[0]
+    assert len(calls(tmp_path, "publish", "nl-r2")) == 1
+    evals = json.loads((work / "round-2" / "device-evals.json").read_text())["evaluations"]
+    assert {e["device"]: round(e["candidate_accuracy"] - e["base_accuracy"], 6) for e in evals} \
+        == {"sim-0000": 0.02, "sim-0001": -0.05, "sim-0002": 0.02, "sim-0003": 0.02}
+    # Round 2 fine-tuned from the release; only the release was ever deployed.
+    assert [base for _, base in [(d, v.split("+")[0]) for d, v in scores.uploads]] == \
+        ["v1"] * 4 + ["nl-r1"] * 4
+    rollouts = {j.split(".")[0].rsplit("-", 1)[0] for d in fleet.devices.values()
+                for j in d.executed}
+    assert rollouts == {"nl-r1-ft", "nl-r1-ev", "nl-r1-dp", "nl-r2-ft", "nl-r2-ev"}
+    assert not ran_twice(fleet)
+    assert "learn nl: finished, round 2 of 2, base nl-r1" in r.stdout
+    r = subprocess.run(learn_argv(broker, tmp_path, "status", "nl", "--json"),
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0 and json.loads(r.stdout)["history"] == s["history"]
+    assert (tmp_path / "reports" / "learn-nl.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_offline_and_slow_devices_do_not_hold_a_round_a_late_upload_counts_next_round(
+    broker: BrokerConfig, learn_fleet: Callable[..., SimFleet], keys: dict[str, Path],
+    tmp_path: Path, env: dict[str, str],
+) -> None:
+    # sim-0000/1 answer at once, sim-0002 takes 1.5 s a job, sim-0003 is offline: round 1
+    # aggregates the first two; sim-0002's upload of v1 arrives during round 1's evaluation
+    # and is combined in round 2 with staleness 1; sim-0003 never holds anything up.
+    fast = {"job_duration_s": 0.05}
+    fleet = learn_fleet(Scores(), devices=4, behavior=fast,
+                        overrides={"sim-0002": {"job_duration_s": 1.5}})
+    fleet.crash("sim-0003")
+    time.sleep(0.3)
+    r = subprocess.run(learn_argv(broker, tmp_path, *start_args(
+        "late", keys, "--rounds", "2", "--min-updates", "2", "--max-staleness", "1",
+        "--min-devices", "2", "--min-mean-gain", "0", "--timeout-s", "4", "--collect-s", "30")),
+        capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert '"offline": 1' in r.stdout
+    s = status(tmp_path, "late")
+    r1, r2 = s["history"]
+    assert r1["outcome"] == "published" and r2["outcome"] == "published"
+    assert {u["device"] for u in r1["chosen"]} == {"sim-0000", "sim-0001"}
+    late = [u for u in r2["chosen"] if u["device"] == "sim-0002"]
+    assert late and late[0]["staleness"] == 1 and late[0]["release"] == "v1"
+    assert late[0]["version"].startswith("v1+sim-0002.")
+    assert r2["updates"]["stale"] == 1
+    agg2 = calls(tmp_path, "aggregate", base="late-r1")
+    assert len(agg2) == 1 and opt(agg2[0], "--max-staleness") == "1"
+    assert late[0]["version"] in opt(agg2[0], "--updates").split(",")
+    # The offline device was asked, timed out, and is listed as not evaluated.
+    assert [d["device"] for d in r1["not_evaluated"]] == ["sim-0003"]
+    assert "TIMED_OUT" in r1["not_evaluated"][0]["reason"]
+    assert r1["evaluation"]["devices"] == 3
+    assert not ran_twice(fleet)
+
+
+def _round_state(db: Path, name: str) -> dict[str, Any] | None:
+    try:
+        with sqlite3.connect(db, timeout=5) as c:
+            row = c.execute("SELECT state FROM learn_rounds WHERE learn_id = ? "
+                            "ORDER BY round DESC LIMIT 1", (name,)).fetchone()
+    except sqlite3.OperationalError:
+        return None
+    return None if row is None else json.loads(row[0])
+
+
+def _open_evals(db: Path, rid_prefix: str) -> int:
+    try:
+        with sqlite3.connect(db, timeout=5) as c:
+            return int(c.execute(
+                "SELECT COUNT(*) FROM executions WHERE rollout_id LIKE ? AND status IN "
+                "('SENT', 'ACCEPTED', 'IN_PROGRESS')", (rid_prefix + "%",)).fetchone()[0])
+    except sqlite3.OperationalError:
+        return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
+        return f.read().split()[2] != "Z"
+
+
+def test_controller_sigkilled_mid_round_resumes_without_running_anything_again(
+    broker: BrokerConfig, learn_fleet: Callable[..., SimFleet], keys: dict[str, Path],
+    tmp_path: Path, env: dict[str, str],
+) -> None:
+    fleet = learn_fleet(Scores(), devices=4, behavior={"job_duration_s": 0.6})
+    db = tmp_path / "fleet.db"
+    env = env | {"FAKE_HPC_TRAIN_SLEEP_S": "2"}
+    kill_points: list[Callable[[], bool]] = [
+        # 1: round 1's evaluations are out on the devices
+        lambda: (_round_state(db, "k") or {}).get("phase") == "evaluate"
+        and _open_evals(db, "k-r1-ev") > 0,
+        # 2: round 2's aggregation is running (the tool dies with its controller)
+        lambda: (_round_state(db, "k") or {}).get("round") == 2
+        and len(calls(tmp_path, "aggregate", base="k-r1")) == 1,
+    ]
+    argvs = [learn_argv(broker, tmp_path, *start_args(
+        "k", keys, "--rounds", "2", "--min-updates", "4", "--max-device-drop", "2",
+        "--min-devices", "4", "--timeout-s", "30")), learn_argv(broker, tmp_path, "run", "k")]
+    for i, (argv, reached) in enumerate(zip(argvs, kill_points, strict=True)):
+        log = open(tmp_path / f"controller-{i}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=log)
+        log.close()
+        deadline = time.monotonic() + 60
+        while not reached():
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / f"controller-{i}.log").read_text()[-3000:]
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        time.sleep(0.5)  # results arrive while no controller runs: the session keeps them
+    killed_tool = [json.loads(line) for line in
+                   (tmp_path / "tool-calls.jsonl").read_text().splitlines()][-1]
+    assert killed_tool["argv"][0] == "aggregate"
+    time.sleep(0.3)
+    assert not _alive(killed_tool["pid"]), "the aggregation outlived its controller"
+    r = subprocess.run(learn_argv(broker, tmp_path, "run", "k"), capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    s = status(tmp_path, "k")
+    assert s["state"] == "finished" and [h["outcome"] for h in s["history"]] == \
+        ["published", "published"]
+    # Nothing that finished ran again: one aggregate of v1, one candidate and one release per
+    # round; round 2's aggregation ran twice, the first killed with its controller.
+    r1, r2 = s["history"]
+    assert r1["tool_runs"] == {"aggregate": 1, "candidate": 1, "publish": 1}
+    assert r2["tool_runs"] == {"aggregate": 2, "candidate": 1, "publish": 1}
+    assert len(calls(tmp_path, "aggregate", base="v1")) == 1
+    assert len(calls(tmp_path, "aggregate", base="k-r1")) == 2
+    for v in ("k-r1-candidate", "k-r1", "k-r2-candidate", "k-r2"):
+        assert len(calls(tmp_path, "publish", v)) == 1, v
+    # Every device started every job once; the re-sent ones were answered DUPLICATE.
+    assert not ran_twice(fleet)
+    for d in fleet.devices.values():
+        assert len(d.executed) == 4, (d.id, d.executed)  # r1 ft + ev, r2 ft + ev
+    assert sum(d.duplicates for d in fleet.devices.values()) > 0
+
+
+def test_real_hpc_train_aggregates_the_uploads_and_publishes_behind_the_gates(
+    broker: BrokerConfig, learn_fleet: Callable[..., SimFleet], tmp_path: Path,
+    env: dict[str, str],
+) -> None:
+    # A real folder registry: release 1 of a small mlp, device-signed uploads made by the
+    # simulated devices' fine-tunes, the real `hpc-train aggregate` and `publish`.
+    reg = FleetRegistry.create(tmp_path / "fleet", name="digits")
+    rng = np.random.default_rng(0)
+    shapes = {"1.weight": (8, 4), "1.bias": (8,), "3.weight": (2, 8), "3.bias": (2,)}
+    reg.release("1", {k: rng.normal(0, 0.5, s).astype(np.float32) for k, s in shapes.items()})
+    devices = [f"sim-{i:04d}" for i in range(3)]
+    for d in devices:
+        reg.device(d)  # keys (trusted, scoped to the device's own versions) made up front
+    scores = Scores(registry=reg, gain=0.01)
+    fleet = learn_fleet(scores, devices=3, behavior={"job_duration_s": 0.05})
+    keys = {"trusted": reg.trusted, "key": reg.work / "keys" / "upstream.key.pem",
+            "registry": reg.root}
+    r = subprocess.run(learn_argv(broker, tmp_path, *start_args(
+        "real", keys, "--rounds", "1", "--min-updates", "3", "--min-devices", "3",
+        "--max-device-drop", "1", "--min-mean-gain", "0.5", "--deploy", "--timeout-s", "60",
+        base="1", fake=False)), capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    s = status(tmp_path, "real")
+    (r1,) = s["history"]
+    uploaded = sorted(v for _, v in scores.uploads)
+    assert sorted(r1["combined"]) == uploaded and len(uploaded) == 3
+    assert (r1["outcome"], r1["candidate"], r1["release"], r1["deploy"]) == \
+        ("published", "real-r1-candidate", "real-r1", "succeeded")
+    assert {g["flag"] for g in r1["gates"]} == \
+        {"--min-devices 3", "--max-device-drop 1", "--min-mean-gain 0.5"}
+    # The release is signed with its lineage and the gate figures; its tensors are the
+    # aggregate's (base + mean delta of the three uploads: fedavg, equal samples).
+    release, tensors = read_tensors(reg, "real-r1")
+    assert release.parent == "1" and release.training.aggregate is not None
+    assert sorted(release.training.aggregate.combined) == uploaded
+    assert release.training.metrics["gate/devices"] == 3.0
+    _, base = read_tensors(reg, "1")
+    ups = [read_tensors(reg, v)[1] for v in uploaded]
+    for k, v in tensors.items():
+        want = base[k] + np.mean([u[k] - base[k] for u in ups], axis=0)
+        np.testing.assert_allclose(v, want, atol=1e-6)
+    assert {d.model.version for d in fleet.devices.values()} == {"real-r1"}
+    assert sorted(reg.store.list_versions("digits")) == sorted(
+        ["1", "real-r1-candidate", "real-r1", *uploaded])
+
+
+def test_a_bad_plan_is_refused_before_anything_is_sent(
+    broker: BrokerConfig, keys: dict[str, Path], tmp_path: Path, env: dict[str, str],
+) -> None:
+    argv = learn_argv(broker, tmp_path, *start_args("bad", keys, "--rounds", "2"))
+    r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2
+    assert "set min_mean_gain or max_device_drop" in r.stderr
+    plan = tmp_path / "learn.yaml"
+    plan.write_text("rounds: 2\nmax_device_drop: 1\ncolect_s: 5\n")
+    r = subprocess.run([*argv, "--plan", str(plan)], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 2 and "colect_s: unknown field" in r.stderr, r.stderr
+    r = subprocess.run([*argv, "--max-device-drop", "1", "--finetune",
+                        '{"steps": {"upload": false}}'], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert r.returncode == 2 and "steps.upload: the learn sets it" in r.stderr, r.stderr
+    assert not (tmp_path / "fleet.db").exists()  # refused before the db was opened
+
+
+def test_a_tool_that_fails_stops_the_learn_and_resume_goes_on_from_that_phase(
+    broker: BrokerConfig, learn_fleet: Callable[..., SimFleet], keys: dict[str, Path],
+    tmp_path: Path, env: dict[str, str],
+) -> None:
+    fleet = learn_fleet(Scores(), devices=2, behavior={"job_duration_s": 0.05})
+    r = subprocess.run(learn_argv(broker, tmp_path, *start_args(
+        "f", keys, "--min-updates", "2", "--min-mean-gain", "1", "--rounds", "1")),
+        capture_output=True, text=True, env=env | {"FAKE_HPC_TRAIN_FAIL": "aggregate:2"},
+        timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    s = status(tmp_path, "f")
+    assert s["state"] == "failed" and s["current"]["phase"] == "aggregate"
+    assert "round 1, aggregate: hpc-train aggregate exit 2" in s["reason"]
+    assert "--trusted-keys holds no key" in s["reason"]
+    r = subprocess.run(learn_argv(broker, tmp_path, "list"), capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert r.returncode == 0 and "f   failed  1/1" in r.stdout, r.stdout
+    # Fixed: resume, and the next controller goes on from the aggregation (the devices'
+    # fine-tunes are not asked for again).
+    r = subprocess.run(learn_argv(broker, tmp_path, "resume", "f"), capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(learn_argv(broker, tmp_path, "run", "f"), capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    s = status(tmp_path, "f")
+    assert s["state"] == "finished" and s["history"][0]["outcome"] == "published"
+    assert s["history"][0]["tool_runs"] == {"aggregate": 2, "candidate": 1, "publish": 1}
+    assert all(len(d.executed) == 2 for d in fleet.devices.values())  # one ft, one ev each
+    r = subprocess.run(learn_argv(broker, tmp_path, "resume", "f"), capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 2 and "only a failed learn is resumed" in r.stderr
