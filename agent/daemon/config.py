@@ -127,6 +127,10 @@ class LimitsConfig(_Strict):
     """A control-socket client must send its request, and read each answer line, within this."""
 
 
+MAX_SOCKET_PATH = 107
+"""sun_path holds 108 bytes with the terminating NUL (Linux unix(7))."""
+
+
 class AgentConfig(_Strict):
     device_id: str
     """This device's id: a topic level, the broker username and the certificate CN."""
@@ -175,6 +179,12 @@ class AgentConfig(_Strict):
             value = getattr(obj, name)
             if value is not None:
                 object.__setattr__(obj, name, value.absolute())
+        sock = self.socket_path
+        if len(os.fsencode(str(sock))) > MAX_SOCKET_PATH:
+            field = "control_socket" if self.control_socket else "state_dir"
+            raise ValueError(f"{field}: the control socket {sock} is longer than a Unix "
+                             f"socket path may be ({MAX_SOCKET_PATH} bytes): set "
+                             "control_socket to a shorter path (e.g. /run/edge-agent/agent.sock)")
         return self
 
     def job_settings(self) -> DeviceSettings:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
@@ -38,6 +40,9 @@ def command(type_: str, id: str | None = None, **extra: Any) -> dict[str, Any]:
 
 def expired_at() -> str:
     return (datetime.now(timezone.utc) - timedelta(seconds=5)).isoformat()
+
+
+NOTIFY_PREFIX = "sd-notify-"
 
 
 class Notify:
@@ -78,6 +83,8 @@ class Notify:
 
     def close(self) -> None:
         self.sock.close()
+        if self.path.parent.name.startswith(NOTIFY_PREFIX):
+            shutil.rmtree(self.path.parent, ignore_errors=True)
 
 
 class AgentProc:
@@ -112,7 +119,9 @@ class AgentProc:
     def start(self, *, wait_ready: bool = True, watchdog_usec: int | None = None) -> AgentProc:
         if self.notify is not None:
             self.notify.close()
-        path = self.workdir / f"notify-{time.monotonic_ns()}.sock"
+        # A socket path has at most 107 bytes (sun_path): a short folder of its own, not the
+        # test's (deep under a parallel run's basetemp), as systemd's /run/systemd/notify is.
+        path = Path(tempfile.mkdtemp(prefix=NOTIFY_PREFIX)) / "notify.sock"
         self.notify = Notify(path)
         env = dict(self.env, NOTIFY_SOCKET=str(path))
         if watchdog_usec:

@@ -28,6 +28,14 @@ def test_env_overrides_and_unknown_keys(tmp_path: Path) -> None:
     cfg.write_text("device_id: 'bad/id'\n")
     with pytest.raises(ConfigError, match="device_id"):
         load_agent_config(cfg, {})
+    # A control socket past sun_path's 107 bytes is a config error naming the fix, not a
+    # daemon that fails to bind at start.
+    deep = "/var/lib/" + "x" * 100
+    cfg.write_text(f"device_id: dev-1\nstate_dir: {deep}\n")
+    with pytest.raises(ConfigError, match="state_dir: the control socket .* set control_socket"):
+        load_agent_config(cfg, {})
+    cfg.write_text(f"device_id: dev-1\nstate_dir: {deep}\ncontrol_socket: /run/ea/agent.sock\n")
+    assert load_agent_config(cfg, {}).socket_path == Path("/run/ea/agent.sock")
 
 
 def test_validate_cli(tmp_path: Path, subprocess_env: dict[str, str]) -> None:
