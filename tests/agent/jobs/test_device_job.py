@@ -261,6 +261,7 @@ def _budget_runs(base: Device, budget: int, runs: int, work: Path) -> list[dict[
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # 22 real jobs: ~8 min alone on 2 cores, past 600 s under load
 def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
     device: Device, tmp_path: Path
 ) -> None:
