@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from contract import check_id
-from fleet.plan import PlanError, RolloutPlan
+from fleet.plan import PlanError, RolloutPlan, format_errors
 from registry.names import check_model_name, check_version
 
 Phase = Literal["finetune", "evaluate", "deploy"]
@@ -244,22 +244,11 @@ class LearnPlan(BaseModel):
                              f"{err['msg'].removeprefix('Value error, ')}") from None
 
 
-def format_errors(e: ValidationError, source: str) -> str:
-    lines = [f"{source}: {e.error_count()} error(s)"]
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "(plan)"
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = f"unknown field; known: {', '.join(LearnPlan.model_fields)}"
-        lines.append(f"  {loc}: {msg}")
-    return "\n".join(lines)
-
-
 def validate_learn_plan(data: dict[str, Any], source: str = "learn plan") -> LearnPlan:
     try:
         return LearnPlan.model_validate(data)
     except ValidationError as e:
-        raise PlanError(format_errors(e, source)) from None
+        raise PlanError(format_errors(e, source, LearnPlan)) from None
 
 
 def load_learn_plan(path: Path | None, overrides: dict[str, Any]) -> LearnPlan:

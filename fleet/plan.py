@@ -139,13 +139,17 @@ class RolloutPlan(BaseModel):
         return sizes
 
 
-def format_errors(e: ValidationError, source: str = "plan") -> str:
+def format_errors(e: ValidationError, source: str = "plan",
+                  model: type[BaseModel] | None = None) -> str:
+    """One line per error, naming the field; an unknown field lists ``model``'s known ones
+    (rollout plans by default; ``fleet.learn_plan`` passes its own)."""
+    known = (model or RolloutPlan).model_fields
     lines = [f"{source}: {e.error_count()} error(s)"]
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"]) or "(plan)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = f"unknown field; known: {', '.join(RolloutPlan.model_fields)}"
+            msg = f"unknown field; known: {', '.join(known)}"
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)
 
