@@ -32,7 +32,7 @@ def test_env_overrides_and_unknown_keys(tmp_path: Path) -> None:
     # daemon that fails to bind at start.
     deep = "/var/lib/" + "x" * 100
     cfg.write_text(f"device_id: dev-1\nstate_dir: {deep}\n")
-    with pytest.raises(ConfigError, match="state_dir: the control socket .* set control_socket"):
+    with pytest.raises(ConfigError, match=r"state_dir: the control socket .* set control_socket"):
         load_agent_config(cfg, {})
     cfg.write_text(f"device_id: dev-1\nstate_dir: {deep}\ncontrol_socket: /run/ea/agent.sock\n")
     assert load_agent_config(cfg, {}).socket_path == Path("/run/ea/agent.sock")
