@@ -48,15 +48,19 @@ def _job(c: StepContext) -> Any:
 
 
 def child_prepare(c: StepContext) -> dict[str, Any]:
+    from agent.finetune.cold_pages import drop_cold_pages
     from exporters.prepare import prepare
 
+    drop_cold_pages()  # torch's and the exporter's start-up code: agent.finetune.cold_pages
     p = prepare(_job(c))
     return {"fp32": str(p.fp32_path), "held_out": len(p.inputs), "calibration": len(p.calib)}
 
 
 def child(c: StepContext) -> dict[str, Any]:
+    from agent.finetune.cold_pages import drop_cold_pages
     from exporters.pipeline import quantize_and_gate
 
+    drop_cold_pages()  # ONNX Runtime's start-up code
     job = _job(c)
     report = quantize_and_gate(job)
     out: dict[str, Any] = {
