@@ -30,7 +30,7 @@ from hpc_core.aggregation.deltas import (
     verify_release,
 )
 from hpc_core.aggregation.dtypes import COMBINED, encode, item_size
-from hpc_core.aggregation.privacy import GaussianNoise
+from hpc_core.aggregation.privacy import GaussianNoise, is_statistic
 from hpc_core.aggregation.select import Release, Selection, Skipped, Update
 from hpc_core.aggregation.strategies import PairwiseDistances, Strategy, combine_block
 from registry.errors import RegistryError
@@ -62,9 +62,10 @@ def _why(e: Exception) -> str:
 
 
 def measure_updates(selection: Selection, store: RegistryStore, cache: ChunkCache | None,
-                    cfg: TransferConfig) -> Blobs:
+                    cfg: TransferConfig, keep_base: Callable[[str], bool] | None = None) -> Blobs:
     """Pass 1. The base's chunks must verify (RegistryError otherwise); an update's that do
-    not, or those of the older release it was trained from, skip that update."""
+    not, or those of the older release it was trained from, skip that update. Tensors
+    ``keep_base`` names keep the base's values (see :attr:`UpdateBlob.keep_base`)."""
     verified: dict[Path, tuple[int, int, int]] = {}
     releases: dict[str, LocalBlob | Exception] = {}
 
@@ -92,7 +93,7 @@ def measure_updates(selection: Selection, store: RegistryStore, cache: ChunkCach
             continue
         try:
             data = UpdateBlob(update.version, local_blob(store, update.manifest, cache, cfg,
-                                                         verified), reference)
+                                                         verified), reference, keep_base=keep_base)
             norm = measure(data)
         except ChunkChangedError:
             raise  # a release changed under us: the whole run is in doubt
@@ -153,8 +154,10 @@ def combine(deltas: Deltas, base: LocalBlob, strategy: Strategy, *, weights: np.
     tmp = np.empty(0, dtype=np.float64)
     for entry in sorted(base.manifest.tensors, key=lambda t: t.offset):
         # A tensor no update changed keeps the base's bytes; not under DP, where every
-        # coordinate is noised (which tensors the devices left alone is theirs to hide).
-        untouched = noise is None and all(u.unchanged(entry.name) for u in deltas.updates)
+        # coordinate is noised (which tensors the devices left alone is theirs to hide),
+        # except the running statistics DP keeps at the base's values.
+        untouched = (noise is None or is_statistic(entry.name)) and all(
+            u.unchanged(entry.name) for u in deltas.updates)
         if entry.dtype not in COMBINED or untouched:
             if entry.dtype not in COMBINED:
                 kept.append(entry.name)

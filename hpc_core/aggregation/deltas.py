@@ -11,7 +11,7 @@ head-only fine-tune leaves the body so) has a zero delta and is not read at all.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,12 +69,17 @@ class UpdateBlob:
     reference: LocalBlob
     scale: float = 1.0
     """Applied to the delta when it is combined: clipping times the staleness discount."""
+    keep_base: Callable[[str], bool] | None = None
+    """Tensors whose base values stand whatever the update holds (DP: running statistics);
+    they count as unchanged, so they are neither measured nor combined."""
 
     def __post_init__(self) -> None:
         self.entries = {t.name: t for t in self.blob.manifest.tensors}
         self.ref_entries = {t.name: t for t in self.reference.manifest.tensors}
 
     def unchanged(self, name: str) -> bool:
+        if self.keep_base is not None and self.keep_base(name):
+            return True
         return self.entries[name].sha256 == self.ref_entries[name].sha256
 
 

@@ -25,6 +25,18 @@ import numpy as np
 
 from registry.errors import UsageError
 
+STATISTICS = ("running_mean", "running_var")
+"""Tensor names' last parts for normalisation layers' running statistics (PyTorch BatchNorm)."""
+
+
+def is_statistic(name: str) -> bool:
+    """A BatchNorm running statistic. Under DP these keep the base's values: they are not
+    trained but averaged from the device's own samples (a release of its data the clipped
+    noise does not cover), and Gaussian noise on a running variance can make it negative,
+    which puts NaN into every forward pass after it."""
+    return name.rsplit(".", 1)[-1] in STATISTICS
+
+
 ACCOUNTANT = "dp_accounting.rdp.RdpAccountant (Gaussian mechanism, add-or-remove-one adjacency)"
 
 

@@ -23,7 +23,7 @@ from hpc_core.aggregation.combine import (
 from hpc_core.aggregation.deltas import Deltas
 from hpc_core.aggregation.options import Options
 from hpc_core.aggregation.output import CheckpointWriter
-from hpc_core.aggregation.privacy import GaussianNoise, Privacy, epsilon, noise_std
+from hpc_core.aggregation.privacy import GaussianNoise, Privacy, epsilon, is_statistic, noise_std
 from hpc_core.aggregation.report import Krum, Scales, build, too_few
 from hpc_core.aggregation.select import Selection, lineage, load_base, select
 from hpc_core.aggregation.strategies import (
@@ -73,7 +73,8 @@ def run_round(opts: Options, rng: np.random.Generator | None = None) -> dict[str
             work = Path(tempfile.mkdtemp(prefix=".aggregate-chunks-",
                                          dir=opts.work_dir or opts.out.parent))
             cache = ChunkCache(work)
-        blobs = measure_updates(selection, store, cache, cfg)
+        blobs = measure_updates(selection, store, cache, cfg,
+                                keep_base=is_statistic if opts.dp is not None else None)
         if len(blobs.measured) < need:
             raise TooFewUpdates(too_few(opts, need, len(blobs.measured), selection, blobs))
         return _combine_and_write(opts, selection, blobs, rng)

@@ -70,3 +70,34 @@ def test_dp_needs_clipping_fedavg_and_a_delta(ten_updates: dict,
         result = aggregate(*options)
         assert result.code == 2 and words in result.stderr, (options, result.stderr)
         assert not result.out.exists()
+
+
+def test_running_statistics_keep_the_base_under_dp_and_count_for_nothing_in_the_clip(
+        fleet: FleetRegistry, aggregate: Callable[..., Result]) -> None:
+    # Noise on a running variance can make it negative (NaN in every forward pass after it),
+    # and the statistics are averages of the device's own samples, which the clip does not
+    # bound: under DP they stay at the base's values; without DP they are combined as before.
+    rng = np.random.default_rng(5)
+    base = {"conv.weight": rng.normal(size=(40, 10)).astype(np.float32),
+            "bn.running_mean": np.zeros(40, dtype=np.float32),
+            "bn.running_var": np.full(40, 1e-3, dtype=np.float32)}
+    release = fleet.release("1", base)
+    # The devices move the statistics far (norm ~ 600) and the weights a little (norm ~ 2).
+    fleet.fine_tunes(release, base, [
+        {"conv.weight": rng.normal(scale=0.1, size=(40, 10)).astype(np.float32),
+         "bn.running_mean": rng.normal(scale=100.0, size=40).astype(np.float32),
+         "bn.running_var": np.full(40, 5.0, dtype=np.float32)}  # deltas on the base
+        for _ in range(10)])
+    plain = aggregate()
+    assert plain.code == 0, plain.stderr
+    assert np.allclose(plain.tensors["bn.running_var"], 5.001)  # combined like any tensor
+    private = aggregate("--clip-norm", "100", "--dp-noise-multiplier", "1", "--dp-delta", "1e-5")
+    assert private.code == 0, private.stderr
+    assert private.tensors["bn.running_var"].tobytes() == base["bn.running_var"].tobytes()
+    assert private.tensors["bn.running_mean"].tobytes() == base["bn.running_mean"].tobytes()
+    # The weights' deltas (norm ~2 < 100) were not clipped: the statistics' ~600 did not count.
+    rows = private.report["updates"]
+    assert all(row["clip_scale"] == 1.0 and row["norm"] < 5 for row in rows), rows
+    assert all(row["norm"] > 100 for row in plain.report["updates"])  # there they count
+    noise = private.tensors["conv.weight"].astype(np.float64) - plain.tensors["conv.weight"]
+    assert np.std(noise) == pytest.approx(private.report["dp"]["noise_std"], rel=0.15)
