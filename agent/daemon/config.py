@@ -125,6 +125,10 @@ class LimitsConfig(_Strict):
     """Control-socket clients served at once; one more is told so and closed."""
     control_timeout_s: float = Field(default=10.0, gt=0)
     """A control-socket client must send its request, and read each answer line, within this."""
+    update_lock_max_wait_s: float = Field(default=300.0, ge=0)
+    """Longest a commit waits while an application holds the model's update lock
+    (``ActiveModel.hold_updates``, agent.runtime.update_lock); then it commits anyway, logged,
+    and the application keeps serving its version until it lets go."""
 
 
 MAX_SOCKET_PATH = 107
@@ -157,6 +161,10 @@ class AgentConfig(_Strict):
     """Admin group: besides root and the service user, its members may use the control
     socket (mode 0660, checked per connection with SO_PEERCRED); null: nobody else."""
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    latency_slo_ms: float | None = Field(default=None, gt=0)
+    """The application's inference p99 objective in ms: while a serving runtime on this device
+    (``ActiveModel``, ``agentctl serve``) reports a p99 over it, fine-tuning yields (null: the
+    SLO the application states, if any; with neither, training never yields)."""
 
     @field_validator("device_id")
     @classmethod
@@ -194,7 +202,8 @@ class AgentConfig(_Strict):
             registry=self.registry.url, upload_registry=self.registry.upload_url,
             trusted_keys=self.trusted_keys_dir, signing_key=self.signing_key_path,
             # The board this daemon runs on and the sensors it reads pace the fine-tune too.
-            profile=self.profile, sensors=self.sensors,
+            profile=self.profile, sensors=self.sensors, latency_slo_ms=self.latency_slo_ms,
+            update_lock_max_wait_s=self.limits.update_lock_max_wait_s,
         )
 
     @property

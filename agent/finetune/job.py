@@ -17,6 +17,8 @@ from pydantic import (
     model_validator,
 )
 
+from agent.pacing.app_latency import AppLatencySource
+
 TRAINABLE_RE = re.compile(r"^(head|all|last_n:([1-9][0-9]*))$")
 PROFILE_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 """A device profile's name: the file ``device_profiles/NAME.yaml``, never a path."""
@@ -79,6 +81,12 @@ class FinetuneJob(BaseModel):
     seed: int = 0
     sensors: Literal["auto", "jtop", "tegrastats", "sysfs", "sim", "none"] = "auto"
     """Sensor backend for the thermal/power governor (none: no pacing)."""
+    yield_to_app: bool = True
+    """Pace training by the application's inference latency where a serving runtime of the
+    model reports one (training yields while its p99 is over the SLO)."""
+    app_latency: AppLatencySource | None = None
+    """Where that latency is read (the device job sets it: the state dir's serving runtimes;
+    null: no application to yield to)."""
     sim_time_scale: float = Field(default=1.0, gt=0)
     """With sensors=sim: simulated seconds per real second (60 shows a board heating up
     within a short demo job)."""

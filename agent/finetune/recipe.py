@@ -94,6 +94,7 @@ def run_paced(
     report per job (OUT/report.json + report.png): the fine-tune's figures under "job", pacing
     over time beside them. ``hooks`` run before the governor's (the device job's progress
     and cancel hook)."""
+    from agent.pacing.app_latency import RuntimeLatency
     from agent.pacing.governor import Governor, GovernorConfig
     from agent.pacing.hook import GovernorHook
     from agent.pacing.report import Limits, build_report, write_report
@@ -108,8 +109,11 @@ def run_paced(
     )
     with sensors_cm as sensors:
         if sensors is not None:
+            latency = (RuntimeLatency(job.app_latency)
+                       if job.app_latency is not None and job.yield_to_app else None)
             hook = GovernorHook(
-                Governor(GovernorConfig.from_profile(profile), profile=profile), sensors
+                Governor(GovernorConfig.from_profile(profile), profile=profile), sensors,
+                latency=latency,
             )
         result = run_finetune(job, hooks=[*(hooks or []), *([hook] if hook else [])],
                               resume=resume, setup=setup)

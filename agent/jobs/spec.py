@@ -66,9 +66,10 @@ def _without(
     )
 
 
-FinetuneOptions = _without(FinetuneJob, "FinetuneOptions", {"checkpoint", "data", "out"},
-                           short_flags=True)
-"""agent.finetune.job.FinetuneJob without the paths the job decides (checkpoint, data, out)."""
+FinetuneOptions = _without(FinetuneJob, "FinetuneOptions",
+                           {"checkpoint", "data", "out", "app_latency"}, short_flags=True)
+"""agent.finetune.job.FinetuneJob without what the job decides (checkpoint, data, out, and
+where the application's latency is read)."""
 
 EXPORT_PATHS = {"checkpoint", "out_dir", "data"}
 ExportOptions = _without(
@@ -167,6 +168,13 @@ class DeviceJob(BaseModel):
     """This device's private key, signs the staged and uploaded model (null:
     STATE_DIR/device.key.pem, its public half beside it as device.pub.pem). The daemon sets
     it from agent.yaml."""
+    latency_slo_ms: float | None = Field(default=None, gt=0)
+    """The application's inference p99 objective: while a serving runtime of the model on
+    this device reports a p99 over it, training yields (null: the SLO the application
+    states, if any). The daemon sets it from agent.yaml."""
+    update_lock_max_wait_s: float = Field(default=300.0, ge=0, json_schema_extra=flag(skip=True))
+    """Longest the commit waits while an application holds the model's update lock (s). The
+    daemon sets it from agent.yaml (limits.update_lock_max_wait_s); a command cannot."""
 
     @model_validator(mode="after")
     def _check(self) -> DeviceJob:
@@ -213,6 +221,9 @@ class DeployJob(BaseModel):
     health: HealthOptions = Field(default_factory=HealthOptions)
     trusted_keys: Path | None = None
     """Folder of trusted *.pub.pem keys (null: STATE_DIR/trusted_keys)."""
+    update_lock_max_wait_s: float = Field(default=300.0, ge=0)
+    """Longest the commit waits while an application holds the model's update lock (s). The
+    daemon sets it from agent.yaml (limits.update_lock_max_wait_s); a command cannot."""
 
     def skipped_steps(self) -> set[str]:
         return set()
@@ -308,6 +319,10 @@ class DeviceSettings(BaseModel):
     profile: str = "auto"
     """The board's profile: a fine-tune's, unless its command names another."""
     sensors: Literal["auto", "jtop", "tegrastats", "sysfs", "sim", "none"] = "auto"
+    latency_slo_ms: float | None = None
+    """The application's p99 objective training yields to (null: the application's own)."""
+    update_lock_max_wait_s: float = Field(default=300.0, ge=0)
+    """Longest a commit waits for applications holding the model's update lock (s)."""
 
     @property
     def timing_caches(self) -> Path:
@@ -351,7 +366,8 @@ def resolve(type_: str, args: BaseModel, settings: DeviceSettings) -> BaseModel:
         return DeployJob(
             model=args.model, version=args.version, registry=settings.registry,
             data=resolve_data(args.data, settings) if args.data else None,
-            health=args.health, trusted_keys=settings.trusted_keys)
+            health=args.health, trusted_keys=settings.trusted_keys,
+            update_lock_max_wait_s=settings.update_lock_max_wait_s)
     if isinstance(args, EvaluateArgs):
         return EvaluateJob(model=args.model, version=args.version,
                            data=resolve_data(args.data, settings), evaluate=args.evaluate,
@@ -377,4 +393,6 @@ def resolve(type_: str, args: BaseModel, settings: DeviceSettings) -> BaseModel:
         "health": args.health.model_dump(),
         "upload": {"registry": upload_to, "version": args.upload.version},
         "steps": args.steps.model_dump(), "registry": settings.registry,
-        "trusted_keys": settings.trusted_keys, "signing_key": settings.signing_key})
+        "trusted_keys": settings.trusted_keys, "signing_key": settings.signing_key,
+        "latency_slo_ms": settings.latency_slo_ms,
+        "update_lock_max_wait_s": settings.update_lock_max_wait_s})

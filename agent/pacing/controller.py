@@ -38,12 +38,23 @@ class GovernorEvent:
 
 
 @dataclass(frozen=True)
+class AppLatency:
+    """The application's inference latency, as its serving runtime reports it."""
+
+    p99_ms: float
+    """Over the runtime's last window."""
+    slo_ms: float | None = None
+    """The objective the application states (the governor's own setting wins)."""
+
+
+@dataclass(frozen=True)
 class Decision:
     duty: float
     """Share of time to compute, 0..1; 0 = do not start another step yet."""
     state: GovernorState
     limit: str | None = None
-    """Which limit sets the duty: "thermal", "power", "sensor", or None at full speed."""
+    """Which limit sets the duty: "thermal", "power", "sensor", "latency" (the application's
+    p99 is over its SLO: training yields), or None at full speed."""
     zone: str | None = None
     temp_c: float | None = None
     power_mw: float | None = None
@@ -71,7 +82,8 @@ class DutyController(Protocol):
     events: list[GovernorEvent]
     target_c: float
 
-    def update(self, reading: Reading, now_s: float, phase: Phase = "active") -> Decision: ...
+    def update(self, reading: Reading, now_s: float, phase: Phase = "active",
+               latency: AppLatency | None = None) -> Decision: ...
 
 
 class PIController:

@@ -14,6 +14,15 @@ time constant, so duty is a smooth, fast actuator for a slow, first-order plant.
 - States NORMAL (full speed) / THROTTLED (a limit is active) / PAUSED (at the soft limit: the
   caller checkpoints and waits until the hottest zone is below ``resume_below_c``). Every state
   change and power-mode switch is a ``GovernorEvent`` with its reason.
+- Latency loop: training yields to the application. A second PI controller holds the
+  application's inference p99 (its serving runtime's report, ``agent.runtime.stats``) at
+  ``slo * (1 - latency_margin)``; its error is relative to the SLO, so one set of gains serves a
+  2 ms and a 200 ms objective. The duty applied is the least of the thermal, power and latency
+  duties, and the loops that are not in charge track it (bumpless). At ``min_duty`` and still
+  over the SLO for ``latency_yield_after_s``, training yields completely (duty 0, state
+  THROTTLED, no checkpoint: this is not the thermal pause) until the p99 is back under the
+  setpoint. The plant is fast (CPU and memory bandwidth contention shows in the next window),
+  so the gains are fixed rather than derived from the thermal plant.
 - Optional power-mode switching: when throttled, a lower-clocked mode can deliver more steps
   per second inside the same power envelope (voltage falls with frequency); switches are rare
   (``mode_switch_every_s``) and need a predicted gain of ``mode_switch_min_gain``.
@@ -32,6 +41,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agent.pacing.controller import (
+    AppLatency,
     Decision,
     GovernorEvent,
     GovernorState,
@@ -86,6 +96,15 @@ class GovernorConfig(BaseModel):
     """Switch only for at least this relative gain in predicted steps/s."""
     thermal_resistance_c_per_w: float = Field(gt=0)
     """Plant estimate used to predict headroom when deciding a switch to a faster mode."""
+    latency_slo_ms: float | None = Field(default=None, gt=0)
+    """The application's inference p99 objective (None: the one its runtime states, if any)."""
+    latency_margin: float = Field(default=0.1, ge=0, lt=1)
+    """The latency loop aims this share below the SLO."""
+    latency_kp: float = Field(default=0.8, gt=0)
+    """Duty per unit of relative latency error ((setpoint - p99) / slo)."""
+    latency_ti_s: float = Field(default=5.0, gt=0)
+    latency_yield_after_s: float = Field(default=5.0, ge=0)
+    """At min_duty and still over the SLO this long: yield completely (duty 0)."""
 
     @model_validator(mode="after")
     def _check(self) -> GovernorConfig:
@@ -170,6 +189,18 @@ class Governor:
         self._full_since: float | None = None
         self._seen_temperature = False
         self._no_sensor_since: float | None = None
+        self.latency_pi = PIController(cfg.latency_kp, cfg.latency_ti_s, cfg.min_duty, 1.0)
+        self.latency_pi.integral = 1.0  # full speed until the application says otherwise
+        self.latency_duty = 1.0
+        """The latency loop's own duty (1.0 with no SLO or no report)."""
+        self.yielding = False
+        """Training yields completely to the application (duty 0)."""
+        self._latency_error: float | None = None
+        self._last_latency_s: float | None = None
+        self._over_slo_at_min_since: float | None = None
+        self.last_p99_ms: float | None = None
+        self.slo_ms: float | None = None
+        """The application's last reported p99 and the SLO it is held to."""
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -197,9 +228,11 @@ class Governor:
 
     # -- the update -----------------------------------------------------------------------------
 
-    def update(self, reading: Reading, now_s: float, phase: Phase = "active") -> Decision:
+    def update(self, reading: Reading, now_s: float, phase: Phase = "active",
+               latency: AppLatency | None = None) -> Decision:
         if reading.total_power_mw is not None:
             self.power.add(phase, reading.total_power_mw)
+        self._update_latency(latency, now_s)
         hot = reading.hottest(self.cfg.control_zones)
         if hot is None:
             return self._no_temperature(now_s, reading)
@@ -227,6 +260,8 @@ class Governor:
             self.duty, self.limit = 0.0, "thermal"
             return self._decision(0.0, zone, temp, reading)
         if phase == "idle":
+            if self.yielding or self.limit == "latency":
+                self._apply_latency(now_s)
             return self._decision(self.duty, zone, temp, reading)
 
         dt = 0.0 if self._last_active_s is None else now_s - self._last_active_s
@@ -234,17 +269,22 @@ class Governor:
         error = self.cfg.target_c - self.cfg.setpoint_margin_c - temp
         thermal = self.pi.update(error, dt)
         power = self._power_duty()
-        duty = min(thermal, power)
-        if power < thermal:
-            self.pi.track(duty, error)
-        self.limit = None if duty >= 1.0 else ("power" if power < thermal else "thermal")
+        latency_duty = 0.0 if self.yielding else self.latency_duty
+        duty = min(thermal, power, latency_duty)
+        if duty < thermal:
+            self.pi.track(max(duty, self.cfg.min_duty), error)
+        if duty < latency_duty and self._latency_error is not None:
+            self.latency_pi.track(duty, self._latency_error)
+        self.limit = None if duty >= 1.0 else min(
+            (("latency", latency_duty), ("power", power), ("thermal", thermal)),
+            key=lambda kv: kv[1])[0]
         self.duty = duty
         self._update_state(now_s, zone, temp)
         if self.cfg.allow_mode_switch:
             self._maybe_switch_mode(now_s, temp, error)
         return self._decision(self.duty, zone, temp, reading)
 
-    def _update_state(self, now: float, zone: str, temp: float) -> None:
+    def _update_state(self, now: float, zone: str | None, temp: float | None) -> None:
         if self.duty < 1.0:
             self._full_since = None
         elif self._full_since is None:
@@ -254,15 +294,20 @@ class Governor:
                 watts = (self.power.active_mw or 0.0) / 1000
                 cap = (self.cfg.power_cap_mw or 0.0) / 1000
                 why = f"power {watts:.1f} W over cap {cap:.1f} W"
-            else:
+            elif self.limit == "latency":
+                why = self._latency_why()
+            elif temp is not None:
                 why = f"{zone} {temp:.1f} C approaching target {self.cfg.target_c:.1f} C"
+            else:
+                why = "no temperature"
             self._set_state(now, GovernorState.THROTTLED, f"{why}: duty {self.duty:.2f}")
         elif (
             self.state == GovernorState.THROTTLED
             and self._full_since is not None
             and now - self._full_since >= self.cfg.normal_after_s
         ):
-            self._set_state(now, GovernorState.NORMAL, f"{zone} {temp:.1f} C: headroom, full speed")
+            where = f"{zone} {temp:.1f} C: " if zone is not None and temp is not None else ""
+            self._set_state(now, GovernorState.NORMAL, f"{where}headroom, full speed")
 
     def _no_temperature(self, now: float, reading: Reading) -> Decision:
         if not self._seen_temperature:
@@ -274,9 +319,12 @@ class Governor:
                 self._sensor_lost = True  # only to say it once
                 self._event(now, "sensor", "none", "none",
                             "no temperature sensor on this machine: thermal pacing off")
-            if self.cfg.power_cap_mw is not None:
-                self.duty = self._power_duty()
-                self.limit = "power" if self.duty < 1.0 else None
+            power = self._power_duty() if self.cfg.power_cap_mw is not None else 1.0
+            latency_duty = 0.0 if self.yielding else self.latency_duty
+            self.duty = min(power, latency_duty)
+            self.limit = None if self.duty >= 1.0 else (
+                "latency" if latency_duty <= power else "power")
+            self._update_state(now, None, None)
             return self._decision(self.duty, None, None, reading)
         last = self._last_temp_s
         assert last is not None
@@ -292,6 +340,66 @@ class Governor:
             if self.state == GovernorState.NORMAL:
                 self._set_state(now, GovernorState.THROTTLED, "temperature sensors lost")
         return self._decision(self.duty, None, None, reading)
+
+    # -- the application's latency --------------------------------------------------------------
+
+    def _slo_ms(self, latency: AppLatency | None) -> float | None:
+        if self.cfg.latency_slo_ms is not None:
+            return self.cfg.latency_slo_ms
+        return latency.slo_ms if latency is not None else None
+
+    def _update_latency(self, latency: AppLatency | None, now: float) -> None:
+        """Step the latency loop on a fresh report; no report (no application serving, or
+        its runtime stopped writing) relaxes it to full duty: nothing to yield to."""
+        slo = self._slo_ms(latency)
+        if latency is None or slo is None:
+            if self.yielding or self.latency_duty < 1.0:
+                self.yielding = False
+                self.latency_duty = 1.0
+                self.latency_pi.integral = 1.0
+            self._latency_error = None
+            self._last_latency_s = None
+            self._over_slo_at_min_since = None
+            return
+        self.last_p99_ms, self.slo_ms = latency.p99_ms, slo
+        error = (slo * (1.0 - self.cfg.latency_margin) - latency.p99_ms) / slo
+        dt = 0.0 if self._last_latency_s is None else now - self._last_latency_s
+        self._last_latency_s = now
+        self._latency_error = error
+        self.latency_duty = self.latency_pi.update(error, dt)
+        over = latency.p99_ms > slo
+        if over and self.latency_duty <= self.cfg.min_duty:
+            if self._over_slo_at_min_since is None:
+                self._over_slo_at_min_since = now
+            if (not self.yielding
+                    and now - self._over_slo_at_min_since >= self.cfg.latency_yield_after_s):
+                self.yielding = True
+                self._event(now, "state", self.state.value, GovernorState.THROTTLED.value,
+                            f"{self._latency_why()} at duty {self.cfg.min_duty:.2f}: "
+                            "training yields")
+                self.state = GovernorState.THROTTLED
+        else:
+            self._over_slo_at_min_since = None
+        if self.yielding and error >= 0:
+            # Back under the setpoint: resume at the least duty, the loop climbs from there.
+            self.yielding = False
+            self.latency_pi.track(self.cfg.min_duty, error)
+            self.latency_duty = self.cfg.min_duty
+
+    def _apply_latency(self, now: float) -> None:
+        """While training waits on the application (phase idle), let the latency loop alone
+        move the duty: the thermal loop steps only after a training step."""
+        if self.yielding:
+            self.duty, self.limit = 0.0, "latency"
+        else:
+            self.duty = min(self.duty if self.duty > 0 else 1.0, self.latency_duty)
+            self.limit = "latency" if self.duty < 1.0 else None
+
+    def _latency_why(self) -> str:
+        p99, slo = self.last_p99_ms, self.slo_ms
+        if p99 is None or slo is None:
+            return "application latency"
+        return f"application p99 {p99:.1f} ms vs SLO {slo:.1f} ms"
 
     def _decision(self, duty: float, zone: str | None, temp: float | None,
                   reading: Reading) -> Decision:

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from agent.pacing.controller import Clock, Decision, DutyController, GovernorState, MonotonicClock
+from agent.pacing.controller import (
+    AppLatency,
+    Clock,
+    Decision,
+    DutyController,
+    GovernorState,
+    MonotonicClock,
+)
 from agent.pacing.power_modes import PowerModeSwitcher
 from agent.sensors import SensorBackend
 
@@ -21,6 +29,10 @@ class PacingRecord:
     compute_s: float = 0.0
     paced_s: float = 0.0
     waited_s: float = 0.0
+    yielded_s: float = 0.0
+    """Of paced_s + waited_s: while the application's latency set the duty."""
+    worst_p99_ms: float | None = None
+    """The worst application p99 reported during the run."""
 
 
 class GovernorHook:
@@ -44,8 +56,10 @@ class GovernorHook:
         idle_read_min_s: float = 0.02,
         record_every_s: float = 1.0,
         power_mode: PowerModeSwitcher | None = None,
+        latency: Callable[[], AppLatency | None] | None = None,
     ) -> None:
         self.controller = controller
+        self.latency = latency
         self.sensors = sensors
         self.clock: Clock = clock or MonotonicClock()
         self.on_pause = on_pause
@@ -71,7 +85,7 @@ class GovernorHook:
         self.record.steps += 1
         self.record.compute_s += step_s
         reading = self.sensors.read()
-        decision = self.last = self.controller.update(reading, now, "active")
+        decision = self.last = self.controller.update(reading, now, "active", self._latency())
         self._account(reading.total_power_mw, step_s)
         self._record_metrics(now, step, metrics)
         if decision.state == GovernorState.PAUSED and self.on_pause == "stop":
@@ -85,10 +99,12 @@ class GovernorHook:
             pause = step_s * (1.0 - decision.duty) / decision.duty
             self.clock.sleep(pause)
             self.record.paced_s += pause
+            if decision.limit == "latency":
+                self.record.yielded_s += pause
             idle_mw = None
             if pause >= self.idle_read_min_s:
                 idle = self.sensors.read()
-                self.controller.update(idle, self.clock.now(), "idle")
+                self.controller.update(idle, self.clock.now(), "idle", self._latency())
                 idle_mw = idle.total_power_mw
             self._account(idle_mw if idle_mw is not None else self._idle_mw, pause, idle=True)
         self._sample(self.clock.now(), step, decision)
@@ -101,7 +117,9 @@ class GovernorHook:
             waited += self.poll_s
             now = self.clock.now()
             reading = self.sensors.read()
-            decision = self.last = self.controller.update(reading, now, "idle")
+            decision = self.last = self.controller.update(reading, now, "idle", self._latency())
+            if decision.limit == "latency":
+                self.record.yielded_s += self.poll_s
             self._account(reading.total_power_mw, self.poll_s, idle=True)
             self._sample(now, step, decision)
             if decision.duty > 0.0 and decision.state != GovernorState.PAUSED:
@@ -110,6 +128,15 @@ class GovernorHook:
                 trainer.request_stop(f"governor waited {waited:.0f} s without cooling down")
                 break
         self.record.waited_s += waited
+
+    def _latency(self) -> AppLatency | None:
+        if self.latency is None:
+            return None
+        report = self.latency()
+        if report is not None and (self.record.worst_p99_ms is None
+                                   or report.p99_ms > self.record.worst_p99_ms):
+            self.record.worst_p99_ms = report.p99_ms
+        return report
 
     def _account(self, power_mw: float | None, seconds: float, idle: bool = False) -> None:
         """Energy of the sample window: a reading after a step stands for that step, one
@@ -141,6 +168,7 @@ class GovernorHook:
             "state": d.state.value,
             "limit": d.limit,
             "power_mode": self.power_mode.current() if self.power_mode else None,
+            "app_p99_ms": getattr(self.controller, "last_p99_ms", None),
         })
 
     def _record_metrics(self, now: float, step: int, metrics: dict[str, float]) -> None:

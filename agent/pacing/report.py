@@ -97,6 +97,10 @@ def build_report(
             "compute_s": rec.compute_s,
             "paced_s": rec.paced_s,
             "waited_s": rec.waited_s,
+            # Training time given to the application (its p99 over the SLO set the duty): the
+            # fine-tune's cost of yielding, against compute_s.
+            "yielded_s": rec.yielded_s,
+            "worst_app_p99_ms": rec.worst_p99_ms,
             "mean_duty": rec.compute_s / elapsed if elapsed > 0 else None,
             "events": len(hook.controller.events),
         }

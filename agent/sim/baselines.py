@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from agent.pacing.controller import Decision, GovernorEvent, GovernorState, Phase
+from agent.pacing.controller import AppLatency, Decision, GovernorEvent, GovernorState, Phase
 from agent.sensors.reading import Reading
 
 
@@ -20,7 +20,9 @@ class BangBangGovernor:
         self.state = GovernorState.NORMAL
         self.events: list[GovernorEvent] = []
 
-    def update(self, reading: Reading, now_s: float, phase: Phase = "active") -> Decision:
+    def update(self, reading: Reading, now_s: float, phase: Phase = "active",
+               latency: AppLatency | None = None) -> Decision:
+        """A thermostat knows nothing of the application: ``latency`` is ignored."""
         hot = reading.hottest(self.control_zones)
         if hot is None:
             return Decision(1.0 if self.state == GovernorState.NORMAL else 0.0, self.state)

@@ -85,9 +85,13 @@ def run(ctx: JobContext) -> dict[str, Any]:
 def finetune_job(c: StepContext) -> Any:
     from agent.finetune.job import FinetuneJob
 
+    ft = c.spec["finetune"]
+    # The application serving this model on this device is what training yields to.
+    app = ({"state_dir": str(c.state_dir), "model": c.spec["model"],
+            "slo_ms": c.spec.get("latency_slo_ms")} if ft.get("yield_to_app", True) else None)
     return FinetuneJob.model_validate({
-        **c.spec["finetune"], "checkpoint": str(c.upstream_path), "data": c.spec["data"],
-        "out": str(c.job_dir / "finetune")})
+        **ft, "checkpoint": str(c.upstream_path), "data": c.spec["data"],
+        "out": str(c.job_dir / "finetune"), "app_latency": app})
 
 
 def child_setup(c: StepContext) -> dict[str, Any]:

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from agent.pacing.controller import Decision, GovernorEvent, GovernorState, PIController
+from agent.pacing.controller import AppLatency, Decision, GovernorEvent, GovernorState, PIController
 from agent.pacing.governor import Governor, GovernorConfig
 from agent.pacing.hook import GovernorHook
 from agent.sensors.reading import Reading
 from agent.sensors.sim import SimBackend
+from agent.sim.app import ContendedApp
 from agent.sim.baselines import BangBangGovernor
 from agent.sim.job import simulate_job
 from agent.sim.plant import SimClock, SimPlant
@@ -273,7 +274,8 @@ class _HalfDuty:
         self.events: list[GovernorEvent] = []
         self.target_c = 85.0
 
-    def update(self, reading: Reading, now_s: float, phase: str = "active") -> Decision:
+    def update(self, reading: Reading, now_s: float, phase: str = "active",
+               latency: AppLatency | None = None) -> Decision:
         return Decision(0.5, self.state, "thermal", "tj", 84.0, 9000.0)
 
 
@@ -327,3 +329,78 @@ def test_hook_stops_a_real_trainer_at_the_soft_limit(tmp_path: Path) -> None:
     assert result.final_step == 1
     assert result.stopped_reason.startswith("requested: governor paused")
     assert result.checkpoint_dir is not None and result.checkpoint_dir.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Training yields to the application's latency (a second measured variable beside temperature)
+
+
+def _co_run(app: ContendedApp, *, seconds: float, yield_to_app: bool, ambient_c: float = 20.0,
+            ) -> tuple[GovernorHook, list[tuple[float, float, float]]]:
+    """Train next to ``app`` for ``seconds`` of simulated time; returns the hook and the
+    (time, app p99, duty) trace."""
+    plant = SimPlant(NANO, ambient_c=ambient_c)
+    hook = GovernorHook(Governor(GovernorConfig.from_profile(NANO)), SimBackend(plant),
+                        clock=SimClock(plant),
+                        latency=(lambda: app.report(plant.time_s)) if yield_to_app else None)
+    trainer = _RecordingTrainer()
+    trace = []
+    while plant.time_s < seconds:
+        app.trained(plant.time_s + plant.params.step_time_s, plant.params.step_time_s)
+        plant.run_step()
+        hook.on_step_end(trainer, hook.record.steps + 1, {})
+        assert hook.last is not None
+        trace.append((plant.time_s, app.p99_ms(plant.time_s), hook.last.duty))
+    return hook, trace
+
+
+def test_training_yields_to_the_applications_p99_slo() -> None:
+    # 10 ms alone, 30 ms next to training at full duty; the objective is 20 ms.
+    app = ContendedApp(base_p99_ms=10.0, slowdown=2.0, slo_ms=20.0)
+    hook, trace = _co_run(app, seconds=600, yield_to_app=True)
+    settled = [(p99, duty) for t, p99, duty in trace if t > 120]
+    assert max(p99 for p99, _ in settled) <= 20.0, "p99 over the SLO after settling"
+    mean_duty = sum(d for _, d in settled) / len(settled)
+    # The setpoint is 18 ms (10% under the SLO): duty (18 / 10 - 1) / 2 = 0.4.
+    assert mean_duty == pytest.approx(0.4, abs=0.08)
+    gov = hook.controller
+    assert isinstance(gov, Governor) and gov.limit == "latency"
+    assert gov.state == GovernorState.THROTTLED
+    assert any("application p99" in e.reason for e in gov.events)
+    assert hook.record.yielded_s > 0.5 * 600 * (1 - mean_duty)
+    # Full speed until the first windows report contention: the start overshoots.
+    assert hook.record.worst_p99_ms is not None and hook.record.worst_p99_ms > 20.0
+
+    # The same job without yielding breaks the SLO for as long as it runs.
+    app_off = ContendedApp(base_p99_ms=10.0, slowdown=2.0, slo_ms=20.0)
+    _, trace_off = _co_run(app_off, seconds=600, yield_to_app=False)
+    assert min(p99 for t, p99, _ in trace_off if t > 120) > 25.0
+    assert all(duty == 1.0 for t, _, duty in trace_off if t > 120)  # cool air: full speed
+
+
+def test_training_pauses_while_the_app_is_over_its_slo_at_any_duty_and_resumes() -> None:
+    app = ContendedApp(base_p99_ms=10.0, slowdown=2.0, slo_ms=20.0)
+    # From 200 s to 400 s the application's own burst (+15 ms) breaks the SLO at any training
+    # duty; at 600 s the application stops serving (no reports).
+    app.burst(200.0, 400.0, 15.0)
+    app.stops_serving_s = 600.0
+    hook, trace = _co_run(app, seconds=800, yield_to_app=True)
+    gov = hook.controller
+    assert isinstance(gov, Governor)
+    assert any("training yields" in e.reason for e in gov.events)
+    assert hook.record.waited_s > 100  # yielded completely for most of the burst
+    steps_in_burst = [t for t, _, _ in trace if 260 < t < 400]
+    assert len(steps_in_burst) < 0.05 * 140 / NANO.plant.step_time_s
+    after = [(p99, d) for t, p99, d in trace if 480 < t < 600]
+    assert after and max(p99 for p99, _ in after) <= 20.0 and min(d for _, d in after) > 0
+    assert all(d == 1.0 for t, _, d in trace if t > 640)  # nobody serving: full speed
+    assert gov.state == GovernorState.NORMAL
+
+
+def test_the_hotter_limit_wins_over_latency_and_the_other_way_round() -> None:
+    # A hot enclosure: the thermal loop asks for less than the latency loop would allow.
+    app = ContendedApp(base_p99_ms=10.0, slowdown=0.5, slo_ms=20.0)  # 15 ms at full duty
+    hook, _ = _co_run(app, seconds=1800, yield_to_app=True, ambient_c=40.0)
+    gov = hook.controller
+    assert isinstance(gov, Governor) and gov.limit == "thermal"
+    assert hook.record.yielded_s == 0.0
