@@ -69,6 +69,21 @@ class GovernorInfo(Message):
     reason: str | None = None
 
 
+class ServingInfo(Message):
+    """The application's serving of one model on the device (every serving process summed;
+    latency the worst process's, over its last window)."""
+
+    version: str | None = None
+    processes: int = Field(ge=0)
+    requests: int = Field(ge=0)
+    """Since each process started serving."""
+    failed: int = Field(ge=0)
+    window_requests: int = Field(ge=0)
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    slo_ms: float | None = None
+
+
 class JobProgress(Message):
     id: str
     stage: str
@@ -90,6 +105,8 @@ class Telemetry(Message):
     gpu_util: float | None = None
     governor: GovernorInfo | None = None
     job: JobProgress | None = None
+    serving: dict[str, ServingInfo] | None = Field(default=None, max_length=64)
+    """Model name -> how the application serves it (absent: nothing serving)."""
 
 
 # --- commands ----------------------------------------------------------------------------

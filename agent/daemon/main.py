@@ -44,6 +44,7 @@ from agent.daemon.device import (
 )
 from agent.daemon.runner import JobRunner
 from agent.daemon.sdnotify import Notifier
+from agent.daemon.serving import serving_summary
 from agent.daemon.settings import link_settings, private_dir, worker_env
 from agent.jobs.store import JobState, JobStore
 from agent.mqtt.link import Inbound, MqttLink
@@ -255,7 +256,7 @@ class Daemon:
             except Exception:
                 job = JobProgress(id=progress["id"], stage=str(progress.get("stage", "?")))
         msg = Telemetry(ts=utc_now(), seq=self.telemetry_seq, governor=governor_of(progress),
-                        job=job, **reading)
+                        job=job, serving=serving_summary(self.cfg.state_dir), **reading)
         self.telemetry_seq += 1
         self.link.publish_now(self.topics.telemetry(self.device), msg.to_payload(), qos=0,
                               props={"expiry_s": TELEMETRY_EXPIRY_S})

@@ -140,3 +140,33 @@ def test_telemetry_every_telemetry_s_qos0_with_expiry(daemon: tuple[Daemon, Brok
     assert {t.governor.state for t in during if t.governor} <= {"NORMAL", "THROTTLED"}
     assert any(t.governor and t.governor.state == "THROTTLED" and t.job.pct for t in during)
     fleet.close()
+
+
+def test_telemetry_carries_what_the_application_serves(daemon: tuple[Daemon, Broker]) -> None:
+    """Two processes serving digits (their stats files, ``agent.runtime.stats``): telemetry
+    sums their counts and carries the worst p99; a stale file (a process gone) counts not."""
+    from agent.runtime.stats import ServingStats, write_stats
+
+    d, broker = daemon
+    fleet = Peer(broker).subscribe(T.telemetry("dev-a"), qos=1)
+
+    def stats(pid: int, p99: float, requests: int, updated: float) -> ServingStats:
+        return ServingStats(model="digits", version="1+ft", pid=pid, updated=updated,
+                            window_s=5.0, window_requests=40, p50_ms=p99 / 3, p99_ms=p99,
+                            requests=requests, failed=1, slo_ms=25.0)
+
+    write_stats(d.cfg.state_dir, stats(999_999, 500.0, 7, time.time() - 60))  # long gone
+    end = time.monotonic() + 3
+    while time.monotonic() < end:
+        for pid, p99, n in ((101, 12.0, 100), (102, 30.0, 50)):
+            write_stats(d.cfg.state_dir, stats(pid, p99, n, time.time()))
+        time.sleep(0.2)
+    got = fleet.wait_for(lambda m: m.topic == T.telemetry("dev-a")
+                         and Telemetry.from_payload(m.payload).serving is not None, timeout_s=5)
+    serving = Telemetry.from_payload(got[-1].payload).serving
+    assert serving is not None and set(serving) == {"digits"}
+    info = serving["digits"]
+    assert (info.processes, info.requests, info.failed, info.window_requests) == (2, 150, 2, 80)
+    assert info.p99_ms == 30.0 and info.p50_ms == 10.0 and info.slo_ms == 25.0
+    assert info.version == "1+ft"
+    fleet.close()
