@@ -126,11 +126,18 @@ def load_npz_tensors(path: Path, image_size: int | None) -> tuple[torch.Tensor, 
                 f"{path}: missing arrays {sorted(missing)} (need x and y, has {z.files})"
             )
         x, y = z["x"], z["y"]
+    return images_from_arrays(x, y, image_size, str(path))
+
+
+def images_from_arrays(x: np.ndarray, y: np.ndarray, image_size: int | None, source: str
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Arrays x (N,H,W or N,C,H,W; uint8 0-255 or float 0-1) and y as the model's input:
+    (N,C,H,W) floats in [0, 1] at ``image_size``, int64 labels."""
     if x.ndim == 3:
         x = x[:, None]
-    if x.ndim != 4 or len(x) != len(y):
+    if x.ndim != 4 or y.ndim != 1 or len(x) != len(y):
         raise ValueError(
-            f"{path}: x must be (N,H,W) or (N,C,H,W) with N == len(y); got {x.shape}, {y.shape}"
+            f"{source}: x must be (N,H,W) or (N,C,H,W) with N == len(y); got {x.shape}, {y.shape}"
         )
     xt = torch.from_numpy(x.astype(np.float32))
     if x.dtype == np.uint8:

@@ -4,8 +4,9 @@
 torch - building the module a model spec names, comparing its state dict with a manifest's
 tensors, reading a checkpoint's publishable content - lives here.
 
-A device pull runs the spec check in a short-lived child process, so the long-lived daemon
-and job worker never hold torch's ~200 MB (``agent.storage.spec_check``)::
+A registered model's tensors are known without torch (``hpc_core.model_layout``); a device
+pull of a custom factory runs this check in a short-lived child process, so the long-lived
+daemon and job worker never hold torch's ~200 MB (``agent.storage.spec_check``)::
 
     python -m hpc_core.model_spec check --manifest FILE [--allow-custom-model]
 
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_core.config import ModelConfig
+from hpc_core.model_layout import compare_tensors, custom_refused, is_custom
 from registry.errors import PublishError, RegistryError, SpecMismatchError
 from registry.manifest import Manifest, TrainingInfo
 from registry.publish import VersionContent
@@ -50,11 +52,8 @@ def build_module(spec: ModelConfig, *, meta: bool = False, allow_custom: bool = 
 
     from hpc_core.models import build_model
 
-    if ":" in spec.name and not allow_custom:
-        raise SpecMismatchError(
-            f"model {spec.name!r} names a Python factory to import; refused unless custom models "
-            "are allowed (agentctl pull --allow-custom-model)"
-        )
+    if is_custom(spec.name) and not allow_custom:
+        raise custom_refused(spec.name)
     # Meta tensors carry shape and dtype only: checking a 10 GB spec costs no memory.
     where = torch.device("meta") if meta else contextlib.nullcontext()
     try:
@@ -71,22 +70,7 @@ def check_against_spec(manifest: Manifest, *, allow_custom: bool = False) -> Non
     """Tensor names, dtypes and shapes must be exactly those of the module the spec builds."""
     module = build_module(manifest.model, meta=True, allow_custom=allow_custom)
     want = {k: (torch_dtype_name(v.dtype), tuple(v.shape)) for k, v in module.state_dict().items()}
-    have = {t.name: (t.dtype, tuple(t.shape)) for t in manifest.tensors}
-    problems = []
-    for k in sorted(set(want) - set(have)):
-        problems.append(f"missing tensor {k} ({want[k][0]}{list(want[k][1])})")
-    for k in sorted(set(have) - set(want)):
-        problems.append(f"unexpected tensor {k}")
-    for k in sorted(set(want) & set(have)):
-        if want[k] != have[k]:
-            problems.append(
-                f"tensor {k}: manifest has {have[k][0]}{list(have[k][1])}, "
-                f"model {manifest.model.name} needs {want[k][0]}{list(want[k][1])}"
-            )
-    if problems:
-        more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
-        shown = "; ".join(problems[:5]) + more
-        raise SpecMismatchError(f"{manifest.ref} does not match its model spec: {shown}")
+    compare_tensors(manifest, want)
 
 
 def read_checkpoint(source: Path) -> VersionContent:

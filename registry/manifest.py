@@ -175,6 +175,41 @@ class AggregateInfo(_Strict):
         return check_sha256(v)
 
 
+class TrainingData(_Strict):
+    """What a device fine-tune learned from, by content, so every version a device makes
+    names its data. Counts and a hash only: no sample leaves the device."""
+
+    source: Literal["spool", "data_set"]
+    """spool: a snapshot of the samples the device recorded (``agent.spool``); data_set: a
+    folder of class sub-folders or an .npz the device keeps."""
+    name: str = Field(min_length=1, max_length=255)
+    """The spool's model, or the data set's name (its file or folder name, never a path)."""
+    sha256: str
+    """The snapshot's or .npz file's sha256; for a folder, sha256 over each image's
+    ``class/file`` name and sha256 in sorted order (``agent.jobs.steps.finetune``)."""
+    samples: int = Field(ge=0)
+    pseudo_labelled: int = Field(default=0, ge=0)
+    """Of the samples: labelled by the model itself (a spool's pseudo_label_threshold)."""
+
+    @field_validator("name")
+    @classmethod
+    def _plain(cls, v: str) -> str:
+        if "/" in v or "\\" in v or any(ord(ch) < 32 for ch in v):
+            raise ValueError(f"data name {v!r} must be a plain name, not a path")
+        return v
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, v: str) -> str:
+        return check_sha256(v)
+
+    @model_validator(mode="after")
+    def _counts(self) -> TrainingData:
+        if self.pseudo_labelled > self.samples:
+            raise ValueError(f"pseudo_labelled {self.pseudo_labelled} > samples {self.samples}")
+        return self
+
+
 class TrainingInfo(_Strict):
     config_sha256: str | None = None
     """TrainConfig.digest() of the run that produced the weights."""
@@ -183,6 +218,10 @@ class TrainingInfo(_Strict):
     metrics: dict[str, float] = Field(default_factory=dict)
     aggregate: AggregateInfo | None = None
     """Set when the weights are an aggregate of device fine-tunes; None for a training run."""
+    data: TrainingData | None = None
+    """Set on a device fine-tune: the data it learned from. Optional and left out of the
+    signed bytes when None, so every manifest without it reads as before; a reader whose
+    schema predates the field (unknown keys forbidden) refuses a manifest that has it."""
 
 
 class Signer(_Strict):
@@ -306,10 +345,11 @@ class Manifest(_Strict):
         doc = self.model_dump(mode="json")
         if doc["base"] is None:  # an upstream release: the same bytes as before lineage existed
             del doc["base"]
-        # Left out unless set, for the same reason: a device whose schema predates the field
-        # (extra keys forbidden) still takes every version that is not an aggregate.
-        if doc["training"]["aggregate"] is None:
-            del doc["training"]["aggregate"]
+        # Left out unless set, for the same reason: a device whose schema predates a field
+        # (extra keys forbidden) still takes every version that does not set it.
+        for optional in ("aggregate", "data"):
+            if doc["training"][optional] is None:
+                del doc["training"][optional]
         return (json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 
     @classmethod

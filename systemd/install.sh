@@ -23,8 +23,10 @@ if ! getent passwd edge-agent >/dev/null; then
     useradd --system --gid edge-agent --home-dir /var/lib/edge-agent --no-create-home \
         --shell /usr/sbin/nologin --comment "edgetrain edge agent" edge-agent
 fi
-# GPU device nodes on Jetson belong to video/render.
-for g in video render; do
+# GPU device nodes on Jetson belong to video/render; the jetson-stats service lets its jtop
+# group switch power modes (the unit has no root to run nvpmodel -m itself). Re-run this after
+# installing jetson-stats.
+for g in video render jtop; do
     if getent group "$g" >/dev/null; then usermod -a -G "$g" edge-agent; fi
 done
 

@@ -13,6 +13,7 @@ import sys
 # Command modules, in the order they appear in --help.
 COMMAND_MODULES = (
     "agent.cli.models",
+    "agent.cli.serve",
     "agent.cli.finetune",
     "agent.cli.jobs",
     "agent.cli.export",

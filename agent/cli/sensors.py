@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from agent.sensors import BACKENDS, SensorUnavailable, open_backend
@@ -18,10 +19,13 @@ examples:
   agentctl sensors                          # 5 readings, first backend that works
   agentctl sensors --backend tegrastats --count 0 --interval 1   # until Ctrl-C
   agentctl sensors --backend sim --sim-time-scale 60 --json      # simulated board, JSON lines
+  agentctl sensors --backend sim --state-dir runs/device         # the board its jobs heat
 
 backends: jtop (jetson-stats service), tegrastats (JetPack tool), sysfs (thermal zones,
-INA3221/hwmon, RAPL; no extra software), sim (the profile's thermal model, heated by this
-process's CPU use). auto tries the profile's list in order and reports what it skipped.
+INA3221/hwmon, RAPL; no extra software), sim (the profile's thermal model: with --state-dir
+that device's one simulated board, which its daemon and fine-tunes read and heat; without, a
+board of this process's own, heated by its CPU use). auto tries the profile's list in order
+and reports what it skipped.
 """
 
 PROFILES_EPILOG = """\
@@ -69,13 +73,15 @@ def run_sensors(args: argparse.Namespace) -> int:
         print(f"agentctl sensors: {e}", file=sys.stderr)
         return 2
     if args.backend == "sim" and (profile is None or args.profile == "auto"):
-        profile = load_profile("sim")  # a simulated board, not a model of this machine
+        # A simulated board, not a model of this machine; a device's board keeps its own.
+        profile = None if args.state_dir else load_profile("sim")
     try:
         ctx = open_backend(args.backend, profile=profile, interval_s=args.interval,
-                           sim_time_scale=args.sim_time_scale)
+                           sim_time_scale=args.sim_time_scale, state_dir=args.state_dir)
         with ctx as sensors:
             if not args.json:
-                print(f"backend: {sensors.name}  profile: {profile.name if profile else '-'}")
+                shown = getattr(getattr(sensors, "plant", None), "profile", profile)
+                print(f"backend: {sensors.name}  profile: {shown.name if shown else '-'}")
             n = 0
             while args.count == 0 or n < args.count:
                 if n:
@@ -158,8 +164,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--interval", type=float, default=1.0, metavar="S",
                    help="seconds between readings (default: 1)")
     p.add_argument("--json", action="store_true", help="one JSON object per reading")
-    p.add_argument("--sim-time-scale", type=float, default=1.0, metavar="X",
-                   help="sim only: simulated seconds per wall second (default: 1)")
+    p.add_argument("--sim-time-scale", type=float, metavar="X",
+                   help="sim only: simulated seconds per wall second (default: the device "
+                   "board's, 1 for a new one)")
+    p.add_argument("--state-dir", type=Path, metavar="DIR",
+                   help="sim only: read this device's simulated board, the one its daemon and "
+                   "fine-tunes share (default: a board of this command's own)")
     p.set_defaults(func=run_sensors)
 
     q = subparsers.add_parser(

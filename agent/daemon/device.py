@@ -76,10 +76,15 @@ def active_model(state_dir: Path) -> ModelInfo | None:
 
 
 class Sensors:
-    """The configured sensor backend, opened on first use; ``none`` reads nothing."""
+    """The configured sensor backend, opened on first use; ``none`` reads nothing.
 
-    def __init__(self, name: str) -> None:
+    ``state_dir``: with ``sim``, the device's one simulated board, which its fine-tunes heat
+    and whose profile and time scale they set (``agent.sensors.sim.SimBoard``); without it the
+    daemon would read a board of its own that no job ever heats."""
+
+    def __init__(self, name: str, *, state_dir: Path | None = None) -> None:
         self.name = name
+        self.state_dir = state_dir
         self._backend: Any = None
 
     def read(self) -> dict[str, Any]:
@@ -89,7 +94,7 @@ class Sensors:
             if self._backend is None:
                 from agent.sensors import open_sensors
 
-                self._backend = open_sensors(self.name)
+                self._backend = open_sensors(self.name, state_dir=self.state_dir)
             r = self._backend.read()
         except Exception as e:
             log.warning("sensor read failed: %s", e)
@@ -125,19 +130,21 @@ def governor_of(progress: dict[str, Any] | None) -> GovernorInfo | None:
 
 
 def set_power_mode(mode: str) -> tuple[str, dict[str, Any]]:
-    """(status, result or error) for the set_power_mode command, through nvpmodel."""
+    """(status, result or error) for the set_power_mode command: nvpmodel as root, else the
+    jtop service (``device_profiles.nvpmodel.mode_setter``)."""
     from device_profiles import nvpmodel
 
-    if not nvpmodel.available():
+    setter, how = nvpmodel.mode_setter()
+    if setter is None:
         return "FAILED", {"code": "UNAVAILABLE", "retryable": False,
-                          "message": "this board has no nvpmodel: power modes are not available"}
+                          "message": f"cannot switch power modes: {how}"}
     try:
         info = nvpmodel.read_modes()
         mode_id = info.id_of(mode)
         if mode_id is None:
             return "FAILED", {"code": "BAD_ARGS", "retryable": False,
                               "message": f"args.mode: {mode!r} is not a power mode of this board"}
-        nvpmodel.set_mode(mode_id)
+        setter.set(mode_id)
     except Exception as e:
         return "FAILED", {"code": "UNAVAILABLE", "message": str(e)[:500], "retryable": True}
-    return "SUCCEEDED", {"mode": mode, "id": mode_id}
+    return "SUCCEEDED", {"mode": mode, "id": mode_id, "via": setter.name}

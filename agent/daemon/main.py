@@ -98,7 +98,7 @@ class Daemon:
             max_connections=cfg.limits.control_connections,
             timeout_s=cfg.limits.control_timeout_s,
         )
-        self.sensors = Sensors(cfg.sensors)
+        self.sensors = Sensors(cfg.sensors, state_dir=cfg.state_dir)
         self.stop_event = threading.Event()
         self.telemetry_seq = 0
         self.models_seen: tuple[tuple[str, str, int], ...] = ()

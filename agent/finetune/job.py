@@ -81,6 +81,10 @@ class FinetuneJob(BaseModel):
     seed: int = 0
     sensors: Literal["auto", "jtop", "tegrastats", "sysfs", "sim", "none"] = "auto"
     """Sensor backend for the thermal/power governor (none: no pacing)."""
+    switch_power_modes: bool = False
+    """Let the governor switch nvpmodel power modes when a lower-clocked mode gives more steps/s
+    inside the limits (needs root or the jetson-stats service; the report says when neither
+    is there)."""
     yield_to_app: bool = True
     """Pace training by the application's inference latency where a serving runtime of the
     model reports one (training yields while its p99 is over the SLO)."""

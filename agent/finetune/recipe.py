@@ -17,12 +17,14 @@ import contextlib
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from agent.finetune.cold_pages import drop_cold_pages
 from agent.finetune.job import FinetuneJob, FinetuneResult
 from agent.finetune.model import enable_activation_checkpointing, prepare_model
 from agent.finetune.setup import FinetuneSetup, resolve_profile, resolve_setup
+from device_profiles.schema import DeviceProfile
 from hpc_core import checkpoint as ckpt
 from hpc_core.atomic import write_json_atomic
 from hpc_core.metrics import peak_device_mb, peak_rss_mb
@@ -78,6 +80,21 @@ def run_finetune(
     return FinetuneResult(report, result.checkpoint_dir)
 
 
+def _mode_switcher(job: FinetuneJob, profile: DeviceProfile) -> tuple[Any, str | None]:
+    """The board's power-mode switcher when the job allows switching, or why there is none."""
+    if not job.switch_power_modes:
+        return None, None
+    from device_profiles.nvpmodel import NvpmodelError, NvpmodelSwitcher, mode_setter
+
+    setter, how = mode_setter()
+    if setter is None:
+        return None, f"power-mode switching unavailable: {how}"
+    try:
+        return NvpmodelSwitcher(profile, setter=setter), None
+    except (NvpmodelError, OSError) as e:
+        return None, f"power-mode switching unavailable: {e}"
+
+
 @dataclass
 class PacedResult:
     report: dict[str, Any]
@@ -88,12 +105,13 @@ class PacedResult:
 
 def run_paced(
     job: FinetuneJob, resume: bool = False, hooks: list[TrainerHook] | None = None,
-    setup: FinetuneSetup | None = None,
+    setup: FinetuneSetup | None = None, state_dir: Path | None = None,
 ) -> PacedResult:
     """The whole device recipe: the job paced by the governor reading ``job.sensors``, then one
     report per job (OUT/report.json + report.png): the fine-tune's figures under "job", pacing
     over time beside them. ``hooks`` run before the governor's (the device job's progress
-    and cancel hook)."""
+    and cancel hook). ``state_dir``: the device's, whose one simulated board ``sensors: sim``
+    heats and reads, as its daemon does (``agent.sensors.sim.SimBoard``)."""
     from agent.pacing.app_latency import RuntimeLatency
     from agent.pacing.governor import Governor, GovernorConfig
     from agent.pacing.hook import GovernorHook
@@ -105,16 +123,20 @@ def run_paced(
     sensors_cm = (
         contextlib.nullcontext()
         if job.sensors == "none"
-        else open_backend(job.sensors, profile=profile, sim_time_scale=job.sim_time_scale)
+        else open_backend(job.sensors, profile=profile, sim_time_scale=job.sim_time_scale,
+                          state_dir=state_dir)
     )
     with sensors_cm as sensors:
         if sensors is not None:
             latency = (RuntimeLatency(job.app_latency)
                        if job.app_latency is not None and job.yield_to_app else None)
-            hook = GovernorHook(
-                Governor(GovernorConfig.from_profile(profile), profile=profile), sensors,
-                latency=latency,
-            )
+            switcher, why_not = _mode_switcher(job, profile)
+            governor = Governor(
+                GovernorConfig.from_profile(profile, allow_mode_switch=switcher is not None),
+                profile=profile, switcher=switcher)
+            if why_not:
+                governor.note_unavailable("power_mode", why_not)
+            hook = GovernorHook(governor, sensors, latency=latency, power_mode=switcher)
         result = run_finetune(job, hooks=[*(hooks or []), *([hook] if hook else [])],
                               resume=resume, setup=setup)
     report = result.report

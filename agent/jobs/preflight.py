@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from agent.jobs.spec import DeviceJob
+from agent.spool.config import is_spool
 
 
 def check_signing_key(job: DeviceJob, state_dir: Path) -> None:
@@ -54,6 +55,8 @@ def check_inputs(job: DeviceJob, state_dir: Path | None = None) -> None:
         _check_upstream(job, Path(state_dir))
     if not data.exists():
         raise ValueError(f"--data {data}: no such file or folder")
+    if is_spool(data):
+        return  # recorded samples: the fine-tune step snapshots them and checks the count
     if data.is_dir():
         if not any(p.is_dir() and any(p.iterdir()) for p in data.iterdir()):
             raise ValueError(f"--data {data}: empty (no class sub-folder with images)")

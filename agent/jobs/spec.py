@@ -36,6 +36,7 @@ from pydantic import (
 from agent.finetune.job import FinetuneJob
 from agent.jobs.evaluate_spec import EvaluateArgs, EvaluateJob
 from agent.jobs.names import ModelName, Name, Version
+from agent.spool.config import MARKER, SPOOL_DATA, is_spool, spool_dir
 from exporters.job import ExportJob, Precision, TensorRTConfig
 from hpc_core.job_args import flag
 
@@ -105,6 +106,11 @@ class HealthOptions(BaseModel):
     """Largest allowed staged/active ratio of the median batch-1 latency (null: not gated)."""
     samples: int | None = Field(default=None, ge=1)
     """Held-out samples to score (null: the whole held-out split)."""
+    max_anchor_drop_pts: float | None = Field(default=20.0, ge=0)
+    """Largest allowed drop, in points, of the staged model's accuracy on the upstream's anchor
+    set below the active model's: held-out data of the upstream distribution, shipped with
+    the upstream version as the artefact ``anchor.safetensors`` (x, y). A fine-tune that forgets
+    what the fleet knows is refused (null: scored, not gated; no anchor: nothing to score)."""
 
 
 class UploadOptions(BaseModel):
@@ -152,7 +158,9 @@ class DeviceJob(BaseModel):
     fetched from --registry and verified into the job's folder, never a slot: it is only
     trained from, so it may be older than the newest version installed."""
     data: Path
-    """The device's data: a folder of class sub-folders (PNG/JPEG) or an .npz with x and y."""
+    """The device's data: a folder of class sub-folders (PNG/JPEG) or an .npz with x and y;
+    or a spool (``agent.spool``), trained on through a snapshot taken into the job's folder
+    when the fine-tune step starts."""
     finetune: FinetuneOptions = Field(default_factory=FinetuneOptions)  # type: ignore[valid-type]
     export: ExportOptions = Field(default_factory=ExportOptions)  # type: ignore[valid-type]
     health: HealthOptions = Field(default_factory=HealthOptions)
@@ -264,7 +272,8 @@ class FinetuneArgs(BaseModel):
     fetched from the device's registry."""
     data: Name
     """Name of a data set under the device's data_root (agent.yaml): a folder of class
-    sub-folders or an .npz."""
+    sub-folders or an .npz; or ``spool``: the samples the device recorded for this model
+    (data_root/spool/MODEL), trained on through a snapshot taken when the fine-tune starts."""
     finetune: FinetuneOptions = Field(default_factory=FinetuneOptions)  # type: ignore[valid-type]
     export: ExportArgs = Field(default_factory=ExportArgs)  # type: ignore[valid-type]
     health: HealthOptions = Field(default_factory=HealthOptions)
@@ -328,6 +337,10 @@ class DeviceSettings(BaseModel):
     def timing_caches(self) -> Path:
         return self.state_dir / "cache" / "tensorrt"
 
+    def spool(self, model: str) -> Path:
+        """Where ``model``'s recorded samples live (``agent.spool``): data_root/spool/MODEL."""
+        return spool_dir(self.data_root, model)
+
 
 class ArgsRefused(ValueError):
     """A command's args that validate but cannot be resolved on this device; ``field`` is
@@ -339,14 +352,35 @@ class ArgsRefused(ValueError):
 
 
 def resolve_data(name: str, settings: DeviceSettings, field: str = "data") -> Path:
-    """``data_root/name``, which must exist and must not lead out of data_root."""
+    """``data_root/name``, which must exist and must not lead out of data_root.
+    ``spool`` is refused: data_root/spool holds the spools, and only a fine-tune trains on
+    one (:func:`resolve_spool`)."""
     root = settings.data_root.resolve()
-    path = root / name
+    if name == SPOOL_DATA:
+        raise ArgsRefused(field, f"{SPOOL_DATA!r} names the samples this device records "
+                          "(data_root/spool), which only a finetune job trains on: name a "
+                          "data set of data_root")
+    return _inside(root, root / name, field, f"no data set {name!r} in the device's "
+                   f"data_root {root}")
+
+
+def resolve_spool(model: str, settings: DeviceSettings, field: str = "data") -> Path:
+    """``data: spool``: data_root/spool/MODEL, which must hold a spool (agent.spool)."""
+    root = settings.data_root.resolve()
+    path = spool_dir(root, model)
+    _inside(root, path, field, f"no spool for {model} in {path.parent}: nothing recorded "
+            "for this model yet (the runtime records into it), or name a data set of "
+            "data_root")
+    if not is_spool(path):
+        raise ArgsRefused(field, f"{path} is not a spool (no {MARKER})")
+    return path
+
+
+def _inside(root: Path, path: Path, field: str, missing: str) -> Path:
     try:
         real = path.resolve(strict=True)
     except OSError:
-        raise ArgsRefused(field, f"no data set {name!r} in the device's data_root {root}") \
-            from None
+        raise ArgsRefused(field, missing) from None
     if real != root and root not in real.parents:
         raise ArgsRefused(field, f"{path} leads out of data_root {root}")
     return path
@@ -389,7 +423,8 @@ def resolve(type_: str, args: BaseModel, settings: DeviceSettings) -> BaseModel:
         export["tensorrt"]["timing_cache"] = str(settings.timing_caches / cache)
     return DeviceJob.model_validate({
         "model": args.model, "version": args.version,
-        "data": resolve_data(args.data, settings), "finetune": ft, "export": export,
+        "data": resolve_spool(args.model, settings) if args.data == SPOOL_DATA
+        else resolve_data(args.data, settings), "finetune": ft, "export": export,
         "health": args.health.model_dump(),
         "upload": {"registry": upload_to, "version": args.upload.version},
         "steps": args.steps.model_dump(), "registry": settings.registry,

@@ -14,15 +14,10 @@ time constant, so duty is a smooth, fast actuator for a slow, first-order plant.
 - States NORMAL (full speed) / THROTTLED (a limit is active) / PAUSED (at the soft limit: the
   caller checkpoints and waits until the hottest zone is below ``resume_below_c``). Every state
   change and power-mode switch is a ``GovernorEvent`` with its reason.
-- Latency loop: training yields to the application. A second PI controller holds the
-  application's inference p99 (its serving runtime's report, ``agent.runtime.stats``) at
-  ``slo * (1 - latency_margin)``; its error is relative to the SLO, so one set of gains serves a
-  2 ms and a 200 ms objective. The duty applied is the least of the thermal, power and latency
-  duties, and the loops that are not in charge track it (bumpless). At ``min_duty`` and still
-  over the SLO for ``latency_yield_after_s``, training yields completely (duty 0, state
-  THROTTLED, no checkpoint: this is not the thermal pause) until the p99 is back under the
-  setpoint. The plant is fast (CPU and memory bandwidth contention shows in the next window),
-  so the gains are fixed rather than derived from the thermal plant.
+- Latency loop (``agent.pacing.latency_loop``): training yields to the application. A second
+  PI loop holds the application's inference p99 under its SLO; the duty applied is the least
+  of the thermal, power and latency duties, and the loops not in charge track it (bumpless).
+  Yielding completely (duty 0) leaves the state THROTTLED: no checkpoint, unlike the pause.
 - Optional power-mode switching: when throttled, a lower-clocked mode can deliver more steps
   per second inside the same power envelope (voltage falls with frequency); switches are rare
   (``mode_switch_every_s``) and need a predicted gain of ``mode_switch_min_gain``.
@@ -48,6 +43,7 @@ from agent.pacing.controller import (
     Phase,
     PIController,
 )
+from agent.pacing.latency_loop import LatencyLoop
 from agent.pacing.power_modes import PowerModeSwitcher, choose_mode
 from agent.sensors.reading import Reading
 from device_profiles.schema import DeviceProfile
@@ -189,18 +185,9 @@ class Governor:
         self._full_since: float | None = None
         self._seen_temperature = False
         self._no_sensor_since: float | None = None
-        self.latency_pi = PIController(cfg.latency_kp, cfg.latency_ti_s, cfg.min_duty, 1.0)
-        self.latency_pi.integral = 1.0  # full speed until the application says otherwise
-        self.latency_duty = 1.0
-        """The latency loop's own duty (1.0 with no SLO or no report)."""
-        self.yielding = False
-        """Training yields completely to the application (duty 0)."""
-        self._latency_error: float | None = None
-        self._last_latency_s: float | None = None
-        self._over_slo_at_min_since: float | None = None
-        self.last_p99_ms: float | None = None
-        self.slo_ms: float | None = None
-        """The application's last reported p99 and the SLO it is held to."""
+        self.latency = LatencyLoop(
+            slo_ms=cfg.latency_slo_ms, margin=cfg.latency_margin, kp=cfg.latency_kp,
+            ti_s=cfg.latency_ti_s, min_duty=cfg.min_duty, yield_after_s=cfg.latency_yield_after_s)
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -232,7 +219,10 @@ class Governor:
                latency: AppLatency | None = None) -> Decision:
         if reading.total_power_mw is not None:
             self.power.add(phase, reading.total_power_mw)
-        self._update_latency(latency, now_s)
+        started = self.latency.update(latency, now_s)
+        if started:
+            self._event(now_s, "state", self.state.value, GovernorState.THROTTLED.value, started)
+            self.state = GovernorState.THROTTLED
         hot = reading.hottest(self.cfg.control_zones)
         if hot is None:
             return self._no_temperature(now_s, reading)
@@ -260,8 +250,8 @@ class Governor:
             self.duty, self.limit = 0.0, "thermal"
             return self._decision(0.0, zone, temp, reading)
         if phase == "idle":
-            if self.yielding or self.limit == "latency":
-                self._apply_latency(now_s)
+            if self.latency.yielding or self.limit == "latency":
+                self._apply_latency()
             return self._decision(self.duty, zone, temp, reading)
 
         dt = 0.0 if self._last_active_s is None else now_s - self._last_active_s
@@ -269,12 +259,11 @@ class Governor:
         error = self.cfg.target_c - self.cfg.setpoint_margin_c - temp
         thermal = self.pi.update(error, dt)
         power = self._power_duty()
-        latency_duty = 0.0 if self.yielding else self.latency_duty
+        latency_duty = self.latency.duty
         duty = min(thermal, power, latency_duty)
         if duty < thermal:
             self.pi.track(max(duty, self.cfg.min_duty), error)
-        if duty < latency_duty and self._latency_error is not None:
-            self.latency_pi.track(duty, self._latency_error)
+        self.latency.track(duty)
         self.limit = None if duty >= 1.0 else min(
             (("latency", latency_duty), ("power", power), ("thermal", thermal)),
             key=lambda kv: kv[1])[0]
@@ -295,7 +284,7 @@ class Governor:
                 cap = (self.cfg.power_cap_mw or 0.0) / 1000
                 why = f"power {watts:.1f} W over cap {cap:.1f} W"
             elif self.limit == "latency":
-                why = self._latency_why()
+                why = self.latency.why()
             elif temp is not None:
                 why = f"{zone} {temp:.1f} C approaching target {self.cfg.target_c:.1f} C"
             else:
@@ -320,7 +309,7 @@ class Governor:
                 self._event(now, "sensor", "none", "none",
                             "no temperature sensor on this machine: thermal pacing off")
             power = self._power_duty() if self.cfg.power_cap_mw is not None else 1.0
-            latency_duty = 0.0 if self.yielding else self.latency_duty
+            latency_duty = self.latency.duty
             self.duty = min(power, latency_duty)
             self.limit = None if self.duty >= 1.0 else (
                 "latency" if latency_duty <= power else "power")
@@ -341,65 +330,24 @@ class Governor:
                 self._set_state(now, GovernorState.THROTTLED, "temperature sensors lost")
         return self._decision(self.duty, None, None, reading)
 
+    def note_unavailable(self, kind: str, reason: str) -> None:
+        """Say once, at the start, that something the job asked for cannot be done here."""
+        self._event(0.0, kind, "unavailable", "unavailable", reason)
+
     # -- the application's latency --------------------------------------------------------------
 
-    def _slo_ms(self, latency: AppLatency | None) -> float | None:
-        if self.cfg.latency_slo_ms is not None:
-            return self.cfg.latency_slo_ms
-        return latency.slo_ms if latency is not None else None
+    @property
+    def last_p99_ms(self) -> float | None:
+        return self.latency.last_p99_ms
 
-    def _update_latency(self, latency: AppLatency | None, now: float) -> None:
-        """Step the latency loop on a fresh report; no report (no application serving, or
-        its runtime stopped writing) relaxes it to full duty: nothing to yield to."""
-        slo = self._slo_ms(latency)
-        if latency is None or slo is None:
-            if self.yielding or self.latency_duty < 1.0:
-                self.yielding = False
-                self.latency_duty = 1.0
-                self.latency_pi.integral = 1.0
-            self._latency_error = None
-            self._last_latency_s = None
-            self._over_slo_at_min_since = None
-            return
-        self.last_p99_ms, self.slo_ms = latency.p99_ms, slo
-        error = (slo * (1.0 - self.cfg.latency_margin) - latency.p99_ms) / slo
-        dt = 0.0 if self._last_latency_s is None else now - self._last_latency_s
-        self._last_latency_s = now
-        self._latency_error = error
-        self.latency_duty = self.latency_pi.update(error, dt)
-        over = latency.p99_ms > slo
-        if over and self.latency_duty <= self.cfg.min_duty:
-            if self._over_slo_at_min_since is None:
-                self._over_slo_at_min_since = now
-            if (not self.yielding
-                    and now - self._over_slo_at_min_since >= self.cfg.latency_yield_after_s):
-                self.yielding = True
-                self._event(now, "state", self.state.value, GovernorState.THROTTLED.value,
-                            f"{self._latency_why()} at duty {self.cfg.min_duty:.2f}: "
-                            "training yields")
-                self.state = GovernorState.THROTTLED
-        else:
-            self._over_slo_at_min_since = None
-        if self.yielding and error >= 0:
-            # Back under the setpoint: resume at the least duty, the loop climbs from there.
-            self.yielding = False
-            self.latency_pi.track(self.cfg.min_duty, error)
-            self.latency_duty = self.cfg.min_duty
-
-    def _apply_latency(self, now: float) -> None:
+    def _apply_latency(self) -> None:
         """While training waits on the application (phase idle), let the latency loop alone
         move the duty: the thermal loop steps only after a training step."""
-        if self.yielding:
+        if self.latency.yielding:
             self.duty, self.limit = 0.0, "latency"
         else:
-            self.duty = min(self.duty if self.duty > 0 else 1.0, self.latency_duty)
+            self.duty = min(self.duty if self.duty > 0 else 1.0, self.latency.duty)
             self.limit = "latency" if self.duty < 1.0 else None
-
-    def _latency_why(self) -> str:
-        p99, slo = self.last_p99_ms, self.slo_ms
-        if p99 is None or slo is None:
-            return "application latency"
-        return f"application p99 {p99:.1f} ms vs SLO {slo:.1f} ms"
 
     def _decision(self, duty: float, zone: str | None, temp: float | None,
                   reading: Reading) -> Decision:

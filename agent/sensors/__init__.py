@@ -23,8 +23,8 @@ BACKENDS: tuple[str, ...] = ("auto", "jtop", "tegrastats", "sysfs", "sim")
 log = logging.getLogger("agent.sensors")
 
 
-def _make(name: str, profile: DeviceProfile | None, interval_s: float, sim_time_scale: float,
-          root: Path) -> SensorBackend:
+def _make(name: str, profile: DeviceProfile | None, interval_s: float,
+          sim_time_scale: float | None, root: Path, state_dir: Path | None) -> SensorBackend:
     if name == "jtop":
         from agent.sensors.jtop import JtopBackend
 
@@ -38,12 +38,9 @@ def _make(name: str, profile: DeviceProfile | None, interval_s: float, sim_time_
 
         return SysfsBackend(root=root)
     if name == "sim":
-        from agent.sensors.sim import ProcessLoadDriver, SimBackend
-        from agent.sim.plant import SimPlant
-        from device_profiles import load_profile
+        from agent.sensors.sim import open_sim
 
-        plant = SimPlant(profile if profile is not None else load_profile("sim"))
-        return SimBackend(plant, driver=ProcessLoadDriver(sim_time_scale))
+        return open_sim(profile, sim_time_scale, state_dir)
     raise ValueError(f"unknown sensor backend {name!r} (choose from {', '.join(BACKENDS)})")
 
 
@@ -52,19 +49,24 @@ def open_sensors(
     *,
     profile: DeviceProfile | None = None,
     interval_s: float = 0.5,
-    sim_time_scale: float = 1.0,
+    sim_time_scale: float | None = None,
     root: Path = Path("/"),
+    state_dir: Path | None = None,
 ) -> SensorBackend:
     """Open one backend; ``auto`` walks the profile's list (default: jtop, tegrastats, sysfs)
     and, when none works, returns a ``NullBackend``. A named backend that cannot work raises
-    ``SensorUnavailable`` with the reason."""
+    ``SensorUnavailable`` with the reason.
+
+    ``sim`` with a ``state_dir`` reads that device's one simulated board, which the daemon and
+    its jobs share (``agent.sensors.sim.SimBoard``); ``sim_time_scale`` (simulated seconds per
+    wall second) and ``profile`` then become the board's, None keeps the board's own."""
     if name != "auto":
-        return _make(name, profile, interval_s, sim_time_scale, root)
+        return _make(name, profile, interval_s, sim_time_scale, root, state_dir)
     order = list(profile.sensors) if profile is not None else ["jtop", "tegrastats", "sysfs"]
     problems = []
     for candidate in order:
         try:
-            backend = _make(candidate, profile, interval_s, sim_time_scale, root)
+            backend = _make(candidate, profile, interval_s, sim_time_scale, root, state_dir)
         except SensorUnavailable as e:
             log.info("sensor backend %s unavailable: %s", candidate, e)
             problems.append(f"{candidate}: {e}")
@@ -95,12 +97,14 @@ def open_backend(
     *,
     profile: DeviceProfile | None = None,
     interval_s: float = 0.5,
-    sim_time_scale: float = 1.0,
+    sim_time_scale: float | None = None,
     root: Path = Path("/"),
+    state_dir: Path | None = None,
 ) -> Iterator[SensorBackend]:
     """``open_sensors`` as a context manager that closes the backend."""
     backend = open_sensors(
-        name, profile=profile, interval_s=interval_s, sim_time_scale=sim_time_scale, root=root
+        name, profile=profile, interval_s=interval_s, sim_time_scale=sim_time_scale, root=root,
+        state_dir=state_dir,
     )
     try:
         yield backend

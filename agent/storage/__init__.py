@@ -13,6 +13,7 @@ Layout under the state directory::
 Modules: ``lock`` (state lock), ``nofollow`` (no symlink is ever followed below the state
 root), ``chunk_store``, ``assemble`` (chunks -> slot), ``verify`` (slot re-verification),
 ``slots`` (stage / commit / discard / install / rollback), ``gc``, ``spec_check`` (the model
-spec check, run in a torch child process), ``update`` (pull into the slots, stage a local
-fine-tune). Building the active model needs torch: ``agent.finetune.active``.
+spec check: torch-free for a registered model, a torch child for a custom factory),
+``update`` (pull into the slots, stage a local fine-tune). Building the active model needs
+torch: ``agent.finetune.active``.
 """

@@ -1,31 +1,29 @@
-"""Check a verified manifest against its model spec in a short-lived child process.
+"""Check a verified manifest against its model spec, before any chunk moves.
 
-The check builds the spec's module on torch's meta device, and importing torch costs a
-process ~200 MB it never gives back. The daemon and the job worker live for weeks on a
-device with a few GB: they must stay torch-free, so the torch part runs in
-``python -m hpc_core.model_spec check`` and only its verdict comes back. The module is named
-by string, never imported here (import-linter holds ``agent.storage`` torch-free).
+A registered model (``mlp``, ``resnet``, ...) is checked here, torch-free: the tensors its spec
+builds come from ``hpc_core.model_layout``, which tests hold equal to torch's ``state_dict()``.
+Importing torch costs a process ~200 MB it never gives back, on a device where the application
+may have 1-2 GB: a pull of a registered model never pays it.
 
-A pass is remembered for the life of the process: the verdict depends only on the spec and
-the tensors' names, dtypes and shapes, which a new version of the same model (a fine-tune, a
-retrain) almost always keeps - so the daemon pays for torch once per model layout, not once
-per version.
+A custom factory (``package.module:function``, allowed only with --allow-custom-model) is code:
+only building it tells its tensors. That part runs in ``python -m hpc_core.model_spec check``,
+a short-lived torch child whose verdict alone comes back (~250 MB while it runs), so the daemon
+and the job worker, which live for weeks, stay torch-free either way. The module is named by
+string, never imported here (import-linter holds ``agent.storage`` torch-free).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections import OrderedDict
 from pathlib import Path
 
+from hpc_core.model_layout import check_layout, custom_refused, is_custom
 from registry.errors import SpecMismatchError
 from registry.manifest import Manifest
 
@@ -46,35 +44,18 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-_PASSED: OrderedDict[str, None] = OrderedDict()
-_PASSED_MAX = 64
-_passed_lock = threading.Lock()
-
-
-def layout_key(manifest: Manifest) -> str:
-    """What the verdict depends on: the model spec and each tensor's name, dtype and shape."""
-    doc = {"model": manifest.model.model_dump(mode="json"),
-           "tensors": [[t.name, t.dtype, list(t.shape)] for t in manifest.tensors]}
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
-
-
 def check_model_spec(manifest: Manifest, manifest_bytes: bytes, *, allow_custom: bool = False,
                      timeout_s: float = CHECK_TIMEOUT_S) -> None:
     """Raise :class:`SpecMismatchError` unless the manifest's tensors are exactly those of the
-    module its spec builds. A child that fails in any other way refuses the version too: an
-    unchecked spec is never installed."""
-    # A custom factory is code that may change between two pulls: never remembered.
-    key = None if ":" in manifest.model.name else layout_key(manifest)
-    with _passed_lock:
-        if key is not None and key in _PASSED:
-            _PASSED.move_to_end(key)
-            return
+    module its spec builds. A custom factory's child that fails in any other way refuses the
+    version too: an unchecked spec is never installed. A custom factory's pass is never
+    remembered: its code may change between two pulls."""
+    if not is_custom(manifest.model.name):
+        check_layout(manifest)
+        return
+    if not allow_custom:
+        raise custom_refused(manifest.model.name)
     _check_in_child(manifest_bytes, manifest.ref, allow_custom, timeout_s)
-    if key is not None:
-        with _passed_lock:
-            _PASSED[key] = None
-            while len(_PASSED) > _PASSED_MAX:
-                _PASSED.popitem(last=False)
 
 
 def _check_in_child(manifest_bytes: bytes, ref: str, allow_custom: bool,

@@ -2,13 +2,13 @@
 version the device produced itself.
 
 :func:`pull` verifies the manifest (signature, key scope, name), the sequence against the
-highest installed and the tensors against the model spec (in a child process, so the caller
-never imports torch) - all before a chunk moves - then checks free disk and fetches the
-missing chunks, under the state lock. :func:`update` adds install (stage + commit) and
-garbage collection. :func:`fetch_training_source` brings the version a fine-tune starts
-from into the job's folder, never into a slot. :func:`stage_local` cuts a locally fine-tuned
-checkpoint into the chunk store, signs it with the device key and stages it, so the device
-job can run its gates on it before ``ModelSlots.commit``.
+highest installed and the tensors against the model spec (torch-free; a custom factory in a
+child process, so the caller never imports torch) - all before a chunk moves - then checks
+free disk and fetches the missing chunks, under the state lock. :func:`update` adds install
+(stage + commit) and garbage collection. :func:`fetch_training_source` brings the version a
+fine-tune starts from into the job's folder, never into a slot. :func:`stage_local` cuts a
+locally fine-tuned checkpoint into the chunk store, signs it with the device key and stages
+it, so the device job can run its gates on it before ``ModelSlots.commit``.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def pull(
                          "event": "training_source", "model": ref.name,
                          "version": manifest.version, "sequence": manifest.sequence,
                          "highest_sequence": slots.highest_sequence()}})
-        # torch, in a child process: this one stays small (see spec_check).
+        # Torch-free (a custom factory's check runs in a torch child): see spec_check.
         check_model_spec(manifest, verified.manifest_bytes, allow_custom=cfg.allow_custom_models)
         store = ChunkStore(state_dir)
         missing = store.missing(manifest.chunks)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -9,9 +10,12 @@ import pytest
 
 from device_profiles import load_profile
 from device_profiles.nvpmodel import (
+    JtopSetter,
     NvpMode,
     NvpmodelError,
+    NvpmodelSetter,
     NvpmodelSwitcher,
+    mode_setter,
     parse_modes,
     parse_query,
     read_active,
@@ -104,3 +108,84 @@ def test_run_command_reports_failures() -> None:
         run_command(["sh", "-c", "echo 'NVPM ERROR: bad mode' >&2; exit 3"])
     with pytest.raises(NvpmodelError, match="NVPM ERROR"):
         run_command(["sh", "-c", "echo 'NVPM ERROR: Error opening /sys/...'"])
+
+
+# -- switching without root: the jetson-stats service ------------------------------------------
+
+
+class _FakeJetson:
+    """What ``jtop()`` yields, as far as the power mode goes: setting ``nvpmodel`` asks the
+    root service, which may refuse (a client outside the jtop group)."""
+
+    board_mode = 0
+    allowed = True
+
+    def __enter__(self) -> _FakeJetson:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def ok(self) -> bool:
+        return True
+
+    @property
+    def nvpmodel(self) -> int:
+        return type(self).board_mode
+
+    @nvpmodel.setter
+    def nvpmodel(self, mode_id: int) -> None:
+        if not type(self).allowed:
+            raise PermissionError("jtop: permission denied")
+        type(self).board_mode = mode_id
+
+
+def test_jtop_setter_switches_through_the_service_and_reports_a_refusal() -> None:
+    setter = JtopSetter(connect=_FakeJetson)
+    setter.set(3)
+    assert _FakeJetson.board_mode == 3
+    _FakeJetson.allowed = False
+    try:
+        with pytest.raises(PermissionError):
+            setter.set(1)
+    finally:
+        _FakeJetson.allowed = True
+    assert _FakeJetson.board_mode == 3
+    sw = NvpmodelSwitcher(load_profile("jetson-orin-nano-8gb"), lambda argv: (
+        "NV Power Mode: 15W\n0\n" if argv[1] == "-q"
+        else (DATA / "nvpmodel_orin_nano_super_p.txt").read_text()), setter=setter)
+    sw.switch("25W")
+    assert _FakeJetson.board_mode == 1 and sw.current() == "25W"
+
+
+def test_mode_setter_picks_root_then_jtop_and_says_why_neither(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    from device_profiles import nvpmodel
+
+    monkeypatch.setattr(nvpmodel, "available", lambda: False)
+    setter, why = mode_setter(euid=0)
+    assert setter is None and "no nvpmodel" in why
+    monkeypatch.setattr(nvpmodel, "available", lambda: True)
+    setter, why = mode_setter(euid=0)
+    assert isinstance(setter, NvpmodelSetter) and "root" in why
+    # Not root, no jetson-stats.
+    monkeypatch.setitem(sys.modules, "jtop", None)
+    setter, why = mode_setter(euid=1000, socket=tmp_path / "jtop.sock")
+    assert setter is None and "jetson-stats is not installed" in why
+    fake = types.ModuleType("jtop")
+    fake.jtop = _FakeJetson  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "jtop", fake)
+    setter, why = mode_setter(euid=1000, socket=tmp_path / "jtop.sock")
+    assert setter is None and "not running" in why and "systemctl enable --now jtop" in why
+    sock = tmp_path / "jtop.sock"
+    sock.touch(mode=0o600)
+    if os.geteuid() != 0:  # root may use any file: the group check cannot show here
+        sock.chmod(0o000)
+        setter, why = mode_setter(euid=1000, socket=sock)
+        assert setter is None and "jtop group" in why
+        sock.chmod(0o600)
+    setter, why = mode_setter(euid=1000, socket=sock)
+    assert isinstance(setter, JtopSetter) and str(sock) in why

@@ -1,12 +1,15 @@
 """commit | rollback: the two ways out of the health check. commit switches ``current`` to the
 staged version (one atomic rename); rollback drops it, the active model untouched. The only
-steps that change which model serves."""
+steps that change which model serves. Before the switch, commit waits while an application
+holds the model's update lock (agent.runtime.update_lock), at most the device's
+``update_lock_max_wait_s``; the wait is in its output."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from agent.jobs.protocol import JobContext, StepFailed
+from agent.jobs.protocol import Canceled, JobContext, StepFailed, Suspended, TimedOut
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
@@ -20,14 +23,31 @@ def run(ctx: JobContext) -> dict[str, Any]:
         return slot is not None and slot.version == staged["version"] and (
             slot.manifest.sequence == staged.get("sequence", slot.manifest.sequence))
 
+    waited = 0.0
     if not is_staged(slots.active()):  # else a resumed commit that had already switched
+        from agent.runtime.update_lock import wait_for_update_locks
+
+        waited = wait_for_update_locks(ctx.state_dir, ctx.spec.model,
+                                       ctx.spec.update_lock_max_wait_s,
+                                       check=lambda: _still_wanted(ctx))
         slots.commit(staged["version"])
     active = slots.active()
     if not is_staged(active):
         raise StepFailed("commit", f"the active version is {getattr(active, 'version', None)} "
                          f"after committing {staged['version']}", code="INTERNAL")
     return {"version": active.version, "slot": active.slot,
-            "sequence": active.manifest.sequence}
+            "sequence": active.manifest.sequence, "update_lock_wait_s": round(waited, 3)}
+
+
+def _still_wanted(ctx: JobContext) -> None:
+    # A wait of minutes must still answer SIGTERM (systemd kills at 30 s), a cancel and the
+    # job's timeout, as the machine does between steps.
+    if ctx.stop:
+        raise Suspended("SIGTERM while waiting for the update lock")
+    if ctx.store.cancel_requested(ctx.job_id):
+        raise Canceled("canceled while waiting for the update lock")
+    if ctx.deadline is not None and time.time() > ctx.deadline:
+        raise TimedOut("timeout_s passed while waiting for the update lock")
 
 
 def rollback(ctx: JobContext) -> dict[str, Any]:

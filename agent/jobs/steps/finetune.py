@@ -5,7 +5,8 @@ Worker half: the set-up (``agent.finetune.setup``) is resolved once by a ``setup
 (torch), the micro-batch planned here, torch-free, against the whole process tree's budget
 (this process, the probes, the child), and the result handed to the ``finetune`` child, which
 trains on exactly that set-up. With the micro-batch given there is nothing to plan: the
-fine-tune child resolves the set-up itself (one torch start less).
+fine-tune child resolves the set-up itself (one torch start less). First of all, the data the
+job learns from is fixed (``agent.spool.lineage``): a spool is snapshot into the job's folder.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from agent.finetune.setup import FinetuneSetup
 from agent.jobs.proctree import rss_mb
 from agent.jobs.protocol import Canceled, JobContext, StepContext, StepFailed, run_child
 from agent.jobs.steps.context import SETUP, step_context
+from agent.spool.lineage import fix_training_data, training_data_path
 from hpc_core.atomic import write_json_atomic
 
 
@@ -45,8 +47,39 @@ def _plan(ctx: JobContext, setup: FinetuneSetup) -> Any:
         raise StepFailed("finetune", str(e)) from None
 
 
+def min_samples(effective_batch: int, val_fraction: float) -> int:
+    """The fewest samples whose training split (what hpc_core.data.split_indices leaves after
+    holding out val_fraction) still fills one optimizer step of effective_batch."""
+    n = effective_batch + 1
+    while n - max(1, round(n * val_fraction)) < effective_batch:
+        n += 1
+    return n
+
+
+def _training_data(ctx: JobContext) -> dict[str, Any]:
+    """Fix what the job learns from before anything trains (a spool: its snapshot), and
+    refuse a spool too small for one optimizer step after the held-out split."""
+    ft = ctx.spec.finetune
+    try:
+        data = fix_training_data(Path(ctx.spec.data), ctx.job_dir)
+    except (OSError, ValueError) as e:
+        raise StepFailed("finetune", f"data {ctx.spec.data}: {e}") from None
+    need = min_samples(ft.effective_batch, ft.val_fraction)
+    if data.source == "spool" and data.samples < need:
+        raise StepFailed(
+            "finetune", f"data: the spool {ctx.spec.data} holds {data.samples} labelled "
+            f"samples; a fine-tune needs at least {need} (finetune.effective_batch="
+            f"{ft.effective_batch} training samples once finetune.val_fraction="
+            f"{ft.val_fraction:g} is held out): let the device record more, or lower "
+            "finetune.effective_batch", code="BAD_ARGS")
+    ctx.event("finetune", status="data", source=data.source, samples=data.samples,
+              pseudo_labelled=data.pseudo_labelled, sha256=data.sha256)
+    return data.model_dump(mode="json")
+
+
 def run(ctx: JobContext) -> dict[str, Any]:
     ft = ctx.spec.finetune
+    data = _training_data(ctx)
     setup = _read_setup(ctx.job_dir)
     # A micro-batch given beside an explicit budget is checked against it (probes), so a
     # job never trains past the budget it was given.
@@ -76,6 +109,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
     setup = _read_setup(ctx.job_dir)  # the child wrote it when it resolved it itself
     assert setup is not None
     out["memory"] = {"budget_mb": setup.budget_mb, "plan": setup.plan}
+    out["data"] = data
     return out
 
 
@@ -90,7 +124,8 @@ def finetune_job(c: StepContext) -> Any:
     app = ({"state_dir": str(c.state_dir), "model": c.spec["model"],
             "slo_ms": c.spec.get("latency_slo_ms")} if ft.get("yield_to_app", True) else None)
     return FinetuneJob.model_validate({
-        **ft, "checkpoint": str(c.upstream_path), "data": c.spec["data"],
+        **ft, "checkpoint": str(c.upstream_path),
+        "data": str(training_data_path(Path(c.spec["data"]), c.job_dir)),
         "out": str(c.job_dir / "finetune"), "app_latency": app})
 
 
@@ -149,7 +184,8 @@ def child(c: StepContext) -> dict[str, Any]:
     else:
         setup = resolve_setup(job, plan=False)
         write_json_atomic(c.job_dir / SETUP, setup.model_dump(mode="json"))
-    result = run_paced(job, resume=True, hooks=[StoreHook(c.state_dir, c.job_id)], setup=setup)
+    result = run_paced(job, resume=True, hooks=[StoreHook(c.state_dir, c.job_id)], setup=setup,
+                       state_dir=c.state_dir)
     r = result.report
     gov = r.get("governor") or {}
     png = job.out / "report.png"  # written only when a governor paced the run

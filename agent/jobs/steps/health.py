@@ -1,6 +1,7 @@
 """health: the staged and the active model scored on the same held-out device data (accuracy,
-latency, finite outputs) against the job's health thresholds. Its verdict picks the machine's
-next state: commit or rollback."""
+latency, finite outputs) against the job's health thresholds, and on the upstream's anchor set
+(``artefacts/anchor.npz``, the upstream distribution's held-out data) against forgetting. Its
+verdict picks the machine's next state: commit or rollback."""
 
 from __future__ import annotations
 
@@ -9,6 +10,20 @@ from typing import Any
 
 from agent.jobs.protocol import JobContext, StepContext, StepFailed, run_child
 from agent.jobs.steps.context import step_context
+
+ANCHOR = "anchor.safetensors"
+"""The artefact an upstream version ships its anchor set as: tensors x (N,H,W or N,C,H,W,
+uint8 0-255 or float 0-1, like device data) and y (labels), in safetensors (the registry
+refuses pickle containers, .npz among them)."""
+MAX_ANCHOR_SAMPLES = 2000
+"""Anchor samples scored at most: the gate needs a few hundred, the health child's budget
+is the fine-tune's."""
+
+
+def anchor_of(slot: Path) -> list[Path]:
+    """The version's anchor set, if it ships one."""
+    path = slot / "artefacts" / ANCHOR
+    return [path] if path.is_file() and not path.is_symlink() else []
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
@@ -107,6 +122,9 @@ def child(c: StepContext) -> dict[str, Any]:
         out[role] = {"accuracy": acc, "p50_ms_b1": lat.p50_ms, "runtime": runtime}
         if role == "staged" and not np.isfinite(logits).all():
             failures.append("the staged model gives non-finite outputs")
+    anchor = anchor_of(Path(c.staged_path))  # type: ignore[arg-type]
+    if anchor and "active" in out:
+        failures += _anchor_gate(c, out, anchor[0], paths, batch)
     if y is None or "active" not in out:
         out["passed"], out["failures"] = not failures, failures
         return out
@@ -126,3 +144,36 @@ def child(c: StepContext) -> dict[str, Any]:
     out["latency_ratio"] = round(float(np.float64(ratio)), 3)
     out["passed"], out["failures"] = not failures, failures
     return out
+
+
+def _anchor_gate(c: StepContext, out: dict[str, Any], anchor: Path, paths: dict[str, Any],
+                 batch: int) -> list[str]:
+    """Score both models on the anchor set; the staged one may not fall more than
+    health.max_anchor_drop_pts below the active one."""
+    from safetensors.numpy import load_file
+
+    from agent.finetune.model import load_upstream
+    from exporters.runtime import predict
+    from hpc_core.data import images_from_arrays
+
+    _, m = load_upstream(Path(paths["staged"]))
+    arrays = load_file(anchor)
+    if not {"x", "y"} <= set(arrays):
+        raise StepFailed("health", f"the anchor set {anchor} needs tensors x and y, has "
+                         f"{sorted(arrays)}")
+    x, y = images_from_arrays(arrays["x"], arrays["y"], m.image_size, f"anchor set {anchor}")
+    x, y = x[:MAX_ANCHOR_SAMPLES].numpy(), y[:MAX_ANCHOR_SAMPLES].numpy()
+    acc = {}
+    for role in ("active", "staged"):
+        runner, _ = runner_for(Path(paths[role]))
+        acc[role] = float((predict(runner, x, batch=batch).argmax(1) == y).mean())
+    drop = 100 * (acc["active"] - acc["staged"])
+    limit = c.spec["health"].get("max_anchor_drop_pts")
+    out["anchor"] = {"samples": len(y), "active_accuracy": acc["active"],
+                     "staged_accuracy": acc["staged"], "drop_pts": round(drop, 2),
+                     "max_drop_pts": limit}
+    if limit is not None and drop > limit:
+        return [f"forgetting: accuracy on the upstream's anchor set {100 * acc['staged']:.1f}% "
+                f"is {drop:.1f} points below the active model's {100 * acc['active']:.1f}% "
+                f"(health.max_anchor_drop_pts={limit})"]
+    return []

@@ -9,6 +9,7 @@ from typing import Any
 from agent.jobs.protocol import JobContext, StepContext, crash_inside_child, run_child
 from agent.jobs.spec import DeployJob
 from agent.jobs.steps.context import step_context
+from agent.jobs.steps.health import anchor_of
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
@@ -23,6 +24,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
 
 
 def child(c: StepContext) -> dict[str, Any]:
+    from agent.spool.lineage import with_training_data
     from agent.storage.slots import ModelSlots, read_installed
     from agent.storage.trust import load_trusted
     from agent.storage.update import next_local_sequence, stage_local
@@ -47,9 +49,13 @@ def child(c: StepContext) -> dict[str, Any]:
         write_bytes_atomic(vfile, name.encode())
     crash_inside_child("stage")  # the version is fixed, nothing is staged yet
     staged = stage_local(
-        read_checkpoint(c.finetuned), state_dir=c.state_dir, parent=parent,  # type: ignore[arg-type]
+        # The manifest names the data the fine-tune learned from (the job's data.json).
+        with_training_data(read_checkpoint(c.finetuned), c.job_dir),  # type: ignore[arg-type]
+        state_dir=c.state_dir, parent=parent,
         version=vfile.read_text().strip(), key=key, trusted=load_trusted(c.trusted_keys),
-        artefacts=collect_artefacts(c.artefacts),
+        # The upstream's anchor set travels with every fine-tune of it, so the next
+        # fine-tune on the device is held to the same forgetting gate.
+        artefacts=collect_artefacts([*c.artefacts, *anchor_of(parent.path)]),
     )
     return {"version": staged.version, "slot": staged.slot,
             "sequence": staged.manifest.sequence, "signer": key.name}

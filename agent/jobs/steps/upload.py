@@ -15,6 +15,7 @@ from agent.jobs.steps.context import export_artefacts, signing_key_path, trusted
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
+    from agent.spool.lineage import with_training_data
     from agent.storage.slots import read_installed
     from hpc_core.model_spec import read_checkpoint
     from registry.errors import VersionExistsError
@@ -29,7 +30,8 @@ def run(ctx: JobContext) -> dict[str, Any]:
     key = load_signing_key(signing_key_path(ctx))
     version = ctx.spec.upload.version or ctx.outputs["stage"]["version"]
     artefacts = [Path(a) for a in export_artefacts(ctx.outputs)]
-    content = read_checkpoint(Path(ctx.outputs["finetune"]["checkpoint"]))
+    content = with_training_data(read_checkpoint(Path(ctx.outputs["finetune"]["checkpoint"])),
+                                 ctx.job_dir)
     try:
         report = publish(
             content, parent=parent.manifest, target=target, key=key, version=version,

@@ -1,7 +1,8 @@
 """The device job's fine-tune yields to the application serving the same model: a serving
 process's stats (``agent.runtime.stats``) report a p99 over the device's SLO, the governor's
 latency loop lowers the training duty, yields completely, and restores full speed once the
-application stops reporting; the job report says how long training yielded."""
+application stops reporting; the job report says how long training yielded. Also: a job that
+asks for power-mode switching where none is possible says so in its report."""
 
 from __future__ import annotations
 
@@ -74,9 +75,13 @@ def test_the_fine_tune_yields_while_the_app_is_over_its_slo(
     app = _SlowApp(device, seconds=8.0)
     app.start()
     try:
-        report = _run(device, capsys, "noyield", "--latency-slo-ms", "20", "--no-yield-to-app")
+        report = _run(device, capsys, "noyield", "--latency-slo-ms", "20", "--no-yield-to-app",
+                      "--switch-power-modes")
     finally:
         app.stop.set()
         app.join()
     assert report["summary"]["yielded_s"] == 0.0
     assert report["summary"]["worst_app_p99_ms"] is None
+    # Power-mode switching was asked for, and this host cannot: the report says so.
+    assert any(e["kind"] == "power_mode" and "power-mode switching unavailable" in e["reason"]
+               for e in report["events"]), report["events"]

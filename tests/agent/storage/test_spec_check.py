@@ -1,12 +1,12 @@
-"""A pull checks the model spec in a torch child process: the pulling process stays torch-free,
-a child that fails in any way refuses the version, a pass is remembered per layout."""
+"""A pull checks the model spec before any chunk moves, torch-free: a registered model in
+process (``hpc_core.model_layout``), a custom factory in a torch child process, every time,
+whose failure in any way refuses the version."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +24,6 @@ TORCH_FREE_PULL = (
     "print('torch imported:', 'torch' in sys.modules)\n"
     "sys.exit(code)\n"
 )
-
-
-@pytest.fixture(autouse=True)
-def nothing_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(spec_check, "_PASSED", OrderedDict())
 
 
 def test_agentctl_pull_never_imports_torch(
@@ -62,27 +57,79 @@ def with_spec(data: bytes, **model: Any) -> tuple[Manifest, bytes]:
     return m, m.to_bytes()
 
 
-def test_a_failing_child_refuses_and_a_pass_is_remembered(
+CUSTOM = "tests.agent.storage.custom_model:build"
+
+
+def test_a_registered_model_is_checked_without_a_child(
     new_model: Any, publisher: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     data = manifest_bytes(publisher, publisher.publish(new_model(), "1").manifest.version)
-    good = Manifest.from_bytes(data)
-    check_model_spec(good, data)  # the real child: passes
-
-    # From here every child fails to start: only a remembered verdict can pass.
+    # Every child fails to start: only a check that needs none can pass or name the tensor.
     monkeypatch.setattr(spec_check, "CHILD_MODULE", "tests.no_such_module")
-    check_model_spec(good, data)
+    check_model_spec(Manifest.from_bytes(data), data)
     other, other_bytes = with_spec(data, num_classes=11)
-    with pytest.raises(SpecMismatchError, match=r"spec check failed .*exit 1.*no_such_module"):
+    with pytest.raises(SpecMismatchError, match=r"spec: tensor 17\.bias: manifest has F32\[10\]"):
         check_model_spec(other, other_bytes)
-    # A custom factory is code: its pass is never remembered.
-    custom, custom_bytes = with_spec(data, name="tests.user_model:build", kwargs={})
-    spec_check._PASSED[spec_check.layout_key(custom)] = None
-    with pytest.raises(SpecMismatchError, match="spec check failed"):
+    custom, custom_bytes = with_spec(data, name=CUSTOM)
+    with pytest.raises(SpecMismatchError, match="refused unless custom models are allowed"):
+        check_model_spec(custom, custom_bytes)
+
+
+SPEC_CHECK = (
+    "import sys\n"
+    "from agent.storage.spec_check import check_model_spec\n"
+    "from registry.errors import SpecMismatchError\n"
+    "from registry.manifest import Manifest\n"
+    "for path in sys.argv[1:]:\n"
+    "    data = open(path, 'rb').read()\n"
+    "    try:\n"
+    "        check_model_spec(Manifest.from_bytes(data), data)\n"
+    "        print('passed')\n"
+    "    except SpecMismatchError as e:\n"
+    "        print('refused:', e)\n"
+    "print('torch imported:', 'torch' in sys.modules)\n"
+)
+
+
+def test_the_spec_check_never_imports_torch(
+    new_model: Any, publisher: Any, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    data = manifest_bytes(publisher, publisher.publish(new_model(), "1").manifest.version)
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_bytes(data)
+    bad.write_bytes(with_spec(data, kwargs={"hidden": [128] * 7})[1])
+    done = subprocess.run([sys.executable, "-c", SPEC_CHECK, str(good), str(bad)],
+                          capture_output=True, text=True, env=subprocess_env, timeout=60,
+                          check=True)
+    lines = done.stdout.splitlines()
+    assert lines[0] == "passed"
+    assert lines[1].startswith("refused: digits@1 does not match its model spec: ")
+    assert lines[2] == "torch imported: False"
+
+
+def test_a_custom_factory_is_checked_in_a_torch_child_every_time(
+    new_model: Any, publisher: Any, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    data = manifest_bytes(publisher, publisher.publish(new_model(), "1").manifest.version)
+    custom, custom_bytes = with_spec(data, name=CUSTOM)
+    with caplog.at_level("INFO", logger="agent.storage"):
+        check_model_spec(custom, custom_bytes, allow_custom=True)  # the real child: passes
+    peaks = [r.fields["peak_rss_bytes"] for r in caplog.records  # type: ignore[attr-defined]
+             if getattr(r, "fields", {}).get("event") == "spec_check"]
+    assert len(peaks) == 1 and peaks[0] > 50e6  # the child held torch, not this process
+    wrong, wrong_bytes = with_spec(custom_bytes, num_classes=11)
+    with pytest.raises(SpecMismatchError, match="does not match its model spec"):
+        check_model_spec(wrong, wrong_bytes, allow_custom=True)
+    # A custom factory is code that may change between two pulls: its pass is never
+    # remembered, and a child that fails in any way refuses the version.
+    monkeypatch.setattr(spec_check, "CHILD_MODULE", "tests.no_such_module")
+    with pytest.raises(SpecMismatchError, match=r"spec check failed .*exit 1.*no_such_module"):
         check_model_spec(custom, custom_bytes, allow_custom=True)
 
 
 def test_a_stuck_child_is_refused_within_its_timeout(new_model: Any, publisher: Any) -> None:
     data = manifest_bytes(publisher, publisher.publish(new_model(), "1").manifest.version)
+    custom, custom_bytes = with_spec(data, name=CUSTOM)
     with pytest.raises(SpecMismatchError, match="did not finish within"):
-        check_model_spec(Manifest.from_bytes(data), data, timeout_s=0.05)
+        check_model_spec(custom, custom_bytes, allow_custom=True, timeout_s=0.05)

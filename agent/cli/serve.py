@@ -1,0 +1,136 @@
+"""``agentctl serve``: the committed model over the Open Inference Protocol (KServe v2 /
+Triton HTTP), following commits without a restart (``agent.runtime``)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from agent.cli.common import add_state_args, fail, guarded, state_dir_of
+
+log = logging.getLogger("agent.cli.serve")
+
+SERVE_EPILOG = """\
+Serves MODEL's active slot (STATE_DIR/models/MODEL/current) with its TensorRT engine where one
+was built for this host, else its ONNX file in ONNX Runtime (the best provider it has). A
+version committed later (agentctl deploy, a fine-tune job, agentctl pull) is loaded and
+warmed beside the old one, then takes over between two requests: none fails or waits on the
+swap. No daemon is needed. With no committed model yet it starts anyway, answers ready 400,
+and serves the first version committed.
+
+endpoints (Open Inference Protocol v2): GET /v2/health/live, /v2/health/ready,
+/v2/models/MODEL, /v2/models/MODEL/ready; POST /v2/models/MODEL/infer (JSON, or the binary
+tensor data extension tritonclient uses). Every N, T and byte count is bounded: --max-body-mb,
+--max-connections, --request-timeout-s.
+
+examples:
+  agentctl serve --state-dir /var/lib/edge-agent --model digits --unix-socket /run/app/oip.sock
+  curl --unix-socket /run/app/oip.sock http://localhost/v2/models/digits
+  curl --unix-socket /run/app/oip.sock http://localhost/v2/models/digits/infer \\
+      -H 'Content-Type: application/json' -d '{"inputs": [{"name": "input", "datatype": "FP32",
+      "shape": [1, 1, 8, 8], "data": [0, 0, ...64 values...]}]}'
+
+  agentctl serve --model digits --port 8000 --slo-ms 20
+  python - <<'EOF'
+  import numpy as np, tritonclient.http as http
+  c = http.InferenceServerClient("127.0.0.1:8000")
+  x = http.InferInput("input", [4, 1, 8, 8], "FP32")
+  x.set_data_from_numpy(np.zeros((4, 1, 8, 8), np.float32))   # sent as binary data
+  print(c.infer("digits", [x]).as_numpy("logits").argmax(1))
+  EOF
+
+The endpoint has no authentication and no TLS: it listens on loopback (or a Unix socket,
+whose file mode 0660 is the access control) unless --allow-remote.
+Stop it with SIGTERM or Ctrl-C. Exit codes: 0 stopped, 2 bad arguments.
+"""
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from agent.runtime.active_model import ActiveModel
+    from agent.runtime.oip import OipLimits, OipServer
+    from hpc_core.logs import setup_logging
+
+    setup_logging(args.log_format)
+    if args.unix_socket is None and not _loopback(args.host) and not args.allow_remote:
+        return fail(2, f"serve: --host {args.host} is not a loopback address: the endpoint has "
+                    "no authentication or TLS, so anyone who reaches the port can run the model "
+                    "(and load the device); put a proxy with TLS in front, or pass "
+                    "--allow-remote to accept that")
+    if args.slo_ms is not None and args.slo_ms <= 0:
+        return fail(2, f"serve: --slo-ms {args.slo_ms}: give a positive number of ms")
+    limits = OipLimits(max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                       max_connections=args.max_connections,
+                       request_timeout_s=args.request_timeout_s)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("signal %s: stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    providers = args.providers.split(",") if args.providers else None
+    with ActiveModel(state_dir_of(args), args.model, providers=providers,
+                     threads=args.threads, slo_ms=args.slo_ms) as model:
+        if model.version is None:
+            log.info("no committed version of %s yet: serving it once one is committed%s",
+                     args.model, f" ({model.last_error})" if model.last_error else "",
+                     extra={"fields": {"event": "waiting", "model": args.model}})
+        with OipServer(model, host=args.host, port=args.port, unix_socket=args.unix_socket,
+                       limits=limits).start() as server:
+            engine = model.engine
+            log.info("serving %s@%s on %s (%s)", args.model, model.version, server.address,
+                     f"{engine.name} on {', '.join(engine.providers)}" if engine else "-",
+                     extra={"fields": {"event": "serving", "model": args.model,
+                                       "version": model.version, "address": server.address}})
+            stop.wait()
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve the committed model over HTTP (Open Inference Protocol v2)",
+        description="Serve a model's committed version to applications (KServe v2 / Triton "
+        "HTTP), following commits with zero failed requests.",
+        epilog=SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", required=True, metavar="NAME", help="installed model name")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    where.add_argument("--unix-socket", type=Path, metavar="PATH",
+                       help="listen on this Unix socket (mode 0660) instead of TCP")
+    p.add_argument("--host", default="127.0.0.1", help="TCP address (default 127.0.0.1)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="accept a non-loopback --host (the endpoint has no auth or TLS)")
+    p.add_argument("--slo-ms", type=float, metavar="N",
+                   help="the application's p99 latency objective, reported to the governor")
+    p.add_argument("--threads", type=int, default=0,
+                   help="ONNX Runtime intra-op threads (default 0: all cores)")
+    p.add_argument("--providers", metavar="LIST",
+                   help="ONNX Runtime providers, comma-separated (default: the best available, "
+                   "TensorRT > CUDA > CPU)")
+    p.add_argument("--max-body-mb", type=float, default=16.0,
+                   help="largest request body in MiB (default 16)")
+    p.add_argument("--max-connections", type=int, default=32,
+                   help="connections served at once (default 32)")
+    p.add_argument("--request-timeout-s", type=float, default=10.0,
+                   help="per-read and whole-body timeout in seconds (default 10)")
+    p.add_argument("--log-format", choices=("auto", "text", "json"), default="auto")
+    add_state_args(p, trusted=False)
+    p.set_defaults(func=guarded(run_serve))

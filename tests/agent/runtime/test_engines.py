@@ -1,0 +1,140 @@
+"""engine_for: a TensorRT engine only where tensorrt imports and the engine's recorded
+TensorRT version is the installed one, else the ONNX file with the best ONNX Runtime provider,
+each fallback said. TensorRT is not on the test hosts: a stand-in module plays it."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agent.runtime import tensorrt_engine
+from agent.runtime.engines import NoServableArtefactError, OnnxEngine, engine_for, onnx_providers
+from tests.agent.runtime.conftest import served_version, tiny_onnx
+
+
+def make_slot(root: Path, *, onnx: bool = True, engine_version: str | None = None) -> Path:
+    art = root / "slot" / "artefacts"
+    art.mkdir(parents=True)
+    if onnx:
+        tiny_onnx(art / "model.onnx", 4)
+    if engine_version is not None:
+        (art / "model.engine").write_bytes(b"serialized plan")
+        (art / "model.engine.json").write_text(json.dumps({
+            "tensorrt_version": engine_version, "input_name": "input", "input_shape": [1, 8, 8],
+            "profile": {"min": 1, "opt": 8, "max": 32}}))
+    return root / "slot"
+
+
+def fake_tensorrt(monkeypatch: pytest.MonkeyPatch, version: str) -> types.ModuleType:
+    trt = types.ModuleType("tensorrt")
+    trt.__version__ = version  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    return trt
+
+
+class FakeTensorRTEngine:
+    name, platform = "tensorrt", "tensorrt_plan"
+
+    def __init__(self, path: Path, meta: dict[str, Any], trt: Any) -> None:
+        self.path, self.meta, self.providers = path, meta, (f"TensorRT {trt.__version__}",)
+        self.notes = ()
+
+
+def test_the_onnx_file_serves_where_there_is_no_engine(tmp_path: Path) -> None:
+    engine = engine_for(make_slot(tmp_path))
+    assert isinstance(engine, OnnxEngine) and engine.platform == "onnxruntime_onnx"
+    assert (engine.input_name, engine.input_shape) == ("input", (-1, 1, 8, 8))
+    assert (engine.output_name, engine.output_shape) == ("logits", (-1, 10))
+    assert engine.providers[-1] == "CPUExecutionProvider"
+    assert served_version(engine(np.zeros((3, 1, 8, 8), np.float32))) == 4
+    assert not any("model.engine" in n for n in engine.notes)
+
+
+def test_an_engine_is_skipped_where_tensorrt_does_not_import(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # import tensorrt -> ImportError
+    engine = engine_for(make_slot(tmp_path, engine_version="10.3.0"))
+    assert engine.name == "onnxruntime"
+    assert any("tensorrt package is not importable" in n for n in engine.notes), engine.notes
+
+
+def test_an_engine_built_by_another_tensorrt_version_is_skipped_saying_both(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_tensorrt(monkeypatch, "10.3.0")
+    monkeypatch.setattr(tensorrt_engine, "TensorRTEngine", FakeTensorRTEngine)
+    engine = engine_for(make_slot(tmp_path, engine_version="8.6.1"))
+    assert engine.name == "onnxruntime"
+    (note,) = [n for n in engine.notes if "model.engine" in n]
+    assert "built with TensorRT 8.6.1, this host has 10.3.0" in note and "rebuild" in note
+
+
+def test_an_engine_without_its_metadata_is_skipped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_tensorrt(monkeypatch, "10.3.0")
+    slot = make_slot(tmp_path, engine_version="10.3.0")
+    (slot / "artefacts/model.engine.json").unlink()
+    engine = engine_for(slot)
+    assert engine.name == "onnxruntime"
+    assert any("TensorRT version it was built with is unknown" in n for n in engine.notes)
+
+
+def test_a_matching_engine_is_chosen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_tensorrt(monkeypatch, "10.3.0")
+    monkeypatch.setattr(tensorrt_engine, "TensorRTEngine", FakeTensorRTEngine)
+    engine = engine_for(make_slot(tmp_path, engine_version="10.3.0"))
+    assert isinstance(engine, FakeTensorRTEngine) and engine.platform == "tensorrt_plan"
+    assert engine.meta["profile"]["max"] == 32 and engine.providers == ("TensorRT 10.3.0",)
+    # An engine alone is enough: no ONNX file needed.
+    assert isinstance(engine_for(make_slot(tmp_path / "2", onnx=False, engine_version="10.3.0")),
+                      FakeTensorRTEngine)
+
+
+def test_an_engine_that_fails_to_load_falls_back_to_onnx(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The real loader against a stand-in tensorrt with no runtime (and, here, no CUDA).
+    fake_tensorrt(monkeypatch, "10.3.0")
+    engine = engine_for(make_slot(tmp_path, engine_version="10.3.0"))
+    assert engine.name == "onnxruntime"
+    assert any("TensorRT could not load it" in n for n in engine.notes), engine.notes
+
+
+def test_a_slot_with_nothing_to_serve_says_what_it_needs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    with pytest.raises(NoServableArtefactError, match=r"no artefacts/model.onnx.*not importable"
+                       r".*exported to ONNX"):
+        engine_for(make_slot(tmp_path, onnx=False, engine_version="10.3.0"))
+
+
+def test_providers_best_first_among_those_available() -> None:
+    every = ["AzureExecutionProvider", "CPUExecutionProvider", "CUDAExecutionProvider",
+             "TensorrtExecutionProvider"]
+    assert onnx_providers(every) == ["TensorrtExecutionProvider", "CUDAExecutionProvider",
+                                     "CPUExecutionProvider"]
+    assert onnx_providers(["CUDAExecutionProvider", "CPUExecutionProvider"]) == [
+        "CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert onnx_providers([]) == ["CPUExecutionProvider"]
+
+
+def test_a_real_tensorrt_engine_matches_onnx_runtime(tmp_path: Path) -> None:
+    trt = pytest.importorskip("tensorrt", reason="TensorRT is not installed on this host "
+                              "(JetPack or a GPU host with `pip install tensorrt` runs this)")
+    from exporters.job import TensorRTConfig
+    from exporters.tensorrt_build import build_engine
+
+    slot = make_slot(tmp_path)
+    art = slot / "artefacts"
+    build_engine(art / "model.onnx", art / "model.engine", precision="fp32",
+                 sparse_weights=False, input_shape=(1, 8, 8), cfg=TensorRTConfig(max_batch=8))
+    engine = engine_for(slot)
+    assert engine.name == "tensorrt" and engine.providers == (f"TensorRT {trt.__version__}",)
+    x = np.random.default_rng(0).random((20, 1, 8, 8), dtype=np.float32)  # > max_batch: sliced
+    want = OnnxEngine(art / "model.onnx")(x)
+    np.testing.assert_allclose(engine(x), want, rtol=1e-3, atol=1e-3)
+    engine.close()
