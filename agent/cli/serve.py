@@ -84,8 +84,19 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     providers = args.providers.split(",") if args.providers else None
+    spool = None
+    if args.spool_data_root is not None:
+        from agent.spool.config import SpoolConfig, spool_dir
+        from agent.spool.store import Spool
+
+        try:
+            cfg = SpoolConfig(quota_mb=args.spool_quota_mb,
+                              pseudo_label_threshold=args.pseudo_label_threshold)
+        except ValueError as e:
+            return fail(2, f"serve: spool: {' '.join(str(e).split())[:300]}")
+        spool = Spool(spool_dir(args.spool_data_root, args.model), cfg)
     with ActiveModel(state_dir_of(args), args.model, providers=providers,
-                     threads=args.threads, slo_ms=args.slo_ms) as model:
+                     threads=args.threads, slo_ms=args.slo_ms, spool=spool) as model:
         if model.version is None:
             log.info("no committed version of %s yet: serving it once one is committed%s",
                      args.model, f" ({model.last_error})" if model.last_error else "",
@@ -131,6 +142,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="connections served at once (default 32)")
     p.add_argument("--request-timeout-s", type=float, default=10.0,
                    help="per-read and whole-body timeout in seconds (default 10)")
+    p.add_argument("--spool-data-root", type=Path, metavar="DIR",
+                   help="keep the samples POSTed to /v2/models/MODEL/record in DIR/spool/MODEL "
+                   "(give the daemon's data_root: a finetune with data: spool trains on them)")
+    p.add_argument("--spool-quota-mb", type=float, default=256.0,
+                   help="the spool's disk quota in MiB (default 256); hard examples stay")
+    p.add_argument("--pseudo-label-threshold", type=float, metavar="P",
+                   help="keep an unlabelled sample whose top probability reaches P, "
+                   "pseudo-labelled (default: unlabelled samples are not kept)")
     p.add_argument("--log-format", choices=("auto", "text", "json"), default="auto")
     add_state_args(p, trusted=False)
     p.set_defaults(func=guarded(run_serve))

@@ -24,6 +24,7 @@ def test_agentctl_serve_on_a_unix_socket_follows_a_commit_and_stops_on_sigterm(
     proc = subprocess.Popen(
         [sys.executable, "-m", "agent.cli", "serve", "--state-dir", str(device.state),
          "--model", "digits", "--unix-socket", str(sock), "--slo-ms", "20", "--threads", "1",
+         "--spool-data-root", str(tmp_path / "data"), "--spool-quota-mb", "8",
          "--log-format", "json"], env=subprocess_env, stderr=subprocess.PIPE, text=True)
     try:
         end = time.monotonic() + 30
@@ -34,6 +35,10 @@ def test_agentctl_serve_on_a_unix_socket_follows_a_commit_and_stops_on_sigterm(
         assert call(c, "GET", "/v2/health/ready") == (200, {"ready": True})
         status, out = call(c, "POST", "/v2/models/digits/infer", infer_body())
         assert status == 200 and out["model_version"] == "1"
+        # Samples the application labels go to the spool a `data: spool` fine-tune reads.
+        for label in (3, 7):
+            status, out = call(c, "POST", "/v2/models/digits/record", _record_body(label))
+            assert status == 200 and out["stored"] == 2, out
         device.install(2)
         end = time.monotonic() + 10
         while call(c, "POST", "/v2/models/digits/infer", infer_body())[1]["model_version"] != "2":
@@ -51,6 +56,17 @@ def test_agentctl_serve_on_a_unix_socket_follows_a_commit_and_stops_on_sigterm(
     assert serving["version"] == "1" and serving["address"] == f"unix:{sock}"
     assert any(e.get("event") == "swap" and e.get("version") == "2" for e in events)
     assert not sock.exists()  # removed on the way out
+    from agent.spool.config import SpoolConfig
+    from agent.spool.store import Spool
+
+    kept = Spool(tmp_path / "data" / "spool" / "digits", SpoolConfig(quota_mb=8)).stats()
+    assert kept.samples == 4 and kept.per_class == {3: 2, 7: 2} and kept.pseudo_labelled == 0
+
+
+def _record_body(label: int) -> bytes:
+    body = json.loads(infer_body([2, 1, 8, 8]))
+    body["parameters"] = {"label": label}
+    return json.dumps(body).encode()
 
 
 def test_a_non_loopback_host_needs_allow_remote(device: Device,
