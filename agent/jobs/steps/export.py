@@ -73,6 +73,10 @@ def child(c: StepContext) -> dict[str, Any]:
         out["artefact"] = str(job.out_dir / "model.onnx")
         # The file and how it was made (recipe, ISA, excluded layers): staged and signed together.
         out["artefacts"] = [out["artefact"], str(job.out_dir / "model.onnx.json")]
+        # On a TensorRT target the engine built on this device, with the TensorRT version and
+        # GPU that built it: staged beside the ONNX file, what serves where it loads.
+        out["artefacts"] += [str(p) for p in (job.out_dir / "model.engine",
+                                              job.out_dir / "model.engine.json") if p.is_file()]
         first = report.attempts[0].measurement if report.attempts else None
         winner = next(a for a in report.attempts if a.passed)
         out["excluded_layers"] = list(winner.excluded)

@@ -80,13 +80,18 @@ def held_out_data(c: StepContext, samples: int | None) -> tuple[Any, Any]:
 
 
 def runner_for(slot: Path) -> tuple[Any, str]:
+    """What scores a version: the very runtime that serves it (``agent.runtime.engines
+    .engine_for``: its TensorRT engine where one was built for this host, else its ONNX file
+    in ONNX Runtime with the best provider), so a committed model was checked as it runs; a
+    version with no exported artefact (an upstream checkpoint) in torch."""
+    from agent.runtime.engines import ARTEFACTS, ENGINE_FILE, ONNX_FILE, engine_for
+
+    if any((slot / ARTEFACTS / f).is_file() for f in (ONNX_FILE, ENGINE_FILE)):
+        engine = engine_for(slot)
+        return engine, f"{engine.name} ({', '.join(engine.providers)})"
     from agent.finetune.model import load_upstream
-    from exporters.ort_runner import OrtRunner
     from exporters.runtime import TorchRunner
 
-    onnx = slot / "artefacts" / "model.onnx"
-    if onnx.is_file():
-        return OrtRunner(onnx), "onnxruntime"
     model, _ = load_upstream(slot)
     return TorchRunner(model.eval()), "torch"
 
@@ -110,7 +115,7 @@ def child(c: StepContext) -> dict[str, Any]:
     opts = c.spec["health"]
     x, y = held_out_data(c, opts["samples"])
     batch = infer_batch(c)
-    out: dict[str, Any] = {"samples": len(x), "tensorrt": "skipped: no TensorRT on this host"}
+    out: dict[str, Any] = {"samples": len(x)}
     paths = {"active": c.active_path, "staged": c.staged_path}
     roles = ("active", "staged") if c.active_path else ("staged",)
     failures = []

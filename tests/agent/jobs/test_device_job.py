@@ -118,6 +118,14 @@ def test_whole_job_commits_an_int8_model_and_uploads_it_signed(clean_run: CleanR
                        / "model.onnx.json").read_text())
     assert info["int8"]["recipe"] == res["export"]["int8_recipe"] and info["step"] == "int8"
     assert res["export"]["int8_drop_pts"] is not None and res["export"]["p50_ms_b1"] > 0
+    # Health scored the staged INT8 file through the runtime that serves it (engine_for: no
+    # TensorRT here, so ONNX Runtime on its best provider); the upstream has no ONNX: torch.
+    import onnxruntime as ort
+
+    best = "CUDAExecutionProvider" if "CUDAExecutionProvider" in \
+        ort.get_available_providers() else "CPUExecutionProvider"
+    assert res["health"]["staged"]["runtime"].startswith(f"onnxruntime ({best}"), res["health"]
+    assert res["health"]["active"]["runtime"] == "torch"
     mem = res["memory"]
     assert {"peak_tree_mb", "budget_mb", "micro_batch", "accumulation"} <= set(mem), mem
     assert (mem["micro_batch"], mem["accumulation"]) == (64, 1) and mem["peak_tree_mb"] > 0
