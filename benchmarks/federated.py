@@ -41,9 +41,8 @@ Everything lives in a temporary folder; nothing is downloaded (sklearn's bundled
 * **DP.** fedavg with ``--clip-norm`` and the smallest noise multiplier whose epsilon after
   ``--rounds`` rounds, as the aggregation's privacy module accounts it (dp-accounting, RDP),
   is within ``--dp-epsilon`` at ``--dp-delta``. The noise is seeded here for repeatable
-  figures; a real round must not seed it. The noise lands on BatchNorm's running statistics
-  too, so a running variance can turn negative: such a model's outputs are not finite and
-  score 0 (the table says so). ``--norm group`` has no running statistics.
+  figures; a real round must not seed it. BatchNorm's running statistics keep the base's
+  values under DP (aggregation leaves them out of the clip and the noise).
 
 Printed: the host's CPU and its AVX2 / AVX-512 VNNI flags, a line per local model and per
 scenario round, the wall time and a table, then the targets: federated / centralized >= 0.97;
