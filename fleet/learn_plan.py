@@ -83,6 +83,11 @@ class LearnPlan(BaseModel):
     """krum: Byzantine updates tolerated."""
     clip_norm: float | None = Field(default=None, gt=0)
     """Clip each update's delta to this L2 norm."""
+    dp_noise_multiplier: float | None = Field(default=None, gt=0)
+    """Central Gaussian DP on fedavg (with clip_norm and dp_delta): noise std = this x
+    clip_norm / N on the combined delta; each aggregate's (epsilon, dp_delta) is accounted
+    over the learn's rounds (every round releases one)."""
+    dp_delta: float | None = Field(default=None, gt=0, lt=1)
     min_updates: int = Field(default=2, ge=1)
     """A round aggregates once this many devices' uploads are in (fresh ones and late ones
     within ``max_staleness``); fewer by ``collect_s``: the round is skipped, its base kept."""
@@ -182,6 +187,12 @@ class LearnPlan(BaseModel):
             raise ValueError("trim applies to strategy trimmed-mean only")
         if self.krum_f is not None and self.strategy != "krum":
             raise ValueError("krum_f applies to strategy krum only")
+        if self.dp_noise_multiplier is not None:
+            if self.strategy != "fedavg" or self.clip_norm is None or self.dp_delta is None:
+                raise ValueError("dp_noise_multiplier needs strategy fedavg, clip_norm (the "
+                                 "sensitivity) and dp_delta (e.g. 1e-5)")
+        elif self.dp_delta is not None:
+            raise ValueError("dp_delta goes with dp_noise_multiplier")
         if self.max_upstream_drop is not None:
             if self.base_checkpoint is None:
                 raise ValueError("max_upstream_drop needs base_checkpoint (the checkpoint "

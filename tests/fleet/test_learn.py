@@ -360,7 +360,27 @@ def test_a_bad_plan_is_refused_before_anything_is_sent(
                         '{"steps": {"upload": false}}'], capture_output=True, text=True,
                        env=env, timeout=60)
     assert r.returncode == 2 and "steps.upload: the learn sets it" in r.stderr, r.stderr
+    r = subprocess.run([*argv, "--max-device-drop", "1", "--dp-noise-multiplier", "1"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2 and "dp_noise_multiplier needs strategy fedavg" in r.stderr
     assert not (tmp_path / "fleet.db").exists()  # refused before the db was opened
+
+
+def test_dp_options_reach_the_aggregation_accounted_over_the_learns_rounds(
+        keys: dict[str, Path], tmp_path: Path) -> None:
+    from fleet.learn_plan import LearnPlan
+    from fleet.learn_upstream import aggregate_argv
+
+    plan = LearnPlan.model_validate({
+        "name": "private", "group": "sim", "model": "digits", "base": "v1", "data": "cam0",
+        "registry": str(keys["registry"]), "trusted_keys": str(keys["trusted"]),
+        "sign_key": str(keys["key"]), "max_device_drop": 1, "rounds": 4, "clip_norm": 2.0,
+        "dp_noise_multiplier": 1.1, "dp_delta": 1e-5})
+    argv = aggregate_argv(plan, "v1", ["dev-0-up"], tmp_path / "agg")
+    i = argv.index("--dp-noise-multiplier")
+    assert argv[i:i + 6] == ["--dp-noise-multiplier", "1.1", "--dp-delta", "1e-05",
+                             "--dp-rounds", "4"]
+    assert "--clip-norm" in argv
 
 
 def test_a_tool_that_fails_stops_the_learn_and_resume_goes_on_from_that_phase(
