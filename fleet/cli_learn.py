@@ -94,6 +94,11 @@ def _drive(a: argparse.Namespace, store: FleetStore, learns: LearnStore,
     return code
 
 
+def drive_learns(a: argparse.Namespace, store: FleetStore, conn: FleetConnection) -> int:
+    """``fleetctl controller --forever``: every rollout and every running learn, for good."""
+    return _drive(a, store, LearnStore(store), conn, None, forever=True)
+
+
 def cmd_learn_start(a: argparse.Namespace) -> int:
     db = Path(a.db)
     plan = _resolved(load_learn_plan(a.plan, _overrides(a)), db)
@@ -122,9 +127,9 @@ def cmd_learn_start(a: argparse.Namespace) -> int:
                           "work_dir": str(plan.work_dir)}), flush=True)
         if lock is None:
             if not a.detach:
-                print("another controller holds the db lock: `fleetctl learn run --forever` "
-                      "drives learns (a plain `fleetctl controller` drives their rollouts "
-                      "only)", file=sys.stderr)
+                print("another controller holds the db lock: it takes the learn over if it "
+                      "runs --forever (`fleetctl controller --forever` or `fleetctl learn run "
+                      "--forever`)", file=sys.stderr)
             return EXIT_OK
         return _drive(a, store, learns, conn, [learn.id])
     finally:

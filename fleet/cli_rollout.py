@@ -142,6 +142,11 @@ def cmd_controller(a: argparse.Namespace) -> int:
     t = Topics(a.prefix)
     conn = connect(a, _controller_id(db), [t.all_results()], persistent=True)
     try:
+        if a.forever and not a.rollout:
+            # The db's one controller: its learns' rounds too, not only their rollouts.
+            from fleet.cli_learn import drive_learns  # cli_learn imports this module
+
+            return drive_learns(a, store, conn)
         states = _run_controller(a, store, conn, a.rollout or None, forever=a.forever)
     finally:
         conn.stop()
@@ -232,9 +237,14 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("controller", help="drive (resume) every active rollout")
+    p = sub.add_parser("controller", help="drive (resume) every active rollout; with "
+                       "--forever every learn too")
     p.add_argument("--rollout", action="append", help="only these (repeatable)")
-    p.add_argument("--forever", action="store_true", help="keep running, take new rollouts")
+    p.add_argument("--forever", action="store_true",
+                   help="keep running, take new rollouts and learns (fleetctl learn)")
+    p.add_argument("--hpc-train", metavar="CMD",
+                   help="with --forever: how the learns run hpc-train (shell words; default "
+                        "$FLEETCTL_HPC_TRAIN, else this Python's -m hpc_core.cli)")
     p.set_defaults(fn=cmd_controller)
 
     ro = sub.add_parser("rollout", help="staged rollouts").add_subparsers(

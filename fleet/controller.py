@@ -307,8 +307,15 @@ class Controller:
     # --- the loop -----------------------------------------------------------------------
 
     def run(self, rids: list[str] | None = None, *, forever: bool = False,
-            poll_s: float = 0.05) -> dict[str, str]:
-        """Drive the given rollouts (default: every active one) to a final state."""
+            poll_s: float = 0.05, turn: Callable[[float], None] | None = None,
+            rescan: Callable[[], None] | None = None,
+            finished: Callable[[], bool] | None = None) -> dict[str, str]:
+        """Drive the given rollouts (default: every active one) to a final state.
+
+        The one loop every controller runs (messages in -> rollouts -> sends out). ``turn``
+        (the learns' driver) acts after the rollouts each pass, its sends flushed with theirs;
+        ``forever`` also takes rollouts (and, through ``rescan``, whatever else) started
+        later; ``finished`` replaces "no rollout active" as the end of a bounded run."""
         for rid in rids or [r.id for r in self.store.rollouts(ROLLOUT_ACTIVE)]:
             if rid not in self.runs:
                 self.load(rid)
@@ -319,10 +326,13 @@ class Controller:
                 if isinstance(msg.body, Result):
                     self.on_result(msg.device, msg.body)
             now = time.time()
-            for run in self.runs.values():
+            for run in list(self.runs.values()):
                 if run.rollout.state in ROLLOUT_ACTIVE:
                     self.tick(run, now)
             self.flush()
+            if turn is not None:
+                turn(now)
+                self.flush()
             for run in self.runs.values():
                 if self.on_progress is not None:
                     self.on_progress(run)
@@ -331,8 +341,10 @@ class Controller:
                 for r in self.store.rollouts(ROLLOUT_ACTIVE):
                     if r.id not in self.runs:
                         self.load(r.id)
-            if not forever and all(
-                r.rollout.state not in ROLLOUT_ACTIVE for r in self.runs.values()
-            ):
+                if rescan is not None:
+                    rescan()
+            done = finished() if finished is not None else all(
+                r.rollout.state not in ROLLOUT_ACTIVE for r in self.runs.values())
+            if not forever and done:
                 self.conn.flush()
                 return {rid: r.rollout.state for rid, r in self.runs.items()}

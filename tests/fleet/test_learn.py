@@ -415,3 +415,36 @@ def test_a_tool_that_fails_stops_the_learn_and_resume_goes_on_from_that_phase(
     r = subprocess.run(learn_argv(broker, tmp_path, "resume", "f"), capture_output=True,
                        text=True, env=env, timeout=60)
     assert r.returncode == 2 and "only a failed learn is resumed" in r.stderr
+
+
+def test_the_fleet_controller_forever_drives_a_detached_learn_to_its_end(
+    broker: BrokerConfig, learn_fleet: Callable[..., SimFleet], keys: dict[str, Path],
+    tmp_path: Path, env: dict[str, str],
+) -> None:
+    """`fleetctl learn start --detach` only creates the learn; the db's one controller,
+    `fleetctl controller --forever`, drives its rounds (not only their rollouts)."""
+    fleet = learn_fleet(Scores(gains={}, gain=0.02), devices=2,
+                        behavior={"job_duration_s": 0.05})
+    r = subprocess.run(learn_argv(broker, tmp_path, *start_args(
+        "fc", keys, "--rounds", "1", "--min-updates", "2", "--max-device-drop", "2",
+        "--min-devices", "2", "--timeout-s", "20", "--detach")),
+        capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert status(tmp_path, "fc")["state"] == "running"
+    log = open(tmp_path / "controller.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([*fleetctl_argv(broker, tmp_path), "controller", "--forever",
+                             "--hpc-train", FAKE], env=env, stdout=log, stderr=log)
+    log.close()
+    try:
+        deadline = time.monotonic() + 90
+        while status(tmp_path, "fc")["state"] == "running":
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "controller.log").read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    s = status(tmp_path, "fc")
+    assert s["state"] == "finished" and s["history"][0]["outcome"] == "published"
+    assert s["history"][0]["tool_runs"] == {"aggregate": 1, "candidate": 1, "publish": 1}
+    assert not ran_twice(fleet)
