@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -21,12 +20,11 @@ from fleet.cli_options import (
     EXIT_OK,
     UsageError,
     connect,
-    inventory_membership,
     read_json_arg,
 )
-from fleet.cli_rollout import _controller_id, _controller_lock
 from fleet.controller import Controller
-from fleet.inventory import discover, render_table
+from fleet.controller_session import controller_id, controller_lock, open_creator, targets_of
+from fleet.inventory import render_table
 from fleet.learn import LearnDriver
 from fleet.learn_loop import drive
 from fleet.learn_plan import LearnPlan, load_learn_plan
@@ -107,13 +105,10 @@ def cmd_learn_start(a: argparse.Namespace) -> int:
     if learns.learn(plan.name) is not None:
         raise UsageError(f"learn {plan.name} exists in {db}: `fleetctl learn status "
                          f"{plan.name}`, or pick another name")
-    lock = None if a.detach else _controller_lock(db)
-    t = Topics(a.prefix)
-    conn = connect(a, _controller_id(db) if lock is not None else f"fleetctl-learn-{os.getpid()}",
-                   [t.all_status(), t.all_results()], persistent=lock is not None)
+    creator = open_creator(a, "learn")
+    conn = creator.conn
     try:
-        inv = discover(conn, settle_s=a.settle_s, membership=inventory_membership(a))
-        targets = inv.select(plan.group, plan.devices)
+        targets, offline = targets_of(a, conn, plan.group, plan.devices)
         if not targets:
             print(f"learn: no device lists group {plan.group!r}", file=sys.stderr)
             return EXIT_FAILED
@@ -121,11 +116,10 @@ def cmd_learn_start(a: argparse.Namespace) -> int:
             learn = learns.create(plan, targets)
         except LearnExists as e:
             raise UsageError(str(e)) from None
-        offline = [d for d in targets if d not in inv.devices or inv.devices[d].state != "online"]
         print(json.dumps({"learn": learn.id, "targets": len(targets), "offline": len(offline),
                           "rounds": plan.rounds, "base": plan.base,
                           "work_dir": str(plan.work_dir)}), flush=True)
-        if lock is None:
+        if not creator.drives:
             if not a.detach:
                 print("another controller holds the db lock: it takes the learn over if it "
                       "runs --forever (`fleetctl controller --forever` or `fleetctl learn run "
@@ -143,11 +137,11 @@ def cmd_learn_run(a: argparse.Namespace) -> int:
     for lid in a.names:
         if learns.learn(lid) is None:
             raise UsageError(f"no learn {lid!r} in {db}; `fleetctl learn list` shows them")
-    lock = _controller_lock(db)
+    lock = controller_lock(db)
     if lock is None:
         print(f"another controller holds {db}.lock", file=sys.stderr)
         return EXIT_FAILED
-    conn = connect(a, _controller_id(db), [Topics(a.prefix).all_results()], persistent=True)
+    conn = connect(a, controller_id(db), [Topics(a.prefix).all_results()], persistent=True)
     try:
         return _drive(a, store, learns, conn, a.names or None, forever=a.forever)
     finally:

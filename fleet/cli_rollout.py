@@ -7,10 +7,7 @@ its status, list rollouts, post pause/resume/abort/rollback requests, and write 
 from __future__ import annotations
 
 import argparse
-import fcntl
-import hashlib
 import json
-import os
 import sys
 import time
 from datetime import datetime, timezone
@@ -24,33 +21,16 @@ from fleet.cli_options import (
     EXIT_OK,
     UsageError,
     connect,
-    inventory_membership,
     read_json_arg,
 )
 from fleet.controller import Controller
-from fleet.inventory import discover, render_table
+from fleet.controller_session import controller_id, controller_lock, open_creator, targets_of
+from fleet.inventory import render_table
 from fleet.mqtt import FleetConnection
 from fleet.plan import RolloutPlan, load_plan, validate_plan
 from fleet.progress import Progress, status_text
 from fleet.rollout_run import RolloutRun, summarize
 from fleet.store import ROLLOUT_ACTIVE, ROLLOUT_FINAL, FleetStore
-
-
-def _controller_id(db: Path) -> str:
-    # One stable client id per state db: the broker keeps this controller's session (and the
-    # results sent while it was down) across restarts.
-    return "fleetctl-" + hashlib.sha1(str(db.resolve()).encode()).hexdigest()[:12]
-
-
-def _controller_lock(db: Path) -> int | None:
-    """An flock beside the db: one controller per db. None when another one holds it."""
-    fd = os.open(str(db) + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
 
 
 def _plan_overrides(a: argparse.Namespace) -> dict[str, Any]:
@@ -105,23 +85,18 @@ def _exit_code(store: FleetStore, states: dict[str, str]) -> int:
 
 def cmd_rollout_create(a: argparse.Namespace) -> int:
     plan = _plan(a)
-    db = Path(a.db)
-    store = FleetStore(db)
-    lock = None if a.detach else _controller_lock(db)
-    t = Topics(a.prefix)
-    conn = connect(a, _controller_id(db) if lock is not None else f"fleetctl-create-{os.getpid()}",
-                   [t.all_status(), t.all_results()], persistent=lock is not None)
+    store = FleetStore(Path(a.db))
+    creator = open_creator(a, "create")
+    conn = creator.conn
     try:
-        inv = discover(conn, settle_s=a.settle_s, membership=inventory_membership(a))
-        targets = inv.select(plan.group, plan.devices)
+        targets, offline = targets_of(a, conn, plan.group, plan.devices)
         if not targets:
             print(f"rollout: no device lists group {plan.group!r}", file=sys.stderr)
             return EXIT_FAILED
-        offline = [d for d in targets if d not in inv.devices or inv.devices[d].state != "online"]
         r = store.create_rollout(plan, targets)
         print(json.dumps({"rollout": r.id, "targets": len(targets), "offline": len(offline),
                           "waves": plan.wave_sizes(len(targets))}), flush=True)
-        if lock is None:
+        if not creator.drives:
             if not a.detach:
                 print("another controller runs on this db: it takes the rollout over",
                       file=sys.stderr)
@@ -135,12 +110,12 @@ def cmd_rollout_create(a: argparse.Namespace) -> int:
 def cmd_controller(a: argparse.Namespace) -> int:
     db = Path(a.db)
     store = FleetStore(db)
-    lock = _controller_lock(db)
+    lock = controller_lock(db)
     if lock is None:
         print(f"another controller holds {db}.lock", file=sys.stderr)
         return EXIT_FAILED
     t = Topics(a.prefix)
-    conn = connect(a, _controller_id(db), [t.all_results()], persistent=True)
+    conn = connect(a, controller_id(db), [t.all_results()], persistent=True)
     try:
         if a.forever and not a.rollout:
             # The db's one controller: its learns' rounds too, not only their rollouts.
