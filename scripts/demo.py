@@ -1,29 +1,45 @@
 """The whole mission on one machine, as ``make demo`` runs it.
 
-1. upstream: ``torchrun`` trains small_cnn on digits with 2 DDP processes (gloo, CPU);
-2. registry: ``hpc-train keygen`` + ``publish`` a signed version, served over loopback HTTP
-   by ``python -m registry.serve``; each device gets its own upload token
-   (``registry.serve add-principal``) and may write only its own versions;
+1. upstream: ``torchrun`` trains small_cnn on digits with 2 DDP processes (gloo, CPU), and
+   ``agentctl export`` makes its INT8 ONNX file, the release's serving artefact;
+2. registry: ``hpc-train keygen`` + ``publish`` a signed version (weights and ONNX file),
+   served over loopback HTTP by ``python -m registry.serve``; each device gets its own upload
+   token (``registry.serve add-principal``) and may write only its own versions;
 3. broker: a throwaway mosquitto provisioned by ``fleetctl broker-config`` from an inventory:
    one account per device (its client id), an ACL that keeps each device to its own topics and
    its groups' commands, and an account per operator tool on a listener of their own;
 4. devices: three ``edge-agent`` daemons on the simulated board (``sim`` profile and
    sensors), each provisioned with ``agentctl pull`` and given its own camera's data (the
-   documented distortions of digits, a different one per device);
-5. fleet: ``fleetctl rollout create`` runs a ``finetune`` job in two waves (a canary, then
+   documented distortions of digits, a different one per device), and a p99 latency SLO for
+   its application (``latency_slo_ms`` in agent.yaml);
+5. application: on each device ``agentctl serve`` serves the committed model over the Open
+   Inference Protocol (loopback HTTP), and a client in this script sends it
+   ``POST /v2/models/MODEL/infer`` at a fixed rate (batch 1), counting answers, failures and
+   the model version that answered each request;
+6. fleet: ``fleetctl rollout create`` runs a ``finetune`` job in two waves (a canary, then
    the rest): pull -> fine-tune under the memory budget and the governor -> INT8 export with
-   gates -> stage -> health -> commit -> upload of each device's signed delta.
+   gates -> stage -> health -> commit -> upload of each device's signed delta. The
+   application keeps being served throughout: while its p99 is over the SLO the governor
+   lowers the fine-tune's duty (limit "latency"), and at commit the runtime swaps to the new
+   version between two requests.
 
 Everything is driven through the command lines, MQTT and HTTP, as an operator would. The live
-view below follows the devices over MQTT (the fleet's operator account). Every process it
-starts is stopped on exit, also on Ctrl-C. Re-running starts from scratch in ``--out``.
+view below follows the devices over MQTT (the fleet's operator account): temperature, the
+fine-tune's duty and what limits it, the application's p99 and request count. The summary
+gives each device's requests sent, failed and the versions that answered them; the demo exits
+non-zero when the application lost a request or never got an answer from the version its
+device committed. Every process it starts is stopped on exit, also on Ctrl-C. Re-running
+starts from scratch in ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
+import math
 import os
+import random
 import shutil
 import signal
 import socket
@@ -31,6 +47,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -53,6 +70,18 @@ DEVICES = {  # device id -> the camera it sees (scripts/make_device_data.py dist
     "edge-3": "blur,noise",
 }
 GROUP = "demo"
+APP_RATE_HZ = 20.0
+"""Requests a second each device's application sends (batch 1, one at a time)."""
+APP_SLO_MS = 3.0
+"""The application's p99 objective (agent.yaml ``latency_slo_ms``, ``serve --slo-ms``). The
+model answers a batch of 1 in ~0.1 ms; the p99 the runtime reports over its 10 s window is
+about 1-2 ms beside one fine-tune on 2 cores, and 3-5 ms when two fine-tunes or a fine-tune's
+set-up run beside it on a busy machine. At 3 ms the governor's latency limit lowers the duty
+there for seconds; at 1 ms it held the fine-tunes at 5% duty for minutes. A machine with cores
+to spare stays under it, and the fine-tunes run at full duty."""
+APP_SWAP_WAIT_S = 20.0
+"""After the rollout, how long the applications may take to be answered by the versions their
+devices committed (the runtime polls every 0.2 s and warms a new version before the swap)."""
 
 
 class DemoError(RuntimeError):
@@ -77,6 +106,101 @@ class View:
             print(f"[{time.monotonic() - self.t0:6.1f}s] {who:<9} {text}", flush=True)
 
 
+class AppLoad:
+    """One device's application: Open Inference Protocol requests to its ``agentctl serve``
+    at a fixed rate over one keep-alive connection (a camera sending frames), counting what
+    was sent, what failed and which model version answered each request."""
+
+    def __init__(self, dev: str, port: int, say: View, rate_hz: float = APP_RATE_HZ) -> None:
+        self.dev, self.port, self.say, self.period_s = dev, port, say, 1.0 / rate_hz
+        self.sent = self.failed = 0
+        self.versions: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"app-{dev}", daemon=True)
+        self._conn: http.client.HTTPConnection | None = None
+        self._body = b""
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Until the server says a version serves (GET /v2/health/ready answers 200)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if self._call("GET", "/v2/health/ready")[0] == 200:
+                    return True
+            except (OSError, http.client.HTTPException):
+                self._conn = None  # not listening yet
+            time.sleep(0.1)
+        return False
+
+    def start(self) -> str:
+        """Shape the request from the model's metadata, then send from a thread; returns what
+        the metadata says is served."""
+        status, meta = self._call("GET", f"/v2/models/{MODEL}")
+        if status != 200:
+            raise DemoError(f"{self.dev}: GET /v2/models/{MODEL} answered {status}: {meta}")
+        inp = meta["inputs"][0]
+        shape = [1 if d < 0 else d for d in inp["shape"]]  # batch 1; the rest is fixed
+        rng = random.Random(self.dev)  # one fixed frame per device: only the timing matters
+        self._body = json.dumps({"inputs": [{
+            "name": inp["name"], "shape": shape, "datatype": "FP32",
+            "data": [round(rng.random(), 3) for _ in range(math.prod(shape))]}]}).encode()
+        self._thread.start()
+        return f"{meta['name']}@{meta['versions'][0]} ({meta['platform']}, input {shape})"
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+        if self._conn is not None:
+            self._conn.close()
+
+    def _run(self) -> None:
+        due = time.monotonic()
+        while not self._stop.is_set():
+            self._infer()
+            due += self.period_s
+            now = time.monotonic()
+            if now - due > 1.0:  # fell a second behind (a starved CPU): drop the backlog
+                due = now
+            self._stop.wait(max(0.0, due - now))
+
+    def _infer(self) -> None:
+        self.sent += 1
+        try:
+            status, out = self._call("POST", f"/v2/models/{MODEL}/infer", self._body)
+            if status != 200:
+                self._fail(f"HTTP {status}: "
+                           f"{out.get('error') if isinstance(out, dict) else out}")
+                return
+            version = str(out["model_version"])
+        except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError) as e:
+            self._fail(f"{type(e).__name__}: {e}")
+            return
+        if self.versions and version not in self.versions:  # the runtime swapped
+            self.say(self.dev, f"app: answered by {MODEL}@{version} from request {self.sent} "
+                               f"on ({self.failed} failed so far)")
+        self.versions[version] += 1
+
+    def _fail(self, why: str) -> None:
+        self.failed += 1
+        if not self.errors:
+            self.say(self.dev, f"app: request {self.sent} FAILED: {why}")
+        self.errors[why] += 1
+        if self._conn is not None:  # a fresh connection for the next request
+            self._conn.close()
+            self._conn = None
+
+    def _call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
+        if self._conn is None:
+            self._conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        self._conn.request(method, path, body,
+                           {"Content-Type": "application/json"} if body else {})
+        r = self._conn.getresponse()
+        data = r.read()
+        return r.status, json.loads(data) if data else None
+
+
 class Mission:
     def __init__(self, out: Path, view: View, job_args: dict[str, Any]) -> None:
         self.out, self.say, self.job_args = out, view, job_args
@@ -93,6 +217,8 @@ class Mission:
         self.stage: dict[str, str] = {}
         self.last_step: dict[str, tuple[Any, ...]] = {}
         self.mq: mqtt.Client | None = None
+        self.app_ports: dict[str, int] = {}
+        self.apps: dict[str, AppLoad] = {}
 
     # --- processes -----------------------------------------------------------------------
 
@@ -113,6 +239,8 @@ class Mission:
         return p
 
     def stop_all(self) -> None:
+        for app in self.apps.values():  # before the servers, or their exit would count
+            app.stop()
         if self.mq is not None:
             self.mq.loop_stop()
             self.mq.disconnect()
@@ -143,14 +271,35 @@ class Mission:
                              f"{len(acc)} epochs -> {run}/checkpoints/final")
         return run
 
+    def start_export(self, run: Path) -> subprocess.Popen[bytes]:
+        """The release's serving artefact, gated as a device's own export is: what the
+        application serves until its device commits a fine-tune. It takes one core for a
+        while; the broker and the devices' keys and data are made beside it."""
+        return self.start("export", [str(BIN / "agentctl"), "export", "--checkpoint", str(run),
+                                     "--out", str(run / "export"), "--int8", "--json"],
+                          run / "export.log", cwd=REPO)
+
+    def exported(self, run: Path, proc: subprocess.Popen[bytes]) -> Path:
+        out = run / "export"
+        if proc.wait() != 0:
+            raise DemoError(f"upstream: agentctl export ... exit {proc.returncode}\n"
+                            f"{(run / 'export.log').read_text()[-3000:]}")
+        r = json.loads((out / "report.json").read_text())
+        m = next(a for a in r["attempts"] if a["step"] == r["winner"])["measurement"]
+        self.say("upstream", f"exported: {r['winner']} ONNX, top-1 {m['top1']:.1%} "
+                             f"({m['top1_drop_pts']:+.2f} pts), batch-1 p50 "
+                             f"{m['latency_b1']['p50_ms']:.2f} ms -> {out}/model.onnx")
+        return out
+
     # --- 2. registry ---------------------------------------------------------------------
 
-    def publish(self, run: Path) -> None:
+    def publish(self, run: Path, export: Path) -> None:
         keys, reg = self.out / "keys", self.out / "registry"
-        self.run("registry", [str(BIN / "hpc-train"), "keygen", "--out", str(keys)])
         self.run("registry", [str(BIN / "hpc-train"), "publish", str(run), "--registry",
                               str(reg), "--name", MODEL, "--version", "1",
-                              "--sign-key", str(keys / "upstream.key.pem")])
+                              "--sign-key", str(keys / "upstream.key.pem"),
+                              "--artefact", str(export / "model.onnx"),
+                              "--artefact", str(export / "model.onnx.json")])
         # Who may upload: upstream (any version its key covers) and, added as each device is
         # provisioned, that device (its own versions only). The server re-reads both files.
         trusted, secrets_dir = self.out / "registry-trusted", self.out / "registry-secrets"
@@ -169,8 +318,9 @@ class Mission:
             elif server.poll() is not None or time.monotonic() > deadline:
                 raise DemoError(f"registry server did not start:\n{text}")
             time.sleep(0.05)
-        self.say("registry", f"published {MODEL}@1, signed by the upstream key; served at "
-                             f"{self.registry_url} (uploads: each principal its own token)")
+        self.say("registry", f"published {MODEL}@1 (weights + ONNX), signed by the upstream "
+                             f"key; served at {self.registry_url} (uploads: each principal "
+                             "its own token)")
 
     def add_principal(self, name: str, kind: str, token: Path) -> None:
         argv = [sys.executable, "-m", "registry.serve", "add-principal", "--principals",
@@ -215,17 +365,33 @@ class Mission:
 
     # --- 4. devices ----------------------------------------------------------------------
 
-    def provision(self, dev: str, camera: str) -> Path:
+    def prepare_keys_and_data(self) -> None:
+        """What needs no registry: the upstream's signing key, each device's key and data."""
+        with ThreadPoolExecutor(len(DEVICES) + 1) as pool:  # each step is a subprocess
+            keys = pool.submit(self.run, "registry", [str(BIN / "hpc-train"), "keygen",
+                                                      "--out", str(self.out / "keys")])
+            list(pool.map(self.prepare_device, DEVICES, DEVICES.values()))
+            keys.result()
+
+    def prepare_device(self, dev: str, camera: str) -> None:
+        """What needs no registry: the device's key and its camera's data."""
         home = self.out / "devices" / dev
         state, data = home / "state", home / "data"
-        trusted = state / "trusted_keys"
-        trusted.mkdir(parents=True)
+        state.mkdir(parents=True)
         data.mkdir()
-        shutil.copy(self.out / "keys/upstream.pub.pem", trusted)
         # The device's own key, named after it (the signer of its uploads), trusted only for
         # its own versions of this model.
         self.run(dev, [str(BIN / "hpc-train"), "keygen", "--out", str(state), "--name", dev,
                        "--scope", f"{MODEL}@*+{dev}.*"])
+        self.run(dev, [sys.executable, str(REPO / "scripts/make_device_data.py"),
+                       "--distortion", camera, "--out", str(data / "camera.npz")])
+
+    def provision(self, dev: str, camera: str) -> Path:
+        home = self.out / "devices" / dev
+        state, data = home / "state", home / "data"
+        trusted = state / "trusted_keys"
+        trusted.mkdir()
+        shutil.copy(self.out / "keys/upstream.pub.pem", trusted)
         for f in (f"{dev}.pub.pem", f"{dev}.scope"):
             shutil.copy(state / f, trusted / f)
             shutil.copy(state / f, self.out / "registry-trusted" / f)
@@ -233,13 +399,13 @@ class Mission:
             self.add_principal(dev, "device", home / "registry.token")
         self.run(dev, [str(BIN / "agentctl"), "pull", f"{MODEL}@1", "--registry",
                        self.registry_url, "--state-dir", str(state), "--no-progress"])
-        self.run(dev, [sys.executable, str(REPO / "scripts/make_device_data.py"),
-                       "--distortion", camera, "--out", str(data / "camera.npz")])
         # data_root: the data sets a command may name ("data": "camera.npz"); commands
         # carry no paths, keys or registries (agent.yaml is the device's only trust source).
         cfg = {"device_id": dev, "groups": [GROUP], "state_dir": str(state),
                "data_root": str(data), "profile": "sim", "sensors": "sim", "telemetry_s": 2,
                "socket_group": None,
+               # The operator's objective for the application: fine-tuning yields to it.
+               "latency_slo_ms": APP_SLO_MS,
                "mqtt": {"host": "127.0.0.1", "port": self.broker_port, "username": dev,
                         "password_file": str(self.secrets / "devices" / f"{dev}.password")},
                "registry": {"url": self.registry_url,
@@ -259,6 +425,46 @@ class Mission:
             # name under its own data_root.
             self.start(dev, [str(BIN / "edge-agent"), "--config", str(home / "agent.yaml")],
                        home / "agent.log", cwd=home)
+
+    # --- 5. application ------------------------------------------------------------------
+
+    def start_runtimes(self) -> None:
+        """The application's runtime beside each daemon, as an operator starts it: the
+        committed model, following commits, its latency stats in STATE/runtime/ (what the
+        daemon's telemetry and the fine-tune's governor read)."""
+        for dev in DEVICES:
+            home = self.out / "devices" / dev
+            port = self.app_ports[dev] = free_port()
+            self.start(f"app-{dev}", [str(BIN / "agentctl"), "serve", "--state-dir",
+                                      str(home / "state"), "--model", MODEL, "--port", str(port),
+                                      "--slo-ms", str(APP_SLO_MS), "--threads", "1",
+                                      "--log-format", "text"],
+                       home / "app.log", cwd=home)
+
+    def start_apps(self) -> None:
+        """Each device's application sends requests from now until after the rollout."""
+        for dev, port in self.app_ports.items():
+            app = AppLoad(dev, port, self.say)
+            if not app.wait_ready(60):
+                log = self.out / "devices" / dev / "app.log"
+                raise DemoError(f"{dev}: agentctl serve not ready after 60 s:\n"
+                                f"{log.read_text()[-2000:]}")
+            served = app.start()
+            self.apps[dev] = app
+            self.say(dev, f"app: agentctl serve {served} on 127.0.0.1:{port}; sending "
+                          f"{APP_RATE_HZ:g} requests/s, p99 SLO {APP_SLO_MS:g} ms")
+
+    def finish_apps(self) -> None:
+        """Let each application be answered by the version its device committed (the swap
+        lands between two requests), then stop sending."""
+        want = {dev: o.model.version for dev, o in self._outcomes().items()
+                if o.outcome == "committed" and o.model}
+        deadline = time.monotonic() + APP_SWAP_WAIT_S
+        while (any(v not in self.apps[d].versions for d, v in want.items() if d in self.apps)
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+        for app in self.apps.values():
+            app.stop()
 
     # --- live view -----------------------------------------------------------------------
 
@@ -319,17 +525,25 @@ class Mission:
             return
         gov = t.governor
         temp = max(t.temps_c.values()) if t.temps_c else None
-        seen = (t.job.step, gov.state if gov else None)
+        seen = (t.job.step, gov.state, gov.duty, gov.reason) if gov else (t.job.step,)
         if self.last_step.get(dev) == seen:
             return
         self.last_step[dev] = seen
-        self.say(dev, f"finetune step {t.job.step}/{t.job.total or '?'}"
-                      + (f"  governor {gov.state} duty {gov.duty:.2f}" if gov and gov.duty
-                         is not None else "")
-                      + (f"  {temp:.1f} °C" if temp is not None else "")
-                      + (f"  ({gov.reason})" if gov and gov.reason else ""))
+        line = [f"finetune step {t.job.step}/{t.job.total or '?'}"]
+        if gov is not None and gov.duty is not None:
+            # reason: the limit that set the duty (thermal, power, latency: the application's)
+            line.append(f"governor {gov.state} duty {gov.duty:.2f}"
+                        + (f" ({gov.reason})" if gov.reason else ""))
+        if temp is not None:
+            line.append(f"{temp:.1f} °C")
+        app = (t.serving or {}).get(MODEL)  # what the device's serving runtimes report
+        if app is not None:
+            line.append(f"app p99 {_ms(app.p99_ms)} / SLO {_ms(app.slo_ms)}, "
+                        f"{app.requests} requests" + (f", {app.failed} FAILED" if app.failed
+                                                      else ""))
+        self.say(dev, "  ".join(line))
 
-    # --- 5. fleet ------------------------------------------------------------------------
+    # --- 6. fleet ------------------------------------------------------------------------
 
     def rollout(self) -> int:
         args = self.out / "finetune-args.json"
@@ -353,16 +567,21 @@ class Mission:
                     self.say("fleet", line.rstrip())
         return p.returncode
 
-    def summary(self) -> None:
+    def _outcomes(self) -> dict[str, JobOutcome]:
+        return {dev: JobOutcome.model_validate(r) for dev, r in self.results.items()}
+
+    def summary(self) -> bool:
+        """Print the mission's figures; False when an application lost a request or was never
+        answered by the version its device committed."""
         fallbacks: list[tuple[str, str]] = []
+        outcomes = self._outcomes()
         rows = [("device", "camera", "acc before -> after", "export", "INT8 drop", "p50 ms",
                  "peak MB / budget", "max °C / target", "committed", "uploaded")]
         for dev, camera in DEVICES.items():
-            r = self.results.get(dev)
-            if r is None:
+            o = outcomes.get(dev)
+            if o is None:
                 rows.append((dev, camera, "no result", *[""] * 7))
                 continue
-            o = JobOutcome.model_validate(r)
             extra = o.model_extra or {}
             exp = extra.get("export") or {}
             if exp.get("fallback"):
@@ -385,20 +604,79 @@ class Mission:
                 else f"{o.outcome} ({o.reason})",
                 o.uploaded.version if o.uploaded else "-",
             ))
-        widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
         print()
-        for i, r in enumerate(rows):
-            print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)))
-            if i == 0:
-                print("  ".join("-" * w for w in widths))
+        _table(rows)
         # The INT8 drop column is the winner's; a plain-INT8 miss is shown, never hidden.
         for dev, note in fallbacks:
             print(f"{dev}: export fallback: {note}")
+        print()
+        app_ok = self._app_summary(outcomes)
         print()
         pngs = sorted(self.out.glob("devices/*/state/**/report.png")) + sorted(
             (self.out / "reports").glob("*.png"))
         for png in pngs:
             print(f"report: {png}")
+        return app_ok
+
+    def _app_summary(self, outcomes: dict[str, JobOutcome]) -> bool:
+        print(f"application (agentctl serve, {APP_RATE_HZ:g} requests/s each, batch 1, "
+              f"p99 SLO {APP_SLO_MS:g} ms):")
+        rows = [("device", "requests", "failed", "answered by version (requests)",
+                 "app p99 in fine-tune (worst)", "fine-tune yielded s")]
+        problems, swaps = [], 0
+        for dev in DEVICES:
+            app, o = self.apps.get(dev), outcomes.get(dev)
+            if app is None:
+                rows.append((dev, "-", "-", "not started", "-", "-"))
+                problems.append(f"{dev}: its application never ran")
+                continue
+            gov = _pacing(o)
+            rows.append((dev, str(app.sent), str(app.failed),
+                         ", ".join(f"{v} ({n})" for v, n in app.versions.items()) or "-",
+                         _ms(gov.get("worst_app_p99_ms")),
+                         f"{gov['yielded_s']:.1f}" if gov.get("yielded_s") is not None
+                         else "-"))
+            if app.failed:
+                why = "; ".join(f"{n} x {e}" for e, n in app.errors.most_common(3))
+                problems.append(f"{dev}: {app.failed} of {app.sent} requests failed ({why})")
+            if o is not None and o.outcome == "committed" and o.model is not None:
+                if o.model.version in app.versions:
+                    swaps += 1
+                else:
+                    problems.append(f"{dev}: never answered by {o.model.version}, the version "
+                                    "it committed")
+        _table(rows)
+        sent = sum(a.sent for a in self.apps.values())
+        if problems:
+            for p in problems:
+                print(f"application FAILED: {p}")
+            print("the application lost requests or missed its model's swap: the demo exits 1")
+            return False
+        print(f"application: {sent} requests, 0 failed; {swaps} swaps to a committed version, "
+              "each between two requests")
+        return True
+
+
+def _pacing(o: JobOutcome | None) -> dict[str, Any]:
+    """The fine-tune's pacing summary (its report.json, beside the report.png the result
+    names): what the application's latency cost it."""
+    png = (o.model_extra or {}).get("report_png") if o is not None else None
+    try:
+        return dict(json.loads(Path(png).with_suffix(".json").read_text())["summary"])
+    except (TypeError, OSError, ValueError, KeyError):
+        return {}
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for i, r in enumerate(rows):
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} ms" if v < 10 else f"{v:.0f} ms"
 
 
 def _pair(a: Any, b: Any) -> str:
@@ -463,13 +741,19 @@ def main(argv: list[str] | None = None) -> int:
     with _interruptible():
         try:
             run = mission.train_upstream()
-            mission.publish(run)
+            export = mission.start_export(run)
             mission.start_broker()
+            mission.prepare_keys_and_data()
+            mission.publish(run, mission.exported(run, export))
             mission.start_agents()
+            mission.start_runtimes()
             mission.follow()
+            mission.start_apps()
             code = mission.rollout()
             time.sleep(1.0)  # the last results' echo on the live view
-            mission.summary()
+            mission.finish_apps()
+            if not mission.summary() and code == 0:
+                code = 1
         except KeyboardInterrupt:
             view("demo", "interrupted: stopping every process it started")
             code = 130

@@ -87,4 +87,6 @@ def _governor(ft: dict[str, Any]) -> dict[str, Any]:
     return {"max_temp_c": ft.get("max_temp_c"), "target_c": ft.get("target_c"),
             "throttled_s": round(sum(held), 2) if held else None,
             "time_above_target_s": g.get("time_above_target_s"),
-            "state_changes": g.get("events")}
+            "state_changes": g.get("events"),
+            # Training given to the application (its p99 over the SLO), and the worst p99 seen.
+            "yielded_s": g.get("yielded_s"), "worst_app_p99_ms": g.get("worst_app_p99_ms")}

@@ -265,7 +265,7 @@ class Governor:
             self.pi.track(max(duty, self.cfg.min_duty), error)
         self.latency.track(duty)
         self.limit = None if duty >= 1.0 else min(
-            (("latency", latency_duty), ("power", power), ("thermal", thermal)),
+            (("thermal", thermal), ("power", power), ("latency", latency_duty)),
             key=lambda kv: kv[1])[0]
         self.duty = duty
         self._update_state(now_s, zone, temp)
@@ -345,9 +345,11 @@ class Governor:
         move the duty: the thermal loop steps only after a training step."""
         if self.latency.yielding:
             self.duty, self.limit = 0.0, "latency"
-        else:
-            self.duty = min(self.duty if self.duty > 0 else 1.0, self.latency.duty)
-            self.limit = "latency" if self.duty < 1.0 else None
+            return
+        before = self.duty if self.duty > 0 else 1.0
+        self.duty = min(before, self.latency.duty)
+        if self.latency.duty < before:
+            self.limit = "latency"  # else the next step's update names whichever limit holds
 
     def _decision(self, duty: float, zone: str | None, temp: float | None,
                   reading: Reading) -> Decision:

@@ -64,9 +64,19 @@ class LatencyLoop:
         return started
 
     def track(self, applied: float) -> None:
-        """Another limit set a lower duty: align so this loop resumes from it (bumpless)."""
-        if self._error is not None and not self.yielding and applied < self.duty:
+        """Another limit set a lower duty: align so this loop resumes from it (bumpless) -
+        only while the application is over the setpoint. Under it the loop asks for more than
+        is applied and sits at full duty (its output is clipped, so nothing winds up); pulled
+        down, it would ramp back slowly after every thermal dip and be named the limit while
+        the application is well inside its SLO."""
+        if (self._error is not None and self._error < 0 and not self.yielding
+                and applied < self.duty):
             self.pi.track(applied, self._error)
+
+    @property
+    def constraining(self) -> bool:
+        """The application is over the setpoint (or training yields to it)."""
+        return self.yielding or (self._error is not None and self._error < 0)
 
     def why(self) -> str:
         if self.last_p99_ms is None or self.slo_ms is None:

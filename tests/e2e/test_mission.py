@@ -10,6 +10,7 @@ import hashlib
 import http.client
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -64,7 +65,9 @@ def _finetune_job(state: Path) -> dict:
 def test_every_process_the_demo_started_has_exited(mission: tuple[Path, str]) -> None:
     out, _ = mission
     pids = [line.split() for line in (out / "pids").read_text().splitlines()]
-    assert {who for _, who in pids} >= {"registry", "broker", *DEVICES}
+    # Each device's application runtime (agentctl serve) is one of them.
+    assert {who for _, who in pids} >= {"registry", "broker", *DEVICES,
+                                        *(f"app-{d}" for d in DEVICES)}
     alive = []
     for pid, who in pids:
         try:
@@ -113,6 +116,43 @@ def test_the_rollout_went_in_two_waves_and_succeeded(mission: tuple[Path, str]) 
     assert (out / "reports/demo.png").stat().st_size > 0
     for dev in DEVICES:
         assert f"{dev}" in log and "report:" in log
+
+
+def _summary_table(log: str, title: str) -> dict[str, dict[str, str]]:
+    """A table of the demo's summary, by device: its header (starting with ``title``), a rule,
+    then one row per device; columns are at least two spaces apart."""
+    lines = log.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(title))
+    header = re.split(r"\s{2,}", lines[start].strip())
+    rows = {}
+    for line in lines[start + 2:]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if cells[0] not in DEVICES:
+            break
+        rows[cells[0]] = dict(zip(header, cells, strict=True))
+    assert set(rows) == set(DEVICES), lines[start:start + 2 + len(DEVICES)]
+    return rows
+
+
+def test_the_application_lost_no_request_across_the_swap(mission: tuple[Path, str]) -> None:
+    """Each device's application was served all through its fine-tune, and was answered by
+    the version its device committed from the swap on, with not one request failed."""
+    _, log = mission
+    committed = _summary_table(log, "device  camera")
+    app = _summary_table(log, "device  requests")
+    for dev in DEVICES:
+        version = committed[dev]["committed"].removeprefix(f"{MODEL}@")
+        assert version.startswith(f"1+{dev}."), committed[dev]
+        row = app[dev]
+        assert int(row["failed"]) == 0, row
+        served = {v: int(n) for v, n in
+                  re.findall(r"(\S+) \((\d+)\)", row["answered by version (requests)"])}
+        assert set(served) == {"1", version}, row  # the upstream, then the device's own
+        assert served[version] > 0 and served["1"] > 0, row
+        assert sum(served.values()) == int(row["requests"]), row  # every request answered
+    assert re.search(rf"^application: \d+ requests, 0 failed; {len(DEVICES)} swaps", log,
+                     re.M), log[-3000:]
+    assert "application FAILED" not in log
 
 
 @pytest.fixture(scope="module")

@@ -404,3 +404,27 @@ def test_the_hotter_limit_wins_over_latency_and_the_other_way_round() -> None:
     gov = hook.controller
     assert isinstance(gov, Governor) and gov.limit == "thermal"
     assert hook.record.yielded_s == 0.0
+    # An application well inside its SLO is never named the limit, not even while the duty
+    # climbs back after a thermal dip.
+    assert not [x for x in hook.record.samples if x["limit"] == "latency"]
+
+
+def test_after_a_thermal_dip_an_app_inside_its_slo_does_not_hold_the_duty_down() -> None:
+    # Hot for a minute (the thermal loop cuts the duty), then cool: the duty climbs back at
+    # the thermal loop's pace. The application (5 ms, SLO 20 ms) never asked for less, so
+    # the latency loop must not have been dragged down with the thermal one and then name
+    # itself the limit while it ramps back.
+    gov = Governor(GovernorConfig.from_profile(NANO))
+    app = AppLatency(5.0, 20.0)
+    t = 0.0
+    for _ in range(200):
+        t += 0.3
+        gov.update(Reading(t, temps_c={"tj": TARGET + 3.0}), t, "active", app)
+    assert gov.duty < 0.5 and gov.limit == "thermal"
+    limits = []
+    for _ in range(400):
+        t += 0.3
+        d = gov.update(Reading(t, temps_c={"tj": TARGET - 30.0}), t, "active", app)
+        limits.append(d.limit)
+    assert "latency" not in limits, limits
+    assert gov.duty == 1.0
