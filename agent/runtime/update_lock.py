@@ -2,11 +2,12 @@
 (a recording, a batch that must be scored by one version), as Greengrass's
 DeferComponentUpdate and balena's update lock let it.
 
-One file per model, ``<state_dir>/models/<name>/update.lock`` (created 0660 so an application
-in the service group can open it). Applications take an ``flock`` *shared* lock on it while
-they hold updates (many may at once); the device job's commit step takes an *exclusive*
-lock, non-blocking, in a poll loop (:func:`wait_for_update_locks`) before it switches
-``current``, and proceeds once it gets it, or after the device's
+One file per model, ``<state_dir>/models/<name>/update.lock``, created 0600 like everything in
+the state dir (the service user's alone: an application of another user serves through
+``agentctl serve`` run as that user, not from the slots). Applications take an ``flock``
+*shared* lock on it while they hold updates (many may at once); the device job's commit
+step takes an *exclusive* lock, non-blocking, in a poll loop (:func:`wait_for_update_locks`)
+before it switches ``current``, and proceeds once it gets it, or after the device's
 ``limits.update_lock_max_wait_s`` (agent.yaml, never a command's to say), saying so: an
 application that never lets go must not keep a device on an old model forever.
 
@@ -28,7 +29,7 @@ from pathlib import Path
 log = logging.getLogger("agent.runtime")
 
 LOCK_NAME = "update.lock"
-LOCK_MODE = 0o660
+LOCK_MODE = 0o600
 
 
 def lock_path(state_dir: Path, name: str) -> Path:
