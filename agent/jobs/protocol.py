@@ -252,8 +252,9 @@ def _last_line(path: Path) -> str:
 
 def _child_under_way(ctx: JobContext, step: str, elapsed: float) -> bool:
     """Fault injection: the child is well inside its work (the fine-tune past a checkpoint).
-    The stage takes a fraction of a second: its child kills the job itself."""
-    if step == "stage":
+    The stage and a fetch take a fraction of a second (the spec check is torch-free): their
+    children kill the job themselves."""
+    if step in ("stage", "fetch"):
         return False
     if step == "finetune":
         prog = ctx.store.get(ctx.job_id).progress or {}  # type: ignore[union-attr]

@@ -15,7 +15,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from agent.jobs.protocol import JobContext, StepContext, StepFailed, run_child
+from agent.jobs.protocol import (
+    JobContext,
+    StepContext,
+    StepFailed,
+    crash_inside_child,
+    run_child,
+)
 from agent.jobs.spec import DeployJob
 from agent.jobs.steps.context import step_context, trusted_keys
 
@@ -85,10 +91,12 @@ def child_fetch(c: StepContext) -> dict[str, Any]:
     if "finetune" in spec or "evaluate" in spec:
         pulled, source = fetch_training_source(ref, c.job_dir / "upstream",
                                                state_dir=c.state_dir, trusted=trusted)
+        crash_inside_child("pull")  # fetched, not yet recorded: a restart fetches again
         return {"version": source.version, "path": str(source.path), "slot": source.slot,
                 "sequence": source.manifest.sequence, "fetched": True, "training_source": True,
                 "chunks_fetched": pulled.chunks_fetched, "bytes_fetched": pulled.bytes_fetched}
     pulled = pull(ref, state_dir=c.state_dir, trusted=trusted)
+    crash_inside_child("pull")  # the chunks are in, nothing staged yet
     v, slots = pulled.verified, ModelSlots(c.state_dir, ref.name)
     active = slots.active()
     if active is not None and active.version == ref.version:
