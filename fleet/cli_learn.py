@@ -13,24 +13,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from contract import Topics
 from fleet import learn_report
 from fleet.cli_options import (
     EXIT_FAILED,
     EXIT_OK,
     UsageError,
-    connect,
     read_json_arg,
 )
 from fleet.controller import Controller
-from fleet.controller_session import controller_id, controller_lock, open_creator, targets_of
+from fleet.controller_session import Session, open_controller, open_creator, targets_of
+from fleet.db import is_url
 from fleet.inventory import render_table
 from fleet.learn import LearnDriver
 from fleet.learn_loop import drive
 from fleet.learn_plan import LearnPlan, load_learn_plan
 from fleet.learn_store import LEARN_FINAL, LearnExists, LearnStore
 from fleet.learn_upstream import HPC_TRAIN_ENV, hpc_train_command
-from fleet.mqtt import FleetConnection
 from fleet.progress import Progress
 from fleet.store import FleetStore
 
@@ -51,12 +49,22 @@ def _overrides(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _resolved(plan: LearnPlan, db: Path) -> LearnPlan:
+def _work_root(db: str) -> Path:
+    """Where a learn's rounds work by default: beside a SQLite db. A PostgreSQL db has no
+    folder: its learns name their ``work_dir`` (one every replica reaches)."""
+    if is_url(db):
+        raise UsageError("work_dir: a learn on a PostgreSQL --db needs --work-dir (a folder "
+                         "every controller replica reaches)")
+    return Path(f"{db}.learn").resolve()
+
+
+def _resolved(plan: LearnPlan, db: str) -> LearnPlan:
     """Absolute paths (``learn run`` may start elsewhere), the work folder fixed, and the
     files the tools need checked now rather than after the first round's fine-tunes."""
     upd: dict[str, Any] = {k: Path(getattr(plan, k)).resolve() for k in _PATHS
                            if getattr(plan, k) is not None}
-    upd.setdefault("work_dir", Path(f"{db}.learn").resolve() / plan.name)
+    if "work_dir" not in upd:
+        upd["work_dir"] = _work_root(db) / plan.name
     if "://" not in plan.registry:
         upd["registry"] = str(Path(plan.registry).resolve())
     plan = plan.model_copy(update=upd)
@@ -70,10 +78,12 @@ def _resolved(plan: LearnPlan, db: Path) -> LearnPlan:
 
 
 def _drive(a: argparse.Namespace, store: FleetStore, learns: LearnStore,
-           conn: FleetConnection, learn_ids: list[str] | None, forever: bool = False) -> int:
-    ctl = Controller(store, conn)
-    driver = LearnDriver(learns, ctl, hpc_train_command(a.hpc_train),
-                         Path(f"{a.db}.learn").resolve())
+           session: Session, learn_ids: list[str] | None, forever: bool = False) -> int:
+    ctl = Controller(store, session.conn, replica=session.replica,
+                     reask_s=a.reask_s)
+    # (Every learn has its work_dir by now: _resolved set it at start.)
+    root = Path("fleetctl-learn") if is_url(a.db) else _work_root(a.db)
+    driver = LearnDriver(learns, ctl, hpc_train_command(a.hpc_train), root.resolve())
     progress = Progress(enabled=not a.quiet)
     try:
         drive(ctl, driver, learn_ids, forever=forever, on_progress=progress.update)
@@ -92,20 +102,19 @@ def _drive(a: argparse.Namespace, store: FleetStore, learns: LearnStore,
     return code
 
 
-def drive_learns(a: argparse.Namespace, store: FleetStore, conn: FleetConnection) -> int:
+def drive_learns(a: argparse.Namespace, store: FleetStore, session: Session) -> int:
     """``fleetctl controller --forever``: every rollout and every running learn, for good."""
-    return _drive(a, store, LearnStore(store), conn, None, forever=True)
+    return _drive(a, store, LearnStore(store), session, None, forever=True)
 
 
 def cmd_learn_start(a: argparse.Namespace) -> int:
-    db = Path(a.db)
-    plan = _resolved(load_learn_plan(a.plan, _overrides(a)), db)
-    store = FleetStore(db)
+    plan = _resolved(load_learn_plan(a.plan, _overrides(a)), a.db)
+    store = FleetStore(a.db)
     learns = LearnStore(store)
     if learns.learn(plan.name) is not None:
-        raise UsageError(f"learn {plan.name} exists in {db}: `fleetctl learn status "
+        raise UsageError(f"learn {plan.name} exists in {store.name}: `fleetctl learn status "
                          f"{plan.name}`, or pick another name")
-    creator = open_creator(a, "learn")
+    creator = open_creator(a, store, "learn")
     conn = creator.conn
     try:
         targets, offline = targets_of(a, conn, plan.group, plan.devices)
@@ -125,31 +134,30 @@ def cmd_learn_start(a: argparse.Namespace) -> int:
                       "runs --forever (`fleetctl controller --forever` or `fleetctl learn run "
                       "--forever`)", file=sys.stderr)
             return EXIT_OK
-        return _drive(a, store, learns, conn, [learn.id])
+        return _drive(a, store, learns, creator.session, [learn.id])
     finally:
         conn.stop()
 
 
 def cmd_learn_run(a: argparse.Namespace) -> int:
-    db = Path(a.db)
-    store = FleetStore(db)
+    store = FleetStore(a.db)
     learns = LearnStore(store)
     for lid in a.names:
         if learns.learn(lid) is None:
-            raise UsageError(f"no learn {lid!r} in {db}; `fleetctl learn list` shows them")
-    lock = controller_lock(db)
-    if lock is None:
-        print(f"another controller holds {db}.lock", file=sys.stderr)
+            raise UsageError(f"no learn {lid!r} in {store.name}; `fleetctl learn list` shows "
+                             "them")
+    session = open_controller(a, store)
+    if session is None:
+        print(f"another controller holds {a.db}.lock", file=sys.stderr)
         return EXIT_FAILED
-    conn = connect(a, controller_id(db), [Topics(a.prefix).all_results()], persistent=True)
     try:
-        return _drive(a, store, learns, conn, a.names or None, forever=a.forever)
+        return _drive(a, store, learns, session, a.names or None, forever=a.forever)
     finally:
-        conn.stop()
+        session.conn.stop()
 
 
 def _load(a: argparse.Namespace) -> tuple[FleetStore, LearnStore, dict[str, Any]]:
-    store = FleetStore(Path(a.db))
+    store = FleetStore(a.db)
     learns = LearnStore(store)
     try:
         return store, learns, learn_report.load(store, learns, a.name)
@@ -172,7 +180,7 @@ def cmd_learn_status(a: argparse.Namespace) -> int:
 
 
 def cmd_learn_list(a: argparse.Namespace) -> int:
-    learns = LearnStore(FleetStore(Path(a.db)))
+    learns = LearnStore(FleetStore(a.db))
     rows = [{"id": x.id, "state": x.state, "round": f"{x.round}/{x.plan.rounds}",
              "base": x.base, "model": x.plan.model,
              "group": x.plan.group or f"{len(x.plan.devices or [])} devices",

@@ -88,7 +88,16 @@ def add_global_options(ap: argparse.ArgumentParser) -> None:
                     help="the operator's inventory (the file broker-config reads): groups come "
                          "from it, not from what a device's status claims, and a device it "
                          "does not list is ignored")
-    ap.add_argument("--db", default=_env("DB", "fleet.db"), help="controller state (SQLite)")
+    ap.add_argument("--db", default=_env("DB", "fleet.db"),
+                    help="controller state: a SQLite file (one controller), or a PostgreSQL "
+                         "URL postgresql://USER@HOST:PORT/DB shared by controller replicas "
+                         "(the password from ~/.pgpass or PGPASSWORD, never the command line)")
+    ap.add_argument("--lease-s", type=float, default=15.0,
+                    help="PostgreSQL --db: how long a replica that stops renewing keeps its "
+                         "rollouts before another takes them over")
+    ap.add_argument("--reask-s", type=float, default=30.0,
+                    help="send an open execution again (same id) when nothing was heard of "
+                         "it for this long: the device answers where it stands")
     ap.add_argument("--report-dir", default=_env("REPORT_DIR", "fleet-reports"))
     ap.add_argument("--settle-s", type=float, default=0.5,
                     help="quiet time that ends the collection of retained statuses")

@@ -14,19 +14,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
-from contract import Topics
 from fleet import report as reports
 from fleet.cli_options import (
     EXIT_FAILED,
     EXIT_OK,
     UsageError,
-    connect,
     read_json_arg,
 )
 from fleet.controller import Controller
-from fleet.controller_session import controller_id, controller_lock, open_creator, targets_of
+from fleet.controller_session import Session, open_controller, open_creator, targets_of
 from fleet.inventory import render_table
-from fleet.mqtt import FleetConnection
 from fleet.plan import RolloutPlan, load_plan, validate_plan
 from fleet.progress import Progress, status_text
 from fleet.rollout_run import RolloutRun, summarize
@@ -55,10 +52,11 @@ def _plan(a: argparse.Namespace) -> RolloutPlan:
     return validate_plan(over, "rollout create")
 
 
-def _run_controller(a: argparse.Namespace, store: FleetStore, conn: FleetConnection,
+def _run_controller(a: argparse.Namespace, store: FleetStore, session: Session,
                     rids: list[str] | None, forever: bool = False) -> dict[str, str]:
     progress = Progress(enabled=not a.quiet)
-    ctl = Controller(store, conn, on_progress=progress.update)
+    ctl = Controller(store, session.conn, on_progress=progress.update, replica=session.replica,
+                     reask_s=a.reask_s)
     try:
         states = ctl.run(rids, forever=forever)
     finally:
@@ -85,8 +83,8 @@ def _exit_code(store: FleetStore, states: dict[str, str]) -> int:
 
 def cmd_rollout_create(a: argparse.Namespace) -> int:
     plan = _plan(a)
-    store = FleetStore(Path(a.db))
-    creator = open_creator(a, "create")
+    store = FleetStore(a.db)
+    creator = open_creator(a, store, "create")
     conn = creator.conn
     try:
         targets, offline = targets_of(a, conn, plan.group, plan.devices)
@@ -101,30 +99,29 @@ def cmd_rollout_create(a: argparse.Namespace) -> int:
                 print("another controller runs on this db: it takes the rollout over",
                       file=sys.stderr)
             return EXIT_OK
-        states = _run_controller(a, store, conn, [r.id])
+        states = _run_controller(a, store, creator.session, [r.id])
     finally:
         conn.stop()
     return _exit_code(store, states)
 
 
 def cmd_controller(a: argparse.Namespace) -> int:
-    db = Path(a.db)
-    store = FleetStore(db)
-    lock = controller_lock(db)
-    if lock is None:
-        print(f"another controller holds {db}.lock", file=sys.stderr)
+    store = FleetStore(a.db)
+    session = open_controller(a, store)
+    if session is None:
+        print(f"another controller holds {a.db}.lock", file=sys.stderr)
         return EXIT_FAILED
-    t = Topics(a.prefix)
-    conn = connect(a, controller_id(db), [t.all_results()], persistent=True)
     try:
         if a.forever and not a.rollout:
-            # The db's one controller: its learns' rounds too, not only their rollouts.
+            # The db's controller: its learns' rounds too, not only their rollouts.
             from fleet.cli_learn import drive_learns  # cli_learn imports this module
 
-            return drive_learns(a, store, conn)
-        states = _run_controller(a, store, conn, a.rollout or None, forever=a.forever)
+            return drive_learns(a, store, session)
+        states = _run_controller(a, store, session, a.rollout or None, forever=a.forever)
     finally:
-        conn.stop()
+        session.conn.stop()
+        if session.replica is not None:
+            session.replica.release_all()
     return _exit_code(store, states)
 
 
@@ -136,7 +133,7 @@ def _get_run(store: FleetStore, rid: str) -> RolloutRun:
 
 
 def cmd_rollout_status(a: argparse.Namespace) -> int:
-    store = FleetStore(Path(a.db))
+    store = FleetStore(a.db)
     while True:
         run = _get_run(store, a.id)
         s = summarize(run)
@@ -153,7 +150,7 @@ def cmd_rollout_status(a: argparse.Namespace) -> int:
 
 
 def cmd_rollout_list(a: argparse.Namespace) -> int:
-    store = FleetStore(Path(a.db))
+    store = FleetStore(a.db)
     rows = [{"id": r.id, "state": r.state, "job": r.plan.job,
              "group": r.plan.group or f"{len(r.plan.devices or [])} devices",
              "reason": r.reason, "request": r.request} for r in store.rollouts()]
@@ -172,7 +169,7 @@ def _utc(ts: float | None) -> str:
 
 
 def cmd_rollout_request(a: argparse.Namespace) -> int:
-    store = FleetStore(Path(a.db))
+    store = FleetStore(a.db)
     _get_run(store, a.id)
     verb = a.rollout_cmd
     if verb == "rollback":
@@ -195,7 +192,7 @@ def cmd_rollout_request(a: argparse.Namespace) -> int:
 
 
 def cmd_rollout_report(a: argparse.Namespace) -> int:
-    store = FleetStore(Path(a.db))
+    store = FleetStore(a.db)
     rep = reports.build(_get_run(store, a.id))
     paths = reports.write(rep, Path(a.report_dir))
     print(reports.table(rep))
@@ -212,8 +209,11 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("controller", help="drive (resume) every active rollout; with "
-                       "--forever every learn too")
+    h = ("drive (resume) every active rollout; with --forever every learn too. On a SQLite "
+         "--db one controller runs (a lock beside the file); on a PostgreSQL --db any number "
+         "of replicas run, each rollout driven by the replica holding its lease (--lease-s), "
+         "results shared among them")
+    p = sub.add_parser("controller", help=h, description=h)
     p.add_argument("--rollout", action="append", help="only these (repeatable)")
     p.add_argument("--forever", action="store_true",
                    help="keep running, take new rollouts and learns (fleetctl learn)")

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from contract import Result
 from fleet.execution_messages import command_for, finish_execution, infer_status
 from fleet.mqtt import FleetConnection
+from fleet.replicas import Replica
 from fleet.rollout_run import DEVICE_TERMINAL, RolloutRun, exec_id
 from fleet.store import ROLLOUT_ACTIVE, Execution, FleetStore, Wave
 
@@ -42,8 +43,13 @@ class Controller:
         conn: FleetConnection,
         *,
         on_progress: Callable[[RolloutRun], None] | None = None,
+        replica: Replica | None = None,
+        reask_s: float = 30.0,
     ) -> None:
         self.store = store
+        self.replica = replica
+        """Set when this is one of several controllers on a PostgreSQL db (``fleet.replicas``):
+        it drives only the rollouts whose lease it holds."""
         self.conn = conn
         self.topics = conn.topics
         self.runs: dict[str, RolloutRun] = {}
@@ -51,8 +57,35 @@ class Controller:
         self.dirty: dict[str, Execution] = {}
         self.outbox: list[tuple[RolloutRun, Execution]] = []
         self.on_progress = on_progress
+        self._drained: list[int] = []
+        self.reask_s = reask_s
+        """An open execution nothing was heard of for this long is sent again (same id): the
+        device answers DUPLICATE with where it stands. What recovers a result that reached no
+        one (a replica killed with it unwritten, a broker restarted without persistence)."""
+        self.heard: dict[str, float] = {}
+        self.asked: dict[str, int] = {}
 
     # --- loading and resuming ---------------------------------------------------------
+
+    def take(self, rid: str) -> bool:
+        """Drive ``rid`` from now on (a replica: once its lease is ours). True when driven."""
+        if rid in self.runs:
+            return True
+        if self.replica is not None and not self.replica.acquire(rid):
+            return False
+        self.load(rid)
+        return True
+
+    def drop(self, rid: str) -> None:
+        """Stop driving ``rid`` (its lease went to another replica): forget it, unsent."""
+        run = self.runs.pop(rid, None)
+        if run is None:
+            return
+        for eid in run.execs:
+            self.by_exec.pop(eid, None)
+            self.dirty.pop(eid, None)
+        self.outbox = [(r, e) for r, e in self.outbox if r is not run]
+        log.warning("rollout dropped: its lease is another replica's", extra={"rollout": rid})
 
     def load(self, rid: str) -> RolloutRun:
         r = self.store.rollout(rid)
@@ -78,7 +111,11 @@ class Controller:
         """One result from ``device``: the id in its topic (see fleet.mqtt.device_message)."""
         run = self.by_exec.get(r.id)
         if run is None:
-            return  # another sender's command (fleetctl send, another controller)
+            # Another sender's command (fleetctl send), or a rollout another replica drives:
+            # to the inbox, where its holder finds it (a stranger's id is dropped there).
+            if self.replica is not None:
+                self.replica.defer(device, r)
+            return
         e = run.execs[r.id]
         if device != e.device:
             # Execution ids are guessable: a device may answer for another's execution.
@@ -91,6 +128,7 @@ class Controller:
             if status in (None, "DUPLICATE"):
                 return
         now = time.time()
+        self.heard[e.id] = now
         if status == "ACCEPTED":
             if e.status == "SENT":
                 e.status = "ACCEPTED"
@@ -136,6 +174,10 @@ class Controller:
         if self.dirty:
             self.store.save_executions(self.dirty.values())
             self.dirty.clear()
+        if self.replica is not None:
+            self.replica.flush()
+            self.replica.applied(self._drained)
+            self._drained = []
         for run, e in self.outbox:
             topic, payload = command_for(self.topics, run, e)
             self.conn.publish(topic, payload)
@@ -207,6 +249,15 @@ class Controller:
                 self.dirty[e.id] = e
                 if was_started and e.kind == "job":
                     self._cancel(run, e, now)  # so a retry never runs beside the old one
+            elif e.open and e.sent_at is not None and e.status != "PLANNED" and (
+                    now - max(e.sent_at, self.heard.get(e.id, 0.0))
+                    > self.reask_s * 2 ** self.asked.get(e.id, 0)):
+                # Twice as long each time: an offline device's queue gets a few copies (its
+                # agent answers the later ones DUPLICATE), a long job a few questions, not
+                # one per period.
+                self.heard[e.id] = now
+                self.asked[e.id] = self.asked.get(e.id, 0) + 1
+                self.outbox.append((run, e))
 
     def _retries(self, run: RolloutRun) -> None:
         for dev, e in run.latest().items():
@@ -315,10 +366,15 @@ class Controller:
         The one loop every controller runs (messages in -> rollouts -> sends out). ``turn``
         (the learns' driver) acts after the rollouts each pass, its sends flushed with theirs;
         ``forever`` also takes rollouts (and, through ``rescan``, whatever else) started
-        later; ``finished`` replaces "no rollout active" as the end of a bounded run."""
+        later; ``finished`` replaces "no rollout active" as the end of a bounded run.
+
+        A replica's bounded run waits for the rollouts another replica holds: it takes them
+        over if that one's lease expires, or sees them end there."""
+        waiting: set[str] = set()
         for rid in rids or [r.id for r in self.store.rollouts(ROLLOUT_ACTIVE)]:
-            if rid not in self.runs:
-                self.load(rid)
+            if not self.take(rid):
+                waiting.add(rid)
+        ended_elsewhere: dict[str, str] = {}
         self.flush()
         last_scan = time.monotonic()
         while True:
@@ -326,6 +382,8 @@ class Controller:
                 if isinstance(msg.body, Result):
                     self.on_result(msg.device, msg.body)
             now = time.time()
+            if self.replica is not None:
+                self._replica_turn(now)
             for run in list(self.runs.values()):
                 if run.rollout.state in ROLLOUT_ACTIVE:
                     self.tick(run, now)
@@ -339,12 +397,37 @@ class Controller:
             if forever and time.monotonic() - last_scan > 1.0:
                 last_scan = time.monotonic()
                 for r in self.store.rollouts(ROLLOUT_ACTIVE):
-                    if r.id not in self.runs:
-                        self.load(r.id)
+                    self.take(r.id)
                 if rescan is not None:
                     rescan()
-            done = finished() if finished is not None else all(
+            if waiting and time.monotonic() - last_scan > 1.0:
+                last_scan = time.monotonic()
+                for rid in sorted(waiting):
+                    r = self.store.rollout(rid)
+                    if r is None or r.state not in ROLLOUT_ACTIVE:
+                        ended_elsewhere[rid] = r.state if r else "missing"
+                        waiting.discard(rid)
+                    elif self.take(rid):
+                        waiting.discard(rid)
+            done = finished() if finished is not None else not waiting and all(
                 r.rollout.state not in ROLLOUT_ACTIVE for r in self.runs.values())
             if not forever and done:
                 self.conn.flush()
-                return {rid: r.rollout.state for rid, r in self.runs.items()}
+                if self.replica is not None:
+                    self.replica.release_all()
+                return {**ended_elsewhere,
+                        **{rid: r.rollout.state for rid, r in self.runs.items()}}
+
+    def _replica_turn(self, now: float) -> None:
+        """Keep our leases (drop what another replica took), release finished rollouts, and
+        apply the results other replicas received for ours."""
+        assert self.replica is not None
+        for rid in self.replica.renew(now):
+            self.drop(rid)
+        for rid, run in self.runs.items():
+            if run.rollout.state not in ROLLOUT_ACTIVE and rid in self.replica.held:
+                self.replica.release(rid)
+        driven = [rid for rid, run in self.runs.items() if run.rollout.state in ROLLOUT_ACTIVE]
+        for seq, device, result in self.replica.drain(driven):
+            self.on_result(device, result)
+            self._drained.append(seq)

@@ -1,6 +1,16 @@
-"""What every command that drives a db's rollouts shares: one controller per db (an flock
-beside it), its stable MQTT session, and, for the commands that create work, the devices it
-goes to."""
+"""What every command that drives a db's rollouts shares: who may drive (one controller per
+SQLite file, an flock beside it; any number of replicas on a PostgreSQL db, each rollout
+leased to one), its MQTT session, and, for the commands that create work, the devices it goes
+to.
+
+SQLite: the controller's session is persistent under one stable client id per db, so results
+sent while it was down wait for it. PostgreSQL: every replica joins the shared subscription
+``$share/fleetctl/...`` with a session that ends with its connection — mosquitto keeps
+queueing a shared subscription's messages to a disconnected persistent session, which would
+hold a dead replica's share of the results away from the live ones. A result sent while no
+replica is connected is recovered by the re-send of every open execution when a replica
+takes its rollout (the device answers DUPLICATE with where it stands).
+"""
 
 from __future__ import annotations
 
@@ -13,18 +23,22 @@ from pathlib import Path
 
 from contract import Topics
 from fleet.cli_options import connect, inventory_membership
+from fleet.db import is_url, redact
 from fleet.inventory import discover
 from fleet.mqtt import FleetConnection
+from fleet.replicas import SHARE_GROUP, Replica, replica_name
+from fleet.store import FleetStore
 
 
-def controller_id(db: Path) -> str:
+def controller_id(db: str | Path) -> str:
     # One stable client id per state db: the broker keeps this controller's session (and the
     # results sent while it was down) across restarts.
-    return "fleetctl-" + hashlib.sha1(str(db.resolve()).encode()).hexdigest()[:12]
+    key = redact(db) if is_url(db) else str(Path(db).resolve())
+    return "fleetctl-" + hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
 def controller_lock(db: Path) -> int | None:
-    """An flock beside the db: one controller per db. None when another one holds it."""
+    """An flock beside a SQLite db: one controller per db. None when another one holds it."""
     fd = os.open(str(db) + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -35,22 +49,51 @@ def controller_lock(db: Path) -> int | None:
 
 
 @dataclass
-class Creator:
-    """A create command's connection: the controller's own session when it took the db's
-    lock (it drives what it creates), else a throwaway one (``--detach``, or another
-    controller runs: that one takes the work over)."""
+class Session:
+    """A controller's connection; ``replica`` when the db is PostgreSQL."""
 
     conn: FleetConnection
+    replica: Replica | None = None
+
+
+def open_controller(a: argparse.Namespace, store: FleetStore,
+                    extra_subs: tuple[str, ...] = ()) -> Session | None:
+    """The session of a process that drives the db's rollouts (``controller``, ``learn
+    run``, a ``create`` that drives what it creates). None: a SQLite db's lock is taken."""
+    t = Topics(a.prefix)
+    if is_url(a.db):
+        name = replica_name()
+        subs = [*extra_subs, f"$share/{SHARE_GROUP}/{t.all_results()}"]
+        conn = connect(a, f"{controller_id(a.db)}-{name}", subs, persistent=False)
+        return Session(conn, Replica(store.db, name, a.lease_s))
+    if controller_lock(Path(a.db)) is None:
+        return None
+    subs = [*extra_subs, t.all_results()]
+    return Session(connect(a, controller_id(a.db), subs, persistent=True))
+
+
+@dataclass
+class Creator:
+    """A create command's connection: the controller's own session when it may drive what it
+    creates, else a throwaway one (``--detach``, or another controller holds a SQLite db's
+    lock: that one takes the work over)."""
+
+    session: Session
     drives: bool
 
+    @property
+    def conn(self) -> FleetConnection:
+        return self.session.conn
 
-def open_creator(a: argparse.Namespace, kind: str) -> Creator:
-    db = Path(a.db)
-    lock = None if a.detach else controller_lock(db)
+
+def open_creator(a: argparse.Namespace, store: FleetStore, kind: str) -> Creator:
     t = Topics(a.prefix)
-    client = controller_id(db) if lock is not None else f"fleetctl-{kind}-{os.getpid()}"
-    conn = connect(a, client, [t.all_status(), t.all_results()], persistent=lock is not None)
-    return Creator(conn, lock is not None)
+    if not a.detach:
+        session = open_controller(a, store, (t.all_status(),))
+        if session is not None:
+            return Creator(session, True)
+    conn = connect(a, f"fleetctl-{kind}-{os.getpid()}", [t.all_status(), t.all_results()])
+    return Creator(Session(conn), False)
 
 
 def targets_of(a: argparse.Namespace, conn: FleetConnection, group: str | None,

@@ -123,8 +123,14 @@ class LearnDriver:
         self.refresh()
 
     def refresh(self) -> None:
+        replica = self.ctl.replica
+        if replica is not None:  # one of several controllers: drive the learns we lease
+            for lid in [x for x in self.active if f"learn:{x}" not in replica.held]:
+                self.active.pop(lid)
         for learn in self.learns.learns(LEARN_ACTIVE):
             if learn.id not in self.active and (self.only is None or learn.id in self.only):
+                if replica is not None and not replica.acquire(f"learn:{learn.id}"):
+                    continue
                 self.active[learn.id] = learn
                 if learn.id not in self.driven:
                     self.driven.append(learn.id)

@@ -12,13 +12,13 @@ controller killed at any instant restarts from here, and each phase's action is 
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleet.db import Database, IntegrityError
 from fleet.learn_plan import LearnPlan
 from fleet.store import FleetStore
 
@@ -31,15 +31,15 @@ CREATE TABLE IF NOT EXISTS learns (
     round INTEGER NOT NULL,
     base TEXT NOT NULL,
     targets TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    finished_at REAL
+    created_at DOUBLE PRECISION NOT NULL,
+    updated_at DOUBLE PRECISION NOT NULL,
+    finished_at DOUBLE PRECISION
 );
 CREATE TABLE IF NOT EXISTS learn_rounds (
     learn_id TEXT NOT NULL,
     round INTEGER NOT NULL,
     state TEXT NOT NULL,
-    updated_at REAL NOT NULL,
+    updated_at DOUBLE PRECISION NOT NULL,
     PRIMARY KEY (learn_id, round)
 );
 """
@@ -153,7 +153,8 @@ class LearnStore:
     def __init__(self, store: FleetStore) -> None:
         self.store = store
         self.db = store.db
-        self.db.executescript(SCHEMA)
+        with self.db.schema_lock():
+            self.db.script(SCHEMA)
 
     def create(self, plan: LearnPlan, targets: list[str]) -> Learn:
         """The learn and its first round, in one transaction."""
@@ -163,11 +164,11 @@ class LearnStore:
             with self.store.tx() as db:
                 db.execute(
                     "INSERT INTO learns (id, plan, state, round, base, targets, created_at, "
-                    "updated_at) VALUES (?, ?, 'running', 1, ?, ?, ?, ?)",
-                    (plan.name, plan.model_dump_json(), plan.base, json.dumps(sorted(targets)),
-                     now, now))
+                    "updated_at) VALUES (:id, :plan, 'running', 1, :base, :targets, :now, :now)",
+                    {"id": plan.name, "plan": plan.model_dump_json(), "base": plan.base,
+                     "targets": json.dumps(sorted(targets)), "now": now})
                 self._put_round(db, plan.name, first)
-        except sqlite3.IntegrityError:
+        except IntegrityError:
             raise LearnExists(f"learn {plan.name} exists in this db: `fleetctl learn status "
                               f"{plan.name}`, or start one of another name") from None
         learn = self.learn(plan.name)
@@ -177,7 +178,7 @@ class LearnStore:
     def learn(self, lid: str) -> Learn | None:
         row = self.db.execute(
             "SELECT id, plan, state, reason, round, base, targets, created_at, updated_at, "
-            "finished_at FROM learns WHERE id = ?", (lid,)).fetchone()
+            "finished_at FROM learns WHERE id = :id", {"id": lid}).fetchone()
         if row is None:
             return None
         return Learn(row[0], LearnPlan.model_validate_json(row[1]), row[2], row[3], row[4],
@@ -190,21 +191,23 @@ class LearnStore:
 
     def rounds(self, lid: str) -> list[RoundState]:
         rows = self.db.execute(
-            "SELECT state FROM learn_rounds WHERE learn_id = ? ORDER BY round", (lid,))
+            "SELECT state FROM learn_rounds WHERE learn_id = :id ORDER BY round", {"id": lid})
         return [RoundState.model_validate_json(r[0]) for r in rows]
 
     def round(self, lid: str, k: int) -> RoundState | None:
-        row = self.db.execute("SELECT state FROM learn_rounds WHERE learn_id = ? AND round = ?",
-                              (lid, k)).fetchone()
+        row = self.db.execute("SELECT state FROM learn_rounds WHERE learn_id = :id AND "
+                              "round = :k", {"id": lid, "k": k}).fetchone()
         return None if row is None else RoundState.model_validate_json(row[0])
 
     def save_round(self, lid: str, rs: RoundState) -> None:
         with self.store.tx() as db:
             self._put_round(db, lid, rs)
 
-    def _put_round(self, db: sqlite3.Connection, lid: str, rs: RoundState) -> None:
-        db.execute("INSERT OR REPLACE INTO learn_rounds (learn_id, round, state, updated_at) "
-                   "VALUES (?, ?, ?, ?)", (lid, rs.round, rs.model_dump_json(), time.time()))
+    def _put_round(self, db: Database, lid: str, rs: RoundState) -> None:
+        db.execute("INSERT INTO learn_rounds (learn_id, round, state, updated_at) "
+                   "VALUES (:id, :k, :state, :now) ON CONFLICT (learn_id, round) DO UPDATE "
+                   "SET state = excluded.state, updated_at = excluded.updated_at",
+                   {"id": lid, "k": rs.round, "state": rs.model_dump_json(), "now": time.time()})
 
     def end_round(self, learn: Learn, done: RoundState, nxt: RoundState | None,
                   state: str = "running", reason: str | None = None) -> None:
@@ -218,9 +221,10 @@ class LearnStore:
             if nxt is not None:
                 self._put_round(db, learn.id, nxt)
             db.execute(
-                "UPDATE learns SET state = ?, reason = ?, round = ?, base = ?, updated_at = ?, "
-                "finished_at = ? WHERE id = ?",
-                (state, reason, nxt.round if nxt else done.round, base, now, final, learn.id))
+                "UPDATE learns SET state = :state, reason = :reason, round = :round, "
+                "base = :base, updated_at = :now, finished_at = :final WHERE id = :id",
+                {"state": state, "reason": reason, "round": nxt.round if nxt else done.round,
+                 "base": base, "now": now, "final": final, "id": learn.id})
         learn.state, learn.reason, learn.base = state, reason, base
         learn.round = nxt.round if nxt else done.round
         learn.finished_at = final
@@ -228,6 +232,8 @@ class LearnStore:
     def set_state(self, learn: Learn, state: str, reason: str | None = None) -> None:
         now = time.time()
         final = now if state in LEARN_FINAL else None
-        self.db.execute("UPDATE learns SET state = ?, reason = ?, updated_at = ?, "
-                        "finished_at = ? WHERE id = ?", (state, reason, now, final, learn.id))
+        self.db.execute("UPDATE learns SET state = :state, reason = :reason, updated_at = :now, "
+                        "finished_at = :final WHERE id = :id",
+                        {"state": state, "reason": reason, "now": now, "final": final,
+                         "id": learn.id})
         learn.state, learn.reason, learn.finished_at = state, reason, final

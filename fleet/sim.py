@@ -13,6 +13,12 @@ selector (epoll), so 1,000 devices cost one thread, not 1,000.
     python -m fleet.sim --port 1883 --username sim --password-file sim.password \
         --devices 1000 --group sim --job-duration-s 0.5
 
+Against brokers from ``fleetctl broker-config`` (one account per device, e.g. one process per
+regional broker of a tier, each with its own id range)::
+
+    python -m fleet.sim --port 1883 --password-dir SECRETS/devices \
+        --devices 500 --first-index 0 --group line-3
+
 This module is the command line; the devices are ``fleet.sim_device``, what they simulate is
 ``fleet.sim_config``, and the one thread that drives them all is ``fleet.sim_fleet``.
 """
@@ -38,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix", default=BrokerConfig().prefix)
     ap.add_argument("--username", help="broker account of every simulated device")
     ap.add_argument("--password-file", type=Path, help="file holding that account's password")
+    ap.add_argument("--password-dir", type=Path,
+                    help="per-device accounts instead (a broker from fleetctl broker-config): "
+                         "device <id> logs in as <id> with DIR/<id>.password (SECRETS/devices)")
     ap.add_argument("--config", type=Path, help="SimConfig as JSON (flags below override)")
     ap.add_argument("--devices", type=int)
     ap.add_argument("--id-prefix")
@@ -49,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--telemetry-s", type=float, help="telemetry period (default: none)")
     ap.add_argument("--summary", type=Path, help="write executed jobs per device here at exit")
     a = ap.parse_args(argv)
+    if a.password_dir is not None and (a.username or a.password_file):
+        ap.error("--password-dir gives each device its own account: drop --username and "
+                 "--password-file")
     data: dict[str, Any] = json.loads(a.config.read_text()) if a.config else {}
     for key in ("devices", "id_prefix", "first_index", "fail_share", "telemetry_s"):
         if getattr(a, key) is not None:
@@ -62,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         beh["acc_delta"] = a.acc_delta
     cfg = SimConfig.model_validate(data)
     fleet = SimFleet(cfg, BrokerConfig(host=a.host, port=a.port, prefix=a.prefix,
-                                       username=a.username, password_file=a.password_file))
+                                       username=a.username, password_file=a.password_file),
+                     password_dir=a.password_dir)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -87,7 +87,7 @@ class SimDevice:
         self.conn_seq += 1
         t = self.fleet.topics
         c = make_client(
-            self.fleet.broker, self.id,
+            self.fleet.broker_for(self.id), self.id,
             will=(t.status(self.id), self.status("offline").to_payload()),
         )
         self.fleet.attach(c)

@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -29,9 +30,14 @@ from fleet.sim_device import SimDevice
 class SimFleet:
     """Many :class:`SimDevice` on one selector thread."""
 
-    def __init__(self, cfg: SimConfig, broker: BrokerConfig) -> None:
+    def __init__(self, cfg: SimConfig, broker: BrokerConfig,
+                 password_dir: Path | None = None) -> None:
+        """``password_dir``: each device logs in with its own account, as ``fleetctl
+        broker-config`` provisions it (username = device id, password in
+        ``password_dir/<id>.password``); without it every device uses ``broker``'s."""
         self.cfg = cfg
         self.broker = broker
+        self.password_dir = password_dir
         self.topics = Topics(broker.prefix)
         self.sel = selectors.DefaultSelector()
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
@@ -48,6 +54,13 @@ class SimFleet:
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def broker_for(self, device_id: str) -> BrokerConfig:
+        """The connection settings of one device (its own account with ``password_dir``)."""
+        if self.password_dir is None:
+            return self.broker
+        return self.broker.model_copy(update={
+            "username": device_id, "password_file": self.password_dir / f"{device_id}.password"})
 
     # --- paho external loop ----------------------------------------------------------
 

@@ -1,7 +1,9 @@
-"""The controller's durable state: rollouts, their waves and every execution, in SQLite (WAL).
+"""The controller's durable state: rollouts, their waves and every execution, in SQLite (WAL;
+one controller) or PostgreSQL (controller replicas), through ``fleet.db``. The same SQL and
+the same tests run on both.
 
 Written before anything is published, so a controller killed at any instant restarts from
-here. Why ``synchronous=NORMAL`` is enough: a process kill never loses a committed WAL
+here. Why SQLite's ``synchronous=NORMAL`` is enough: a process kill never loses a committed WAL
 transaction, and even a power cut that loses the last ones is safe, because execution ids are
 deterministic (rollout, device, attempt) — a re-planned execution gets the id the device has
 already seen and is answered DUPLICATE instead of running twice.
@@ -11,14 +13,14 @@ from __future__ import annotations
 
 import json
 import secrets
-import sqlite3
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fleet.db import Database, IntegrityError
 from fleet.plan import RolloutPlan
 
 SCHEMA = """
@@ -29,18 +31,18 @@ CREATE TABLE IF NOT EXISTS rollouts (
     state TEXT NOT NULL,
     reason TEXT,
     request TEXT,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    finished_at REAL
+    created_at DOUBLE PRECISION NOT NULL,
+    updated_at DOUBLE PRECISION NOT NULL,
+    finished_at DOUBLE PRECISION
 );
 CREATE TABLE IF NOT EXISTS waves (
     rollout_id TEXT NOT NULL,
     idx INTEGER NOT NULL,
     target INTEGER NOT NULL,
     state TEXT NOT NULL,
-    started_at REAL,
-    finished_at REAL,
-    bake_until REAL,
+    started_at DOUBLE PRECISION,
+    finished_at DOUBLE PRECISION,
+    bake_until DOUBLE PRECISION,
     PRIMARY KEY (rollout_id, idx)
 );
 CREATE TABLE IF NOT EXISTS targets (
@@ -58,19 +60,35 @@ CREATE TABLE IF NOT EXISTS executions (
     kind TEXT NOT NULL,
     attempt INTEGER NOT NULL,
     status TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    sent_at REAL,
-    started_at REAL,
-    finished_at REAL,
+    created_at DOUBLE PRECISION NOT NULL,
+    sent_at DOUBLE PRECISION,
+    started_at DOUBLE PRECISION,
+    finished_at DOUBLE PRECISION,
     outcome TEXT,
-    metric_before REAL,
-    metric_after REAL,
+    metric_before DOUBLE PRECISION,
+    metric_after DOUBLE PRECISION,
     error_code TEXT,
     error_message TEXT,
     result TEXT
 );
 CREATE INDEX IF NOT EXISTS executions_rollout ON executions (rollout_id, kind, device);
+CREATE INDEX IF NOT EXISTS executions_open ON executions (status, sent_at);
+CREATE TABLE IF NOT EXISTS fleet_schema (version INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS leases (
+    rollout_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    expires_at DOUBLE PRECISION NOT NULL
+);
+CREATE TABLE IF NOT EXISTS inbox (
+    seq {serial} PRIMARY KEY,
+    exec_id TEXT NOT NULL,
+    device TEXT NOT NULL,
+    body TEXT NOT NULL,
+    received_at DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX IF NOT EXISTS inbox_exec ON inbox (exec_id);
 """
+"""``leases`` and ``inbox``: what controller replicas share (``fleet.replicas``)."""
 
 ROLLOUT_ACTIVE = ("running", "paused", "aborting", "rolling_back")
 ROLLOUT_FINAL = ("succeeded", "completed_with_failures", "aborted", "rolled_back")
@@ -82,9 +100,10 @@ REQUESTS = ("pause", "resume", "abort", "rollback")
 EXEC_FAILED = ("FAILED", "TIMED_OUT", "EXPIRED", "REJECTED")
 """Terminal execution statuses that are failures (a SUCCEEDED whose outcome is rolled_back,
 the device's own gates refusing the model, is one too)."""
-SCHEMA_VERSION = 1
-"""``PRAGMA user_version``. 1: a finished rollout with a failed device is
-``completed_with_failures`` (version 0 called it ``succeeded``)."""
+SCHEMA_VERSION = 2
+"""The row of ``fleet_schema`` (SQLite files written before it: ``PRAGMA user_version``).
+1: a finished rollout with a failed device is ``completed_with_failures`` (version 0 called
+it ``succeeded``). 2: the replicas' tables (``fleet.replicas``: leases, inbox)."""
 EXEC_OPEN = ("PLANNED", "SENT", "ACCEPTED", "IN_PROGRESS")
 """Controller-side execution states before the terminal ones of the contract."""
 
@@ -114,18 +133,28 @@ class Execution:
     def open(self) -> bool:
         return self.status in EXEC_OPEN
 
-    def row(self) -> tuple[Any, ...]:
-        return (
-            self.id, self.rollout_id, self.device, self.wave, self.kind, self.attempt,
-            self.status, self.created_at, self.sent_at, self.started_at, self.finished_at,
-            self.outcome, self.metric_before, self.metric_after, self.error_code,
-            self.error_message, None if self.result is None else json.dumps(self.result),
-        )
+    def row(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in _EXEC_FIELDS}
+        out["result"] = None if self.result is None else json.dumps(self.result)
+        return out
+
+    @classmethod
+    def from_row(cls, r: Any) -> Execution:
+        e = cls(*r)
+        e.result = None if r[-1] is None else json.loads(r[-1])
+        return e
 
 
-_EXEC_COLS = (
-    "id, rollout_id, device, wave, kind, attempt, status, created_at, sent_at, started_at, "
-    "finished_at, outcome, metric_before, metric_after, error_code, error_message, result"
+_EXEC_FIELDS = (
+    "id", "rollout_id", "device", "wave", "kind", "attempt", "status", "created_at", "sent_at",
+    "started_at", "finished_at", "outcome", "metric_before", "metric_after", "error_code",
+    "error_message", "result",
+)
+_EXEC_COLS = ", ".join(_EXEC_FIELDS)
+_EXEC_UPSERT = (
+    f"INSERT INTO executions ({_EXEC_COLS}) VALUES ({', '.join(':' + f for f in _EXEC_FIELDS)}) "
+    "ON CONFLICT (id) DO UPDATE SET "
+    + ", ".join(f"{f} = excluded.{f}" for f in _EXEC_FIELDS[1:])
 )
 
 
@@ -160,79 +189,83 @@ class Rollout:
 
 class FleetStore:
     """One connection per process; the controller writes, ``fleetctl rollout`` reads and
-    posts operator requests (pause, resume, abort, rollback) that the controller applies."""
+    posts operator requests (pause, resume, abort, rollback) that the controller applies.
+    ``db``: a SQLite file path or a ``postgresql://`` URL."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.execute("PRAGMA busy_timeout=30000")
-        self.db.executescript(SCHEMA)
-        if self.db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
-            self._migrate()
+    def __init__(self, db: str | Path) -> None:
+        self.db = Database(db)
+        self.name = self.db.name
+        with self.db.schema_lock():
+            fresh = not self.db.has_table("rollouts")
+            self.db.script(SCHEMA.replace("{serial}", self.db.serial))
+            version = self.db.scalar("SELECT version FROM fleet_schema")
+            if version is None:
+                version = SCHEMA_VERSION if fresh else self.db.legacy_version()
+                self.db.execute("INSERT INTO fleet_schema (version) VALUES (:v)", {"v": version})
+            if version < 1:
+                self._migrate_completed_with_failures()
+            # 1 -> 2 added tables and an index only: SCHEMA above made them.
+            if version < SCHEMA_VERSION:
+                self.db.execute("UPDATE fleet_schema SET version = :v", {"v": SCHEMA_VERSION})
 
-    def _migrate(self) -> None:
+    def _migrate_completed_with_failures(self) -> None:
         """Version 0 -> 1, once per db: a rollout recorded as ``succeeded`` although one of
         its devices' last attempt failed is what version 1 calls ``completed_with_failures``
         (no retry is left once a rollout is finished, so the last attempt is final)."""
         failed = ", ".join(f"'{s}'" for s in EXEC_FAILED)
-        with self.tx() as db:
-            db.execute(f"""
-                UPDATE rollouts SET state = 'completed_with_failures'
-                WHERE state = 'succeeded' AND EXISTS (
-                    SELECT 1 FROM executions e
-                    WHERE e.rollout_id = rollouts.id AND e.kind = 'job'
-                      AND (e.status IN ({failed})
-                           OR (e.status = 'SUCCEEDED' AND e.outcome = 'rolled_back'))
-                      AND e.attempt = (SELECT MAX(x.attempt) FROM executions x
-                                       WHERE x.rollout_id = e.rollout_id AND x.kind = 'job'
-                                         AND x.device = e.device))""")
-            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        self.db.execute(f"""
+            UPDATE rollouts SET state = 'completed_with_failures'
+            WHERE state = 'succeeded' AND EXISTS (
+                SELECT 1 FROM executions e
+                WHERE e.rollout_id = rollouts.id AND e.kind = 'job'
+                  AND (e.status IN ({failed})
+                       OR (e.status = 'SUCCEEDED' AND e.outcome = 'rolled_back'))
+                  AND e.attempt = (SELECT MAX(x.attempt) FROM executions x
+                                   WHERE x.rollout_id = e.rollout_id AND x.kind = 'job'
+                                     AND x.device = e.device))""")
 
     def close(self) -> None:
         self.db.close()
 
-    @contextmanager
-    def tx(self) -> Iterator[sqlite3.Connection]:
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self.db
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-        self.db.execute("COMMIT")
+    def tx(self) -> AbstractContextManager[Database]:
+        return self.db.tx()
 
     # --- rollouts ---------------------------------------------------------------------
 
     def create_rollout(self, plan: RolloutPlan, targets: list[str]) -> Rollout:
-        """The rollout, its waves and its target snapshot in one transaction."""
+        """The rollout, its waves and its target snapshot in one transaction. Two creators
+        racing for the same name (replicas on one PostgreSQL): the loser retries with the
+        next free name."""
+        for _ in range(5):
+            try:
+                return self._create_rollout(plan, targets)
+            except IntegrityError:
+                continue
+        raise RuntimeError(f"rollout {plan.name}: no free id after 5 tries")
+
+    def _create_rollout(self, plan: RolloutPlan, targets: list[str]) -> Rollout:
         now = time.time()
         ordered = sorted(targets)
         sizes = plan.wave_sizes(len(ordered))
         with self.tx() as db:
-            n = db.execute(
-                "SELECT COUNT(*) FROM rollouts WHERE id = ? OR id LIKE ?",
-                (plan.name, plan.name + "-%"),
-            ).fetchone()[0]
+            n = db.scalar("SELECT COUNT(*) FROM rollouts WHERE id = :id OR id LIKE :like",
+                          {"id": plan.name, "like": plan.name + "-%"})
             rid = plan.name if n == 0 else f"{plan.name}-{n + 1}"
             db.execute(
                 "INSERT INTO rollouts (id, nonce, plan, state, created_at, updated_at) "
-                "VALUES (?, ?, ?, 'running', ?, ?)",
-                (rid, secrets.token_hex(3), plan.model_dump_json(), now, now),
-            )
+                "VALUES (:id, :nonce, :plan, 'running', :now, :now)",
+                {"id": rid, "nonce": secrets.token_hex(3), "plan": plan.model_dump_json(),
+                 "now": now})
             db.executemany(
-                "INSERT INTO waves (rollout_id, idx, target, state) VALUES (?, ?, ?, 'pending')",
-                [(rid, i, s) for i, s in enumerate(sizes)],
-            )
+                "INSERT INTO waves (rollout_id, idx, target, state) "
+                "VALUES (:rid, :idx, :target, 'pending')",
+                [{"rid": rid, "idx": i, "target": s} for i, s in enumerate(sizes)])
             rows = []
             for pos, dev in enumerate(ordered):
                 wave = next(i for i, s in enumerate(sizes) if pos < s) if pos < sizes[-1] else -1
-                rows.append((rid, dev, pos, wave))
-            db.executemany(
-                "INSERT INTO targets (rollout_id, device, pos, wave) VALUES (?, ?, ?, ?)", rows
-            )
+                rows.append({"rid": rid, "dev": dev, "pos": pos, "wave": wave})
+            db.executemany("INSERT INTO targets (rollout_id, device, pos, wave) "
+                           "VALUES (:rid, :dev, :pos, :wave)", rows)
         rollout = self.rollout(rid)
         assert rollout is not None
         return rollout
@@ -240,9 +273,7 @@ class FleetStore:
     def rollout(self, rid: str) -> Rollout | None:
         row = self.db.execute(
             "SELECT id, nonce, plan, state, reason, request, created_at, updated_at, finished_at "
-            "FROM rollouts WHERE id = ?",
-            (rid,),
-        ).fetchone()
+            "FROM rollouts WHERE id = :id", {"id": rid}).fetchone()
         if row is None:
             return None
         return Rollout(row[0], row[1], RolloutPlan.model_validate_json(row[2]), *row[3:])
@@ -256,23 +287,21 @@ class FleetStore:
         now = time.time()
         final = now if state in ROLLOUT_FINAL else None
         self.db.execute(
-            "UPDATE rollouts SET state = ?, reason = COALESCE(?, reason), updated_at = ?, "
-            "finished_at = COALESCE(?, finished_at) WHERE id = ?",
-            (state, reason, now, final, rid),
-        )
+            "UPDATE rollouts SET state = :state, reason = COALESCE(:reason, reason), "
+            "updated_at = :now, finished_at = COALESCE(:final, finished_at) WHERE id = :id",
+            {"state": state, "reason": reason, "now": now, "final": final, "id": rid})
 
     def save_plan(self, rid: str, plan: RolloutPlan) -> None:
-        self.db.execute("UPDATE rollouts SET plan = ? WHERE id = ?", (plan.model_dump_json(), rid))
+        self.db.execute("UPDATE rollouts SET plan = :plan WHERE id = :id",
+                        {"plan": plan.model_dump_json(), "id": rid})
 
     def reopen_for_rollback(self, rid: str) -> bool:
         """A finished rollout goes back to work (rolling_back) for the next controller; True
         when it was finished. No controller drives a finished rollout, so none races this."""
-        marks = ", ".join("?" * len(ROLLOUT_FINAL))
         cur = self.db.execute(
-            f"UPDATE rollouts SET state = 'rolling_back', updated_at = ?, finished_at = NULL "
-            f"WHERE id = ? AND state IN ({marks})",
-            (time.time(), rid, *ROLLOUT_FINAL),
-        )
+            f"UPDATE rollouts SET state = 'rolling_back', updated_at = :now, finished_at = NULL "
+            f"WHERE id = :id AND state IN ({_quoted(ROLLOUT_FINAL)})",
+            {"now": time.time(), "id": rid})
         return cur.rowcount == 1
 
     def post_request(self, rid: str, request: str,
@@ -281,74 +310,76 @@ class FleetStore:
         in one of them (checked in the same statement). True when it was posted."""
         if request not in REQUESTS:
             raise ValueError(f"request {request!r}: one of {', '.join(REQUESTS)}")
-        q = "UPDATE rollouts SET request = ?, updated_at = ? WHERE id = ?"
-        params: tuple[Any, ...] = (request, time.time(), rid)
+        q = "UPDATE rollouts SET request = :req, updated_at = :now WHERE id = :id"
         if states is not None:
             allowed = tuple(states)
-            q += f" AND state IN ({', '.join('?' * len(allowed))})"
-            params += allowed
-        return self.db.execute(q, params).rowcount == 1
+            if any(s not in ROLLOUT_ACTIVE + ROLLOUT_FINAL for s in allowed):
+                raise ValueError(f"states {allowed}: rollout states only")
+            q += f" AND state IN ({_quoted(allowed)})"
+        return self.db.execute(q, {"req": request, "now": time.time(), "id": rid}).rowcount == 1
 
     def take_request(self, rid: str) -> str | None:
-        # Read first: the controller asks every turn, and a write transaction per turn would
-        # contend with `fleetctl rollout status` readers for nothing.
-        row = self.db.execute("SELECT request FROM rollouts WHERE id = ?", (rid,)).fetchone()
-        if not row or not row[0]:
+        # Read first: the controller asks every turn, and a write per turn would contend with
+        # `fleetctl rollout status` readers for nothing. The clearing UPDATE names the request
+        # it read, so of two takers (a replica losing its lease) only one gets it.
+        req = self.db.scalar("SELECT request FROM rollouts WHERE id = :id", {"id": rid})
+        if not req:
             return None
-        with self.tx() as db:
-            row = db.execute("SELECT request FROM rollouts WHERE id = ?", (rid,)).fetchone()
-            if row and row[0]:
-                db.execute("UPDATE rollouts SET request = NULL WHERE id = ?", (rid,))
-                return str(row[0])
-        return None
+        cur = self.db.execute("UPDATE rollouts SET request = NULL WHERE id = :id AND "
+                              "request = :req", {"id": rid, "req": req})
+        return str(req) if cur.rowcount == 1 else None
 
     # --- waves and targets -------------------------------------------------------------
 
     def waves(self, rid: str) -> list[Wave]:
         rows = self.db.execute(
             "SELECT rollout_id, idx, target, state, started_at, finished_at, bake_until "
-            "FROM waves WHERE rollout_id = ? ORDER BY idx",
-            (rid,),
-        )
+            "FROM waves WHERE rollout_id = :id ORDER BY idx", {"id": rid})
         return [Wave(*r) for r in rows]
 
     def save_wave(self, w: Wave) -> None:
         self.db.execute(
-            "UPDATE waves SET state = ?, started_at = ?, finished_at = ?, bake_until = ? "
-            "WHERE rollout_id = ? AND idx = ?",
-            (w.state, w.started_at, w.finished_at, w.bake_until, w.rollout_id, w.idx),
-        )
+            "UPDATE waves SET state = :state, started_at = :started, finished_at = :finished, "
+            "bake_until = :bake WHERE rollout_id = :rid AND idx = :idx",
+            {"state": w.state, "started": w.started_at, "finished": w.finished_at,
+             "bake": w.bake_until, "rid": w.rollout_id, "idx": w.idx})
 
     def targets(self, rid: str) -> list[tuple[str, int]]:
         """(device, wave) in rollout order; wave -1 = beyond the plan's last wave."""
         rows = self.db.execute(
-            "SELECT device, wave FROM targets WHERE rollout_id = ? ORDER BY pos", (rid,)
-        )
+            "SELECT device, wave FROM targets WHERE rollout_id = :id ORDER BY pos", {"id": rid})
         return [(str(d), int(w)) for d, w in rows]
 
     # --- executions --------------------------------------------------------------------
 
     def executions(self, rid: str, kind: str | None = None) -> list[Execution]:
-        q = f"SELECT {_EXEC_COLS} FROM executions WHERE rollout_id = ?"
-        params: tuple[Any, ...] = (rid,)
+        q = f"SELECT {_EXEC_COLS} FROM executions WHERE rollout_id = :rid"
         if kind is not None:
-            q += " AND kind = ?"
-            params += (kind,)
-        out = []
-        for r in self.db.execute(q + " ORDER BY created_at, id", params):
-            e = Execution(*r)
-            e.result = None if r[-1] is None else json.loads(r[-1])
-            out.append(e)
-        return out
+            q += " AND kind = :kind"
+        rows = self.db.execute(q + " ORDER BY created_at, id", {"rid": rid, "kind": kind})
+        return [Execution.from_row(r) for r in rows]
+
+    def open_executions(self, sent_before: float) -> list[Execution]:
+        """Executions sent before ``sent_before`` and still open, every rollout: found by the
+        (status, sent_at) index, not by reading whole rollouts."""
+        rows = self.db.execute(
+            f"SELECT {_EXEC_COLS} FROM executions WHERE status IN ({_quoted(EXEC_OPEN[1:])}) "
+            "AND sent_at < :t", {"t": sent_before})
+        return [Execution.from_row(r) for r in rows]
 
     def save_executions(self, execs: Iterable[Execution]) -> None:
         """Upsert in one transaction: the controller batches every change of a loop turn."""
         rows = [e.row() for e in execs]
-        if not rows:
-            return
-        with self.tx() as db:
-            db.executemany(
-                f"INSERT OR REPLACE INTO executions ({_EXEC_COLS}) "
-                f"VALUES ({', '.join('?' * 17)})",
-                rows,
-            )
+        if rows:
+            with self.tx() as db:
+                db.executemany(_EXEC_UPSERT, rows)
+
+
+def _quoted(words: Iterable[str]) -> str:
+    """A SQL list of our own constant words (never user input: those are bound)."""
+    out = []
+    for w in words:
+        if not w.replace("_", "").isalnum():
+            raise ValueError(f"{w!r}: not a state name")
+        out.append(f"'{w}'")
+    return ", ".join(out)

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from tests.support.mosquitto import Broker, have_mosquitto, start_mosquitto
+from tests.support.postgres import PostgresServer, PostgresUnavailable
+from tests.support.postgres import postgres_server as postgres_server_of_this_host
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -55,3 +57,19 @@ def mosquitto(tmp_path: Path) -> Iterator[Callable[..., Broker]]:
     yield start
     for broker in started:
         broker.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """One real PostgreSQL cluster for the session (skips where it cannot run)."""
+    try:
+        with postgres_server_of_this_host() as server:
+            yield server
+    except PostgresUnavailable as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresServer) -> str:
+    """A fresh empty database in the session's cluster: its ``postgresql://`` URL."""
+    return postgres_server.new_database()

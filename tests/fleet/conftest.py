@@ -48,25 +48,40 @@ def sim_fleet(broker: BrokerConfig) -> Iterator[Callable[..., SimFleet]]:
 
 
 @pytest.fixture
+def fleet_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The controller's db: a SQLite file, or with ``@pytest.mark.parametrize("fleet_db",
+    ["sqlite", "postgresql"], indirect=True)`` a fresh database on a real PostgreSQL."""
+    engine = getattr(request, "param", "sqlite")
+    if engine == "postgresql":
+        return str(request.getfixturevalue("postgres_url"))
+    assert engine == "sqlite", engine
+    return str(tmp_path / "fleet.db")
+
+
+BOTH_ENGINES = pytest.mark.parametrize("fleet_db", ["sqlite", "postgresql"], indirect=True)
+"""A test that runs on SQLite and on PostgreSQL (the store's two engines)."""
+
+
+@pytest.fixture
 def fleetctl(
-    broker: BrokerConfig, tmp_path: Path, subprocess_env: dict[str, str]
+    broker: BrokerConfig, tmp_path: Path, subprocess_env: dict[str, str], fleet_db: str
 ) -> Callable[..., subprocess.CompletedProcess[str]]:
     """Run the real ``fleetctl`` in a subprocess against the test broker and a test db."""
 
     def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            fleetctl_argv(broker, tmp_path) + list(args), capture_output=True, text=True,
-            timeout=timeout, env=subprocess_env,
+            fleetctl_argv(broker, tmp_path, fleet_db) + list(args), capture_output=True,
+            text=True, timeout=timeout, env=subprocess_env,
         )
 
     return run
 
 
-def fleetctl_argv(broker: BrokerConfig, tmp_path: Path) -> list[str]:
+def fleetctl_argv(broker: BrokerConfig, tmp_path: Path, db: str | None = None) -> list[str]:
     creds = ([] if broker.username is None else
              ["--username", broker.username, "--password-file", str(broker.password_file)])
     return [sys.executable, "-m", "fleet.cli", "--port", str(broker.port), *creds,
-            "--db", str(tmp_path / "fleet.db"), "--report-dir", str(tmp_path / "reports"),
+            "--db", db or str(tmp_path / "fleet.db"), "--report-dir", str(tmp_path / "reports"),
             "--settle-s", "0.3"]
 
 

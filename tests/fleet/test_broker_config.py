@@ -181,3 +181,133 @@ def test_help_teaches_it(capsys: pytest.CaptureFixture[str]) -> None:
     for needle in ("devices:", "use_username_as_clientid", "fleet-controller", "fleet-send",
                    "fleet-watch", "0600", "example:", "fleetctl broker-config --inventory"):
         assert needle in text, needle
+
+
+# --- the bridged tier (--core); its brokers run in test_broker_tier.py ----------------------
+
+TIER = {"devices": {"dev-a": {"groups": ["lab"], "region": "eu"},
+                    "dev-b": {"groups": ["other", "lab"], "region": "us"},
+                    "dev-c": {"region": "eu"}}}
+
+
+def run_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str,
+             inventory: Any = None) -> tuple[int, Any, str]:
+    return run(tmp_path, capsys, "--core", "core.example:8884", "--region", "us=9883", *extra,
+               inventory=TIER if inventory is None else inventory)
+
+
+def settings(conf: str) -> list[str]:
+    return [x for x in conf.splitlines() if x and not x.startswith("#")]
+
+
+def test_tier_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, summary, _ = run_tier(tmp_path, capsys)
+    assert rc == 0
+    out, sec = tmp_path / "out", tmp_path / "secrets"
+    assert sorted(p.name for p in out.iterdir()) == ["core", "eu", "us"]
+    assert summary["regions"]["eu"]["devices"] == 2
+    assert summary["regions"]["us"]["device_listener"] == "0.0.0.0:9883"
+    assert summary["regions"]["eu"]["device_listener"] == "0.0.0.0:8883"  # --device-listener
+    assert summary["core"]["bridge_listener"] == "0.0.0.0:8884"
+
+    core = settings((out / "core" / "mosquitto.conf").read_text())
+    assert core[0] == "per_listener_settings true" and "persistence true" in core
+    bridge_block = core[core.index("listener 8884 0.0.0.0"):core.index("listener 1884 127.0.0.1")]
+    assert bridge_block == ["listener 8884 0.0.0.0", "allow_anonymous false",
+                            "use_username_as_clientid true",
+                            f"password_file {out}/core/passwd-bridges",
+                            f"acl_file {out}/core/acl-bridges"]
+    assert not any("passwd-devices" in x for x in core)  # no device logs in at the core
+    acl = (out / "core" / "acl-bridges").read_text()
+    assert "user bridge-eu\ntopic write fleet/v1/dev/+/status\n" in acl
+    assert " write fleet/v1/dev/+/cmd" not in acl and " write fleet/v1/group" not in acl
+    assert "topic read $SYS/broker/connection/+/state" in (
+        out / "core" / "acl-operators").read_text().split("user fleet-watch")[1]
+
+    eu = settings((out / "eu" / "mosquitto.conf").read_text())
+    bridge = eu[eu.index("connection bridge-eu"):]
+    pw = (sec / "bridges" / "bridge-eu.password").read_text().strip()
+    assert bridge[:11] == [
+        "connection bridge-eu", "address core.example:8884",
+        "bridge_protocol_version mqttv311", "remote_clientid bridge-eu",
+        "remote_username bridge-eu", f"remote_password {pw}",
+        "local_clientid fleetctl-bridge-eu", "cleansession false", "local_cleansession false",
+        "restart_timeout 2 30", "topic fleet/v1/dev/+/status out 1"]
+    assert [x for x in bridge if x.startswith("topic ")][1:] == [
+        "topic fleet/v1/dev/+/res out 1", "topic fleet/v1/dev/+/evt/# out 1",
+        "topic fleet/v1/dev/+/telemetry out 0",
+        "topic fleet/v1/dev/dev-a/cmd/# in 1", "topic fleet/v1/dev/dev-c/cmd/# in 1",
+        "topic fleet/v1/group/lab/cmd/# in 1"]  # its devices and groups only
+    line = next(x for x in (out / "core" / "passwd-bridges").read_text().splitlines()
+                if x.startswith("bridge-eu:"))
+    assert verify(line, pw)
+    assert [x.split(":")[0] for x in (out / "eu" / "passwd-devices").read_text().splitlines()] \
+        == ["dev-a", "dev-c"]
+    assert "dev-b" not in (out / "eu" / "acl-devices").read_text()
+    for path in [*out.rglob("*"), *sec.rglob("*")]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode == (0o700 if path.is_dir() else 0o600), (path, oct(mode))
+    # A re-run keeps every password, the bridges' included.
+    before = {p: p.read_text() for p in sec.rglob("*.password")}
+    rc, summary, _ = run_tier(tmp_path, capsys)
+    assert rc == 0 and summary["generated"] == []
+    assert {p: p.read_text() for p in sec.rglob("*.password")} == before
+
+
+def test_tier_tls_per_broker_certificates(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, _ = run_tier(tmp_path, capsys, "--cafile", "ca.crt", "--certfile",
+                        "certs/{broker}.crt", "--keyfile", "certs/{broker}.key")
+    assert rc == 0
+    core = (tmp_path / "out" / "core" / "mosquitto.conf").read_text()
+    eu = (tmp_path / "out" / "eu" / "mosquitto.conf").read_text()
+    assert core.count("/certs/core.crt") == 2 and "/certs/eu.crt" in eu
+    assert f"bridge_cafile {Path('ca.crt').resolve()}" in eu
+
+
+@pytest.mark.parametrize("inventory, extra, needle", [
+    ({"devices": {"dev-a": {"region": "eu"}, "dev-b": {}}}, [], "devices.dev-b.region"),
+    ({"devices": {"dev-a": {"region": "core"}}}, [], "devices.dev-a.region: 'core'"),
+    ({"devices": {"dev-a": {"region": "e u"}}}, [], "devices.dev-a.region"),
+    (None, ["--region", "ap=9000"], "--region ap"),
+    (None, ["--region", "us=9884"], "--region us: given twice"),
+    (None, ["--region", "eu"], "NAME=[ADDRESS:]PORT"),
+    (None, ["--bridge-listener", "1884"], "share port 1884"),
+])
+def test_bad_tier_is_refused_precisely(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], inventory: Any, extra: list[str],
+    needle: str,
+) -> None:
+    rc, _, err = run_tier(tmp_path, capsys, *extra, inventory=inventory)
+    assert rc == 2 and needle in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_regions_and_tier_options_need_core(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run(tmp_path, capsys, inventory=TIER)
+    assert rc == 2 and "devices.dev-a.region" in err and "--core" in err
+    rc, _, err = run(tmp_path, capsys, "--region", "eu=9000")
+    assert rc == 2 and "--core" in err
+    rc, _, err = run(tmp_path, capsys, "--core", "core.example")
+    assert rc == 2 and "HOST:PORT" in err
+
+
+def test_help_teaches_the_tier_and_its_example_runs_as_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["broker-config", "--help"])
+    text = capsys.readouterr().out
+    for needle in ("--core HOST:PORT", "region: eu", "bridge-<region>", "{broker}",
+                   "cleansession false", "example, bridged tier"):
+        assert needle in text, needle
+    example = text.split("example, bridged tier")[1]
+    cmd = example[example.index("fleetctl broker-config"):example.index("chown")]
+    argv = cmd.replace("\\\n", " ").split()[1:]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(
+        {"devices": {"d1": {"groups": ["line-3"], "region": "eu"},
+                     "d2": {"groups": ["line-3"], "region": "us"}}}))
+    assert main(argv) == 0
+    assert sorted(p.name for p in (tmp_path / "tier").iterdir()) == ["core", "eu", "us"]

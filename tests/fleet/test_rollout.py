@@ -15,9 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import exc as sa_exc
 
+from fleet.db import Database, is_url
 from fleet.sim_fleet import SimFleet
-from tests.fleet.conftest import fleetctl_argv
+from fleet.store import FleetStore
+from tests.fleet.conftest import BOTH_ENGINES, fleetctl_argv
 
 Run = Callable[..., subprocess.CompletedProcess[str]]
 
@@ -97,21 +100,29 @@ def test_canary_accuracy_drop_aborts(sim_fleet: Callable[..., SimFleet], fleetct
     assert rep["rolled_back"] == 1
 
 
-def _db_count(db: Path, where: str) -> int:
-    try:
-        with sqlite3.connect(db, timeout=5) as c:
-            return int(c.execute(f"SELECT COUNT(*) FROM executions WHERE {where}").fetchone()[0])
-    except sqlite3.OperationalError:
+def _db_count(db: str | Path, where: str) -> int:
+    if not is_url(db) and not Path(db).exists():
         return 0
+    d = Database(db)
+    try:
+        return int(d.scalar(f"SELECT COUNT(*) FROM executions WHERE {where}") or 0)
+    except (sa_exc.OperationalError, sa_exc.ProgrammingError):
+        return 0  # not created yet (no such table)
+    finally:
+        d.close()
 
 
+@BOTH_ENGINES
 def test_controller_sigkilled_mid_rollout_resumes_without_running_anything_twice(
     sim_fleet: Callable[..., SimFleet], fleetctl: Run, broker: Any, tmp_path: Path,
-    subprocess_env: dict[str, str],
+    subprocess_env: dict[str, str], fleet_db: str,
 ) -> None:
+    # SQLite: the one controller's persistent session keeps the results sent while it is
+    # down. PostgreSQL: the next replica waits out the dead one's lease, then re-sends what
+    # was open and the devices answer DUPLICATE with where they stand.
     fleet = sim_fleet(devices=60, behavior={"job_duration_s": 1.0})
-    db = tmp_path / "fleet.db"
-    base = fleetctl_argv(broker, tmp_path)
+    db = fleet_db
+    base = [*fleetctl_argv(broker, tmp_path, fleet_db), "--lease-s", "2"]
     create = [*base, "rollout", "create", "--name", "kill", "--group", "sim", "--job",
               "deploy", "--args", '{"version": "v2"}', "--waves", "1,20%,100%",
               "--bake-s", "0.2", "--max-per-minute", "3000"]
@@ -127,7 +138,7 @@ def test_controller_sigkilled_mid_rollout_resumes_without_running_anything_twice
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         time.sleep(0.6)  # results arrive while no controller runs: the session keeps them
-    r = fleetctl("controller")
+    r = fleetctl("--lease-s", "2", "controller")
     assert r.returncode == 0, r.stdout + r.stderr
     rep = report(tmp_path, "kill")
     assert rep["state"] == "succeeded"
@@ -139,6 +150,7 @@ def test_controller_sigkilled_mid_rollout_resumes_without_running_anything_twice
     assert sum(d.duplicates for d in fleet.devices.values()) > 0  # re-sent, answered DUPLICATE
 
 
+@BOTH_ENGINES
 def test_offline_device_times_out_and_rejected_is_not_retried(
     sim_fleet: Callable[..., SimFleet], fleetctl: Run, tmp_path: Path
 ) -> None:
@@ -160,6 +172,7 @@ def test_offline_device_times_out_and_rejected_is_not_retried(
     assert rep["state"] == "completed_with_failures" and rep["waves"][0]["failed"] == 2
 
 
+@BOTH_ENGINES
 def test_a_rollout_with_a_failed_device_never_says_succeeded(
     sim_fleet: Callable[..., SimFleet], fleetctl: Run, tmp_path: Path
 ) -> None:
@@ -282,12 +295,14 @@ def test_send_to_group_and_device(sim_fleet: Callable[..., SimFleet], fleetctl: 
     assert [d["device"] for d in json.loads(r.stdout)] == [f"sim-{i:04d}" for i in range(5)]
 
 
-def _state(db: Path, rid: str) -> tuple[str, list[str]]:
-    with sqlite3.connect(db, timeout=5) as c:
-        state = c.execute("SELECT state FROM rollouts WHERE id = ?", (rid,)).fetchone()[0]
-        waves = [r[0] for r in c.execute(
-            "SELECT state FROM waves WHERE rollout_id = ? ORDER BY idx", (rid,))]
-    return str(state), waves
+def _state(db: str, rid: str) -> tuple[str, list[str]]:
+    store = FleetStore(db)
+    try:
+        r = store.rollout(rid)
+        assert r is not None
+        return r.state, [w.state for w in store.waves(rid)]
+    finally:
+        store.close()
 
 
 def _until(pred: Callable[[], bool], timeout_s: float = 30) -> None:
@@ -297,17 +312,18 @@ def _until(pred: Callable[[], bool], timeout_s: float = 30) -> None:
         time.sleep(0.05)
 
 
+@BOTH_ENGINES
 def test_operator_pause_resume_abort(sim_fleet: Callable[..., SimFleet], fleetctl: Run,
                                      broker: Any, tmp_path: Path,
-                                     subprocess_env: dict[str, str]) -> None:
+                                     subprocess_env: dict[str, str], fleet_db: str) -> None:
     fleet = sim_fleet(devices=20, behavior={"job_duration_s": 0.05})
-    db = tmp_path / "fleet.db"
+    db = fleet_db
     r = fleetctl("rollout", "create", "--detach", "--name", "ops", "--group", "sim",
                  "--job", "deploy", "--args", '{"version": "v2"}', "--waves", "1,50%,100%",
                  "--bake-s", "1.0")
     assert r.returncode == 0, r.stderr
     assert _state(db, "ops") == ("running", ["pending"] * 3)  # created, nothing sent yet
-    ctl = subprocess.Popen([*fleetctl_argv(broker, tmp_path), "controller"],
+    ctl = subprocess.Popen([*fleetctl_argv(broker, tmp_path, fleet_db), "controller"],
                            env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         _until(lambda: _state(db, "ops")[1][0] == "baking")
@@ -358,19 +374,20 @@ def test_device_gate_rollbacks_count_as_failures(sim_fleet: Callable[..., SimFle
     assert rep["waves"][0]["failed"] == 2 and rep["rolled_back"] == 0  # nothing committed
 
 
+@BOTH_ENGINES
 def test_abort_cancels_queued_lets_running_finish_then_rolls_back(
     sim_fleet: Callable[..., SimFleet], fleetctl: Run, broker: Any, tmp_path: Path,
-    subprocess_env: dict[str, str],
+    subprocess_env: dict[str, str], fleet_db: str,
 ) -> None:
     # sim-0001 is busy with a long job of its own: the rollout's job waits in its queue
     # (ACCEPTED) while the other three run theirs.
     fleet = sim_fleet(devices=4, behavior={"job_duration_s": 1.0},
                       overrides={"sim-0001": {"job_duration_s": 8.0}})
     assert fleetctl("send", "sim-0001", "finetune").returncode == 0
-    db = tmp_path / "fleet.db"
+    db = fleet_db
     assert fleetctl("rollout", "create", "--detach", "--name", "stop", "--group", "sim",
                     "--job", "deploy", "--args", '{"version": "v2"}').returncode == 0
-    ctl = subprocess.Popen([*fleetctl_argv(broker, tmp_path), "controller"],
+    ctl = subprocess.Popen([*fleetctl_argv(broker, tmp_path, fleet_db), "controller"],
                            env=subprocess_env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE)
     try:
@@ -440,6 +457,7 @@ def test_same_rollout_name_in_a_fresh_db_runs_again(sim_fleet: Callable[..., Sim
     assert all(len(d.executed) == 2 and d.duplicates == 0 for d in fleet.devices.values())
 
 
+@BOTH_ENGINES
 def test_rollback_of_a_finished_rollout(sim_fleet: Callable[..., SimFleet], fleetctl: Run,
                                         tmp_path: Path) -> None:
     fleet = sim_fleet(devices=5, behavior={"job_duration_s": 0.05})

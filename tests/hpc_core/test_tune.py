@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import re
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -210,57 +204,6 @@ def test_workers_starting_at_once_all_join_a_fresh_sqlite_study(
     # Each round is a fresh database: the race is in creating the schema and stamping its
     # version, so only a first open can lose it.
     _start_together([f"sqlite:///{tmp_path}/fresh{r}.db" for r in range(5)], subprocess_env)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def postgres_url() -> Iterator[str]:
-    """A throwaway PostgreSQL cluster on a free loopback port, stopped afterwards."""
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb")) or [shutil.which("initdb")]
-    if not found or found[-1] is None:
-        pytest.skip("PostgreSQL is not installed (apt-get install postgresql)")
-    bindir = Path(found[-1]).parent
-    as_user: list[str] = []
-    if os.geteuid() == 0:
-        # initdb refuses to run as root: run the server as the postgres system user.
-        if shutil.which("runuser") is None:
-            pytest.skip("running as root without runuser: cannot start PostgreSQL")
-        as_user = ["runuser", "-u", "postgres", "--"]
-    root = Path(tempfile.mkdtemp(prefix="pg-"))
-    if as_user:
-        shutil.chown(root, "postgres", "postgres")
-    data, port = root / "data", _free_port()
-    ctl = [*as_user, str(bindir / "pg_ctl"), "-D", str(data)]
-    try:
-        subprocess.run(
-            [*as_user, str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres",
-             "--no-sync"],
-            check=True, capture_output=True, timeout=120,
-        )  # fmt: skip
-        opts = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off"
-        start = subprocess.run(
-            [*ctl, "-o", opts, "-l", str(root / "server.log"), "-w", "-t", "60", "start"],
-            capture_output=True, text=True, timeout=90,
-        )  # fmt: skip
-        if start.returncode != 0:
-            log = (root / "server.log").read_text() if (root / "server.log").exists() else ""
-            pytest.skip(f"PostgreSQL did not start: {start.stderr.strip()} {log[-500:]}")
-        try:
-            subprocess.run(
-                [*as_user, str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port),
-                 "-U", "postgres", "optuna"],
-                check=True, capture_output=True, timeout=60,
-            )  # fmt: skip
-            yield f"postgresql://postgres@127.0.0.1:{port}/optuna"
-        finally:
-            subprocess.run([*ctl, "-m", "immediate", "-w", "stop"], capture_output=True, timeout=60)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_two_workers_share_a_postgresql_study(

@@ -191,3 +191,18 @@ def start_mosquitto(
     if account is not None:
         broker.username, broker.password, broker.password_file = account
     return broker.start()
+
+
+def start_from_conf(conf: Path, port: int, workdir: Path, *, tls: Pki | None = None) -> Broker:
+    """mosquitto on a conf that ``fleetctl broker-config`` wrote, plus only what a test run
+    needs (``user root`` to read its 0600 files when root, a log in ``workdir``); ``port`` is
+    one of its listeners, the one :meth:`Broker.start` waits for."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    lines = [conf.read_text()]
+    if os.geteuid() == 0:
+        lines.append("user root")
+    lines.append("log_type error\nlog_type warning\nlog_type notice\nlog_dest stderr")
+    test_conf = workdir / f"{conf.parent.name}-test.conf"
+    test_conf.write_text("\n".join(lines) + "\n")
+    return Broker("127.0.0.1", port, test_conf, workdir, tls=tls,
+                  log=workdir / f"{conf.parent.name}.log").start()
