@@ -18,7 +18,6 @@ Execution ids, the in-memory ``RolloutRun`` and the summaries read from it are i
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Callable
 
@@ -26,7 +25,8 @@ from contract import Result
 from fleet.execution_messages import command_for, finish_execution, infer_status
 from fleet.mqtt import FleetConnection
 from fleet.replicas import Replica
-from fleet.rollout_run import DEVICE_TERMINAL, RolloutRun, exec_id
+from fleet.rollout_run import DEVICE_TERMINAL, RolloutRun, exec_id, metric_drop
+from fleet.rollout_schedule import Schedule
 from fleet.store import ROLLOUT_ACTIVE, Execution, FleetStore, Wave
 
 log = logging.getLogger("fleet.controller")
@@ -53,6 +53,8 @@ class Controller:
         self.conn = conn
         self.topics = conn.topics
         self.runs: dict[str, RolloutRun] = {}
+        self.sched: dict[str, Schedule] = {}
+        """Per rollout: what is due when, so a turn costs what changed, not the fleet size."""
         self.by_exec: dict[str, RolloutRun] = {}
         self.dirty: dict[str, Execution] = {}
         self.outbox: list[tuple[RolloutRun, Execution]] = []
@@ -79,6 +81,7 @@ class Controller:
     def drop(self, rid: str) -> None:
         """Stop driving ``rid`` (its lease went to another replica): forget it, unsent."""
         run = self.runs.pop(rid, None)
+        self.sched.pop(rid, None)
         if run is None:
             return
         for eid in run.execs:
@@ -92,15 +95,20 @@ class Controller:
         if r is None:
             raise KeyError(f"no rollout {rid!r}")
         run = RolloutRun(r, self.store.waves(rid), self.store.targets(rid))
+        sched = self.sched[rid] = Schedule()
         for e in self.store.executions(rid):
-            run.execs[e.id] = e
+            run.add(e)
             self.by_exec[e.id] = run
+            if e.status == "PLANNED":
+                sched.plan(e)
         self.runs[rid] = run
         # Re-send every execution that was in flight with its original id and times: the
         # device answers DUPLICATE (it has it) or runs it (it never arrived) — never twice.
         for e in run.execs.values():
             if e.open and e.status != "PLANNED":
+                sched.sent(e, run.plan.timeout_s, self.reask_s)
                 self.outbox.append((run, e))
+        self._retries(run, list(run.latest().values()))
         log.info("rollout loaded", extra={"rollout": rid, "state": r.state,
                                            "resent": len(self.outbox)})
         return run
@@ -142,6 +150,7 @@ class Controller:
                 return
             finish_execution(run, e, status, r, now)
         self.dirty[e.id] = e
+        self.sched[run.rollout.id].changed = True
 
     # --- sending ----------------------------------------------------------------------
 
@@ -149,9 +158,12 @@ class Controller:
                    kind: str = "job") -> Execution:
         e = Execution(exec_id(run.rollout, device, attempt, kind), run.rollout.id, device,
                       wave, kind, attempt, "PLANNED", time.time())
-        run.execs[e.id] = e
+        run.add(e)
         self.by_exec[e.id] = run
         self.dirty[e.id] = e
+        sched = self.sched[run.rollout.id]
+        sched.plan(e)
+        sched.changed = True
         return e
 
     def _queue_send(self, run: RolloutRun, e: Execution, now: float) -> None:
@@ -159,13 +171,14 @@ class Controller:
         self.dirty[e.id] = e
         self.outbox.append((run, e))
         run.sends.append(now)
+        self.sched[run.rollout.id].sent(e, run.plan.timeout_s, self.reask_s)
 
     def _cancel(self, run: RolloutRun, e: Execution, now: float) -> None:
         cid = e.id + ".cancel"
         if cid in run.execs:
             return
         c = Execution(cid, run.rollout.id, e.device, e.wave, "cancel", e.attempt, "PLANNED", now)
-        run.execs[cid] = c
+        run.add(c)
         self.by_exec[cid] = run
         self._queue_send(run, c, now)
 
@@ -192,7 +205,9 @@ class Controller:
         self._timeouts(run, now)
         state = run.rollout.state
         if state in ("running", "paused"):
-            self._retries(run)
+            rid = run.rollout.id
+            self._retries(run, [e for e in self.dirty.values()
+                                if e.rollout_id == rid and e.kind == "job"])
             if not self._health_failure_rate(run, now):
                 self._waves(run, now)
         elif state == "aborting":
@@ -205,6 +220,7 @@ class Controller:
         run.rollout.state = state
         if reason:
             run.rollout.reason = reason
+        self.sched[run.rollout.id].counted = None  # what is final depends on the state
         log.info("rollout state", extra={"rollout": run.rollout.id, "state": state,
                                           "reason": reason})
 
@@ -240,8 +256,11 @@ class Controller:
         self._set_state(run, "aborting", reason)
 
     def _timeouts(self, run: RolloutRun, now: float) -> None:
-        for e in list(run.execs.values()):
+        sched = self.sched[run.rollout.id]
+        for eid in sched.due(sched.deadlines, now):
+            e = run.execs[eid]
             if e.open and e.sent_at is not None and now - e.sent_at > run.plan.timeout_s:
+                sched.changed = True
                 was_started = e.status in ("ACCEPTED", "IN_PROGRESS")
                 e.status, e.finished_at = "TIMED_OUT", now
                 e.error_code = CONTROLLER_TIMEOUT
@@ -249,42 +268,41 @@ class Controller:
                 self.dirty[e.id] = e
                 if was_started and e.kind == "job":
                     self._cancel(run, e, now)  # so a retry never runs beside the old one
-            elif e.open and e.sent_at is not None and e.status != "PLANNED" and (
-                    now - max(e.sent_at, self.heard.get(e.id, 0.0))
-                    > self.reask_s * 2 ** self.asked.get(e.id, 0)):
-                # Twice as long each time: an offline device's queue gets a few copies (its
-                # agent answers the later ones DUPLICATE), a long job a few questions, not
-                # one per period.
+        for eid in sched.due(sched.asks, now):
+            e = run.execs[eid]
+            if not e.open or e.sent_at is None or e.status == "PLANNED":
+                continue
+            # Twice as long each time: an offline device's queue gets a few copies (its agent
+            # answers the later ones DUPLICATE), a long job a few questions, not one a period.
+            at = max(e.sent_at, self.heard.get(e.id, 0.0)) + \
+                self.reask_s * 2 ** self.asked.get(e.id, 0)
+            if at <= now:
                 self.heard[e.id] = now
                 self.asked[e.id] = self.asked.get(e.id, 0) + 1
                 self.outbox.append((run, e))
+                at = now + self.reask_s * 2 ** self.asked[e.id]
+            sched.ask_later(at, eid)
 
-    def _retries(self, run: RolloutRun) -> None:
-        for dev, e in run.latest().items():
-            if not e.open and not run.final(e):
-                self._plan_exec(run, dev, e.wave, e.attempt + 1)
+    def _retries(self, run: RolloutRun, changed: list[Execution]) -> None:
+        """A retry for each of ``changed`` that ended as the latest attempt of its device
+        with attempts left (a turn passes what changed in it; a load, every device)."""
+        latest = run.latest()
+        for e in changed:
+            if latest.get(e.device) is e and not e.open and not run.final(e):
+                self._plan_exec(run, e.device, e.wave, e.attempt + 1)
 
     def _health_failure_rate(self, run: RolloutRun, now: float) -> bool:
         p = run.plan
-        done = [e for e in run.latest().values() if run.final(e) and e.status != "CANCELED"]
-        failed = sum(run.failed(e) for e in done)
-        if len(done) >= p.min_completed and failed / len(done) > p.abort_failure_rate:
-            self.abort(run, f"failure rate {failed}/{len(done)} > {p.abort_failure_rate:g}", now)
+        c = self.sched[run.rollout.id].census(run, now)
+        if c.done >= p.min_completed and c.failed / c.done > p.abort_failure_rate:
+            self.abort(run, f"failure rate {c.failed}/{c.done} > {p.abort_failure_rate:g}", now)
             return True
         return False
-
-    def _may_send(self, run: RolloutRun, now: float) -> bool:
-        limit = run.plan.max_per_minute
-        if limit is None:
-            return True
-        while run.sends and now - run.sends[0] > 60:
-            run.sends.popleft()
-        return len(run.sends) < limit
 
     def _waves(self, run: RolloutRun, now: float) -> None:
         wave = next((w for w in run.waves if w.state != "done"), None)
         if wave is None:
-            failed = sum(run.failed(e) for e in run.latest().values())
+            failed = run.census().failed_any  # the verdict: counted now, not from a turn ago
             self._set_state(run, "completed_with_failures" if failed else "succeeded")
             return
         if wave.state == "pending":
@@ -292,21 +310,25 @@ class Controller:
                 return
             wave.state, wave.started_at = "running", now
             self.store.save_wave(wave)
-            have = {e.device for e in run.execs.values() if e.kind == "job"}
+            have = run.latest()
             for dev, w in run.targets:
                 if w == wave.idx and dev not in have:
                     self._plan_exec(run, dev, wave.idx, 1)
             log.info("wave started", extra={"rollout": run.rollout.id, "wave": wave.idx,
                                              "target": wave.target})
         if wave.state == "running":
+            sched = self.sched[run.rollout.id]
             if run.rollout.state == "running":
-                for e in run.execs.values():
-                    if e.status == "PLANNED" and e.kind == "job":
-                        if not self._may_send(run, now):
+                while sched.planned:
+                    e = run.execs[sched.planned[0]]
+                    if e.status == "PLANNED":
+                        if not run.may_send(now):
                             break
                         self._queue_send(run, e, now)
-            mine = [e for d, e in run.latest().items() if e.wave == wave.idx]
-            if mine and all(run.final(e) for e in mine):
+                    sched.planned.popleft()
+            c = sched.census(run, now)
+            if c.devices.get(wave.idx, 0) and not c.unfinished.get(wave.idx, 0):
+                mine = [e for e in run.latest().values() if e.wave == wave.idx]
                 if self._health_metric(run, wave, mine, now):
                     return
                 wave.state = "baking"
@@ -319,22 +341,13 @@ class Controller:
 
     def _health_metric(self, run: RolloutRun, wave: Wave, mine: list[Execution],
                        now: float) -> bool:
-        p = run.plan
-        drops = [
-            e.metric_before - e.metric_after for e in mine
-            if e.metric_before is not None and e.metric_after is not None
-        ]
-        if p.max_metric_drop is None or not drops:
-            return False
-        med = statistics.median(drops)
-        if med > p.max_metric_drop:
-            self.abort(run, f"wave {wave.idx}: median {p.abort_metric} drop {med:.4f} > "
-                            f"{p.max_metric_drop:g}", now)
-            return True
-        return False
+        reason = metric_drop(run, wave.idx, mine)
+        if reason is not None:
+            self.abort(run, reason, now)
+        return reason is not None
 
     def _aborting(self, run: RolloutRun, now: float) -> None:
-        if any(e.open for e in run.execs.values() if e.kind == "job"):
+        if self.sched[run.rollout.id].census(run, now).open_jobs:
             return  # running executions finish; their outcome decides their rollback
         if run.plan.rollback_on_abort:
             self._set_state(run, "rolling_back")

@@ -14,6 +14,7 @@ Statements outside ``tx`` commit one by one.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +43,11 @@ def redact(db: str | Path) -> str:
     if not is_url(db):
         return str(db)
     return sa.engine.make_url(str(db)).render_as_string(hide_password=True)
+
+
+def _pyformat(sql: str) -> str:
+    """``:name`` -> ``%(name)s`` (psycopg2's style; a literal % doubled)."""
+    return re.sub(r"(?<![:\w]):(\w+)", r"%(\1)s", sql.replace("%", "%%"))
 
 
 class Database:
@@ -78,8 +84,23 @@ class Database:
         return self.conn.execute(sa.text(sql), dict(params or {}))
 
     def executemany(self, sql: str, rows: Sequence[Params]) -> None:
-        if rows:
-            self.conn.execute(sa.text(sql), [dict(r) for r in rows])
+        """One statement over many rows, on the driver's own batch path: the controller
+        saves every execution a turn changed in one of these, and the generic path costs
+        ~100 us a row where the driver's costs a few."""
+        if not rows:
+            return
+        raw = self.conn.connection.dbapi_connection
+        assert raw is not None
+        cur = raw.cursor()
+        try:
+            if self.dialect == "sqlite":
+                cur.executemany(sql, rows)  # sqlite3 binds :name itself
+            else:
+                from psycopg2.extras import execute_batch
+
+                execute_batch(cur, _pyformat(sql), rows, page_size=500)
+        finally:
+            cur.close()
 
     def script(self, ddl: str) -> None:
         """Statements separated by ``;`` (the stores' ``CREATE ... IF NOT EXISTS``)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any
 
 from fleet.inventory import render_table
@@ -64,10 +65,18 @@ class Progress:
         self.enabled = enabled
         self.bars: dict[tuple[str, int], Any] = {}
         self.last: dict[str, tuple[Any, ...]] = {}
+        self.drawn: dict[str, tuple[str, float]] = {}
 
     def update(self, run: RolloutRun) -> None:
         if not self.enabled:
             return
+        # Four times a second at most while the state holds: summarize reads every
+        # execution, and the controller calls this every turn.
+        rid, state, now = run.rollout.id, run.rollout.state, time.monotonic()
+        last_state, last_t = self.drawn.get(rid, ("", 0.0))
+        if state == last_state and now - last_t < 0.25:
+            return
+        self.drawn[rid] = (state, now)
         s = summarize(run)
         key = (s["state"], *((w["state"], w["succeeded"], w["failed"]) for w in s["waves"]))
         if self.last.get(s["id"]) == key:

@@ -7,6 +7,8 @@ and the report show.
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +31,26 @@ def exec_id(rollout: Rollout, device: str, attempt: int, kind: str = "job") -> s
 
 
 @dataclass
+class Census:
+    """What the controller's decisions read of a rollout's latest job attempts, counted in
+    one pass (``census``): the failure rate's figures, each wave's unfinished devices, and
+    whether any job still runs."""
+
+    done: int = 0
+    """Final and not CANCELED."""
+    failed: int = 0
+    """Of ``done``, failed."""
+    failed_any: int = 0
+    """Failed among all latest attempts (the finished rollout's verdict)."""
+    unfinished: dict[int, int] = field(default_factory=dict)
+    """Per wave: devices whose latest attempt is not final."""
+    devices: dict[int, int] = field(default_factory=dict)
+    """Per wave: devices with an attempt."""
+    open_jobs: bool = False
+    took_s: float = 0.0
+
+
+@dataclass
 class RolloutRun:
     """One rollout's state in memory; the store is the truth, this is its cache."""
 
@@ -37,18 +59,57 @@ class RolloutRun:
     targets: list[tuple[str, int]]
     execs: dict[str, Execution] = field(default_factory=dict)
     sends: deque[float] = field(default_factory=deque)
+    _latest: dict[str, dict[str, Execution]] | None = field(default=None, repr=False)
 
     @property
     def plan(self) -> RolloutPlan:
         return self.rollout.plan
 
+    def add(self, e: Execution) -> None:
+        """A new execution (the only way one is added: the latest-attempt index follows)."""
+        self.execs[e.id] = e
+        if self._latest is not None:
+            cur = self._latest.setdefault(e.kind, {})
+            old = cur.get(e.device)
+            if old is None or e.attempt > old.attempt:
+                cur[e.device] = e
+
     def latest(self, kind: str = "job") -> dict[str, Execution]:
-        """The last attempt per device."""
-        out: dict[str, Execution] = {}
-        for e in self.execs.values():
-            if e.kind == kind and (e.device not in out or e.attempt > out[e.device].attempt):
-                out[e.device] = e
-        return out
+        """The last attempt per device (kept up to date by ``add``; read only)."""
+        if self._latest is None:
+            self._latest = {}
+            for e in self.execs.values():
+                cur = self._latest.setdefault(e.kind, {})
+                if e.device not in cur or e.attempt > cur[e.device].attempt:
+                    cur[e.device] = e
+        return self._latest.get(kind, {})
+
+    def census(self) -> Census:
+        t0 = time.perf_counter()
+        c = Census()
+        for e in self.latest().values():
+            final = self.final(e)
+            failed = self.failed(e)
+            c.devices[e.wave] = c.devices.get(e.wave, 0) + 1
+            if final:
+                if e.status != "CANCELED":
+                    c.done += 1
+                    c.failed += failed
+            else:
+                c.unfinished[e.wave] = c.unfinished.get(e.wave, 0) + 1
+            c.failed_any += failed
+            c.open_jobs = c.open_jobs or e.open
+        c.took_s = time.perf_counter() - t0
+        return c
+
+    def may_send(self, now: float) -> bool:
+        """Under the plan's ``max_per_minute`` (sends of the last 60 s)."""
+        limit = self.plan.max_per_minute
+        if limit is None:
+            return True
+        while self.sends and now - self.sends[0] > 60:
+            self.sends.popleft()
+        return len(self.sends) < limit
 
     def failed(self, e: Execution) -> bool:
         return e.status in DEVICE_TERMINAL - {"SUCCEEDED", "CANCELED"} or (
@@ -64,6 +125,20 @@ class RolloutRun:
             and e.attempt <= self.plan.retries
             and self.rollout.state in ("running", "paused")
         )
+
+
+def metric_drop(run: RolloutRun, wave: int, mine: list[Execution]) -> str | None:
+    """Why a finished wave aborts the rollout: the median drop of the plan's abort metric
+    over its devices above ``max_metric_drop`` (None: it does not)."""
+    p = run.plan
+    drops = [e.metric_before - e.metric_after for e in mine
+             if e.metric_before is not None and e.metric_after is not None]
+    if p.max_metric_drop is None or not drops:
+        return None
+    med = statistics.median(drops)
+    if med <= p.max_metric_drop:
+        return None
+    return f"wave {wave}: median {p.abort_metric} drop {med:.4f} > {p.max_metric_drop:g}"
 
 
 def summarize(run: RolloutRun) -> dict[str, Any]:

@@ -320,7 +320,7 @@ def test_operator_pause_resume_abort(sim_fleet: Callable[..., SimFleet], fleetct
     db = fleet_db
     r = fleetctl("rollout", "create", "--detach", "--name", "ops", "--group", "sim",
                  "--job", "deploy", "--args", '{"version": "v2"}', "--waves", "1,50%,100%",
-                 "--bake-s", "1.0")
+                 "--bake-s", "2.0")  # room for a fleetctl start on a loaded host
     assert r.returncode == 0, r.stderr
     assert _state(db, "ops") == ("running", ["pending"] * 3)  # created, nothing sent yet
     ctl = subprocess.Popen([*fleetctl_argv(broker, tmp_path, fleet_db), "controller"],
@@ -329,7 +329,7 @@ def test_operator_pause_resume_abort(sim_fleet: Callable[..., SimFleet], fleetct
         _until(lambda: _state(db, "ops")[1][0] == "baking")
         assert fleetctl("rollout", "pause", "ops").returncode == 0
         _until(lambda: _state(db, "ops")[0] == "paused")
-        time.sleep(1.5)  # past the bake: a paused rollout starts no wave
+        time.sleep(2.5)  # past the bake: a paused rollout starts no wave
         assert _state(db, "ops") == ("paused", ["done", "pending", "pending"])
         st = fleetctl("rollout", "status", "ops")
         assert "rollout ops: paused" in st.stdout and "[####################] 1/1" in st.stdout
