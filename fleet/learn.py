@@ -71,6 +71,7 @@ from fleet.learn_upstream import (
     read_gates,
     release_argv,
 )
+from fleet.report import load_run
 from fleet.rollout_run import RolloutRun
 from fleet.store import ROLLOUT_FINAL
 from hpc_core.atomic import write_json_atomic
@@ -152,9 +153,11 @@ class LearnDriver:
                                         "phase": rs.phase})
 
     def _run(self, rid: str) -> RolloutRun:
-        if rid not in self.ctl.runs:
-            self.ctl.load(rid)
-        return self.ctl.runs[rid]
+        if rid in self.ctl.runs or self.ctl.take(rid):
+            return self.ctl.runs[rid]
+        # Another replica still holds its lease (it took the rollout before this one took
+        # the learn): follow it from the db until the lease is ours.
+        return load_run(self.store, rid)
 
     def work_dir(self, learn: Learn) -> Path:
         return learn.plan.work_dir or self.work_root / learn.id
@@ -249,6 +252,9 @@ class LearnDriver:
                                     f"round's {phase}: start the learn under another name")
             rid = found.id
         else:
+            if self.ctl.replica is not None:
+                # Lease it before it exists: no other replica's scan takes it in between.
+                self.ctl.replica.acquire(plan.name)
             rid = self.store.create_rollout(plan, learn.targets).id
             if rid != plan.name:
                 raise UpstreamError(f"rollout {plan.name} was created as {rid} (a rollout "

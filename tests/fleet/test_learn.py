@@ -23,11 +23,12 @@ import numpy as np
 import pytest
 
 from fleet import learn_report
+from fleet.db import is_url
 from fleet.learn_store import LearnStore
 from fleet.mqtt import BrokerConfig
 from fleet.sim_fleet import SimFleet
 from fleet.store import FleetStore
-from tests.fleet.conftest import fleetctl_argv
+from tests.fleet.conftest import BOTH_ENGINES, fleetctl_argv
 from tests.fleet.learn_sim import Scores, read_tensors, start
 from tests.support.fleet_registry import FleetRegistry
 
@@ -67,8 +68,9 @@ def keys(tmp_path: Path) -> dict[str, Path]:
     return {"trusted": trusted, "key": key, "registry": tmp_path / "registry"}
 
 
-def learn_argv(broker: BrokerConfig, tmp_path: Path, *args: str) -> list[str]:
-    return [*fleetctl_argv(broker, tmp_path), "learn", *args]
+def learn_argv(broker: BrokerConfig, tmp_path: Path, *args: str,
+               db: str | None = None) -> list[str]:
+    return [*fleetctl_argv(broker, tmp_path, db), "learn", *args]
 
 
 def start_args(name: str, keys: dict[str, Path], *extra: str, base: str = "v1",
@@ -79,9 +81,9 @@ def start_args(name: str, keys: dict[str, Path], *extra: str, base: str = "v1",
             *(["--hpc-train", FAKE] if fake else ["--hpc-train", REAL]), *extra]
 
 
-def status(tmp_path: Path, name: str) -> dict[str, Any]:
+def status(tmp_path: Path, name: str, db: str | None = None) -> dict[str, Any]:
     """What ``fleetctl learn status NAME --json`` prints, read from the db in this process."""
-    store = FleetStore(tmp_path / "fleet.db")
+    store = FleetStore(db or tmp_path / "fleet.db")
     try:
         return learn_report.load(store, LearnStore(store), name)
     finally:
@@ -417,34 +419,47 @@ def test_a_tool_that_fails_stops_the_learn_and_resume_goes_on_from_that_phase(
     assert r.returncode == 2 and "only a failed learn is resumed" in r.stderr
 
 
+@BOTH_ENGINES
 def test_the_fleet_controller_forever_drives_a_detached_learn_to_its_end(
     broker: BrokerConfig, learn_fleet: Callable[..., SimFleet], keys: dict[str, Path],
-    tmp_path: Path, env: dict[str, str],
+    tmp_path: Path, env: dict[str, str], fleet_db: str,
 ) -> None:
-    """`fleetctl learn start --detach` only creates the learn; the db's one controller,
-    `fleetctl controller --forever`, drives its rounds (not only their rollouts)."""
+    """`fleetctl learn start --detach` only creates the learn; the db's controller,
+    `fleetctl controller --forever`, drives its rounds (not only their rollouts). On
+    PostgreSQL two replicas run: the one that leases the learn drives it, the tools run once."""
     fleet = learn_fleet(Scores(gains={}, gain=0.02), devices=2,
                         behavior={"job_duration_s": 0.05})
-    r = subprocess.run(learn_argv(broker, tmp_path, *start_args(
-        "fc", keys, "--rounds", "1", "--min-updates", "2", "--max-device-drop", "2",
-        "--min-devices", "2", "--timeout-s", "20", "--detach")),
-        capture_output=True, text=True, env=env, timeout=60)
+    args = start_args("fc", keys, "--rounds", "1", "--min-updates", "2", "--max-device-drop",
+                      "2", "--min-devices", "2", "--timeout-s", "20", "--detach")
+    replicas = 1
+    if is_url(fleet_db):
+        r = subprocess.run(learn_argv(broker, tmp_path, *args, db=fleet_db),
+                           capture_output=True, text=True, env=env, timeout=60)
+        assert r.returncode == 2 and "needs --work-dir" in r.stderr, r.stderr
+        args, replicas = [*args, "--work-dir", str(tmp_path / "learn-work")], 2
+    r = subprocess.run(learn_argv(broker, tmp_path, *args, db=fleet_db),
+                       capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert status(tmp_path, "fc")["state"] == "running"
-    log = open(tmp_path / "controller.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([*fleetctl_argv(broker, tmp_path), "controller", "--forever",
-                             "--hpc-train", FAKE], env=env, stdout=log, stderr=log)
-    log.close()
+    assert status(tmp_path, "fc", fleet_db)["state"] == "running"
+    procs = []
+    for i in range(replicas):
+        log = open(tmp_path / f"controller{i}.log", "wb")  # noqa: SIM115
+        procs.append(subprocess.Popen(
+            [*fleetctl_argv(broker, tmp_path, fleet_db), "controller", "--forever",
+             "--hpc-train", FAKE], env=env, stdout=log, stderr=log))
+        log.close()
     try:
         deadline = time.monotonic() + 90
-        while status(tmp_path, "fc")["state"] == "running":
-            assert proc.poll() is None and time.monotonic() < deadline, \
-                (tmp_path / "controller.log").read_text()[-3000:]
+        while status(tmp_path, "fc", fleet_db)["state"] == "running":
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
+                (tmp_path / "controller0.log").read_text()[-3000:]
             time.sleep(0.1)
     finally:
-        proc.terminate()
-        proc.wait(30)
-    s = status(tmp_path, "fc")
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(30)
+    s = status(tmp_path, "fc", fleet_db)
     assert s["state"] == "finished" and s["history"][0]["outcome"] == "published"
     assert s["history"][0]["tool_runs"] == {"aggregate": 1, "candidate": 1, "publish": 1}
     assert not ran_twice(fleet)
