@@ -185,7 +185,8 @@ class Controller:
     def flush(self) -> None:
         """Persist this turn's changes, then publish: a send is durable before it leaves."""
         if self.dirty:
-            self.store.save_executions(self.dirty.values())
+            owner = self.replica.owner if self.replica is not None else ""
+            self.store.save_executions(self.dirty.values(), owner)
             self.dirty.clear()
         if self.replica is not None:
             self.replica.flush()

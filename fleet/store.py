@@ -155,6 +155,11 @@ _EXEC_UPSERT = (
     f"INSERT INTO executions ({_EXEC_COLS}) VALUES ({', '.join(':' + f for f in _EXEC_FIELDS)}) "
     "ON CONFLICT (id) DO UPDATE SET "
     + ", ".join(f"{f} = excluded.{f}" for f in _EXEC_FIELDS[1:])
+    # The fence: no update of a rollout another replica holds a live lease on. A replica that
+    # stalled past its lease mid-turn (then flushes) cannot overwrite what the replica that
+    # took the rollout over has written since.
+    + " WHERE NOT EXISTS (SELECT 1 FROM leases l WHERE l.rollout_id = excluded.rollout_id "
+    "AND l.owner <> :lease_owner AND l.expires_at > :lease_now)"
 )
 
 
@@ -367,9 +372,12 @@ class FleetStore:
             "AND sent_at < :t", {"t": sent_before})
         return [Execution.from_row(r) for r in rows]
 
-    def save_executions(self, execs: Iterable[Execution]) -> None:
-        """Upsert in one transaction: the controller batches every change of a loop turn."""
-        rows = [e.row() for e in execs]
+    def save_executions(self, execs: Iterable[Execution], owner: str = "") -> None:
+        """Upsert in one transaction: the controller batches every change of a loop turn.
+        ``owner``: the replica saving (its leases' owner name); a row of a rollout another
+        replica holds is left as that one wrote it."""
+        fence = {"lease_owner": owner, "lease_now": time.time()}
+        rows = [e.row() | fence for e in execs]
         if rows:
             with self.tx() as db:
                 db.executemany(_EXEC_UPSERT, rows)

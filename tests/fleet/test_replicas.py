@@ -21,7 +21,7 @@ from fleet.plan import RolloutPlan
 from fleet.replicas import Replica
 from fleet.sim_fleet import SimFleet
 from fleet.store import Execution, FleetStore
-from tests.fleet.conftest import fleetctl_argv
+from tests.fleet.conftest import BOTH_ENGINES, fleetctl_argv
 
 PG = pytest.mark.parametrize("fleet_db", ["postgresql"], indirect=True)
 
@@ -137,3 +137,20 @@ def test_two_replicas_one_sigkilled_mid_rollout_lose_nothing_and_run_nothing_twi
     assert sum(d.duplicates for d in fleet.devices.values()) > 0
     assert json.loads(fleetctl("rollout", "status", "ha", "--json").stdout)["state"] \
         == "succeeded"
+
+
+@BOTH_ENGINES
+def test_a_replica_that_lost_its_lease_cannot_overwrite_the_new_holders_rows(
+    fleet_db: str,
+) -> None:
+    store = FleetStore(fleet_db)
+    r = store.create_rollout(RolloutPlan(name="r", group="g", job="deploy"), ["d1"])
+    e = Execution("r.d1.1", r.id, "d1", 0, "job", 1, "SENT", 1.0, sent_at=1.0)
+    store.save_executions([e], "a")
+    assert Replica(Database(fleet_db), "b", lease_s=30).acquire(r.id)  # b took it over
+    e.status = "SUCCEEDED"
+    store.save_executions([e], "a")  # a stalled past its lease, then flushed its turn
+    assert store.executions(r.id)[0].status == "SENT"
+    store.save_executions([e], "b")
+    assert store.executions(r.id)[0].status == "SUCCEEDED"
+    store.close()
