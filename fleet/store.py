@@ -72,7 +72,6 @@ CREATE TABLE IF NOT EXISTS executions (
     result TEXT
 );
 CREATE INDEX IF NOT EXISTS executions_rollout ON executions (rollout_id, kind, device);
-CREATE INDEX IF NOT EXISTS executions_open ON executions (status, sent_at);
 CREATE TABLE IF NOT EXISTS fleet_schema (version INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS leases (
     rollout_id TEXT PRIMARY KEY,
@@ -209,7 +208,7 @@ class FleetStore:
                 self.db.execute("INSERT INTO fleet_schema (version) VALUES (:v)", {"v": version})
             if version < 1:
                 self._migrate_completed_with_failures()
-            # 1 -> 2 added tables and an index only: SCHEMA above made them.
+            # 1 -> 2 added tables only: SCHEMA above made them.
             if version < SCHEMA_VERSION:
                 self.db.execute("UPDATE fleet_schema SET version = :v", {"v": SCHEMA_VERSION})
 
@@ -362,14 +361,6 @@ class FleetStore:
         if kind is not None:
             q += " AND kind = :kind"
         rows = self.db.execute(q + " ORDER BY created_at, id", {"rid": rid, "kind": kind})
-        return [Execution.from_row(r) for r in rows]
-
-    def open_executions(self, sent_before: float) -> list[Execution]:
-        """Executions sent before ``sent_before`` and still open, every rollout: found by the
-        (status, sent_at) index, not by reading whole rollouts."""
-        rows = self.db.execute(
-            f"SELECT {_EXEC_COLS} FROM executions WHERE status IN ({_quoted(EXEC_OPEN[1:])}) "
-            "AND sent_at < :t", {"t": sent_before})
         return [Execution.from_row(r) for r in rows]
 
     def save_executions(self, execs: Iterable[Execution], owner: str = "") -> None:
