@@ -434,14 +434,14 @@ class Controller:
 
     def _replica_turn(self, now: float) -> None:
         """Keep our leases (drop what another replica took), release finished rollouts, and
-        apply the results other replicas received for ours."""
+        apply the results other replicas received for the rollouts we hold or have loaded."""
         assert self.replica is not None
         for rid in self.replica.renew(now):
             self.drop(rid)
         for rid, run in self.runs.items():
             if run.rollout.state not in ROLLOUT_ACTIVE and rid in self.replica.held:
                 self.replica.release(rid)
-        driven = [rid for rid, run in self.runs.items() if run.rollout.state in ROLLOUT_ACTIVE]
-        for seq, device, result in self.replica.drain(driven):
+        # Finished ones too: a late result still lands on its execution, as on one controller.
+        for seq, device, result in self.replica.drain(self.runs):
             self.on_result(device, result)
             self._drained.append(seq)

@@ -32,6 +32,7 @@ from fleet.db import Database
 log = logging.getLogger("fleet.replicas")
 
 DEFAULT_LEASE_S = 15.0
+INBOX_KEEP_S = 24 * 3600.0
 SHARE_GROUP = "fleetctl"
 """The shared-subscription group every replica's results subscription joins."""
 
@@ -79,6 +80,7 @@ class Replica:
         self._renewed = now
         before = set(self.held)
         lost = {k for k in sorted(before) if not self.acquire(k)}
+        self.prune(now)
         for k in lost:
             log.warning("lease lost", extra={"lease": k, "owner": self.owner})
         return lost
@@ -111,6 +113,12 @@ class Replica:
                 "INSERT INTO inbox (exec_id, device, body, received_at) "
                 "SELECT :exec_id, :device, :body, :t "
                 "WHERE EXISTS (SELECT 1 FROM executions WHERE id = :exec_id)", rows)
+
+    def prune(self, now: float) -> int:
+        """Inbox rows no replica applied within ``INBOX_KEEP_S`` (their rollout was loaded
+        nowhere since): gone, so the table stays bounded. The count removed."""
+        return int(self.db.execute("DELETE FROM inbox WHERE received_at < :t",
+                                   {"t": now - INBOX_KEEP_S}).rowcount)
 
     def drain(self, rollouts: Iterable[str]) -> list[tuple[int, str, Result]]:
         """The inbox rows of these rollouts, oldest first: (seq, device, result)."""

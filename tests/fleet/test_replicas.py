@@ -18,7 +18,7 @@ import pytest
 from contract import Result
 from fleet.db import Database
 from fleet.plan import RolloutPlan
-from fleet.replicas import Replica
+from fleet.replicas import INBOX_KEEP_S, Replica
 from fleet.sim_fleet import SimFleet
 from fleet.store import Execution, FleetStore
 from tests.fleet.conftest import BOTH_ENGINES, fleetctl_argv
@@ -73,8 +73,11 @@ def test_the_inbox_keeps_results_of_known_executions_for_their_rollouts_holder(
     holder.applied([seq for seq, _, _ in got])
     assert holder.drain([r.id]) == []
     assert [res.id for _, _, res in holder.drain([other.id])] == ["o.d1.1"]
-    # The stranger's result was never stored.
+    # The stranger's result was never stored; a row nobody applied in a day is pruned.
     assert store.db.scalar("SELECT COUNT(*) FROM inbox") == 1
+    assert holder.prune(time.time()) == 0
+    assert holder.prune(time.time() + INBOX_KEEP_S + 1) == 1
+    assert store.db.scalar("SELECT COUNT(*) FROM inbox") == 0
     store.close()
 
 
