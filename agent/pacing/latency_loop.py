@@ -40,6 +40,8 @@ class LatencyLoop:
             if self.yielding or self.duty < 1.0:
                 self.yielding, self.duty, self.pi.integral = False, 1.0, 1.0
             self._error = self._last_s = self._over_at_min_since = None
+            # Nothing is reported now: the samples say so rather than repeat the last p99.
+            self.last_p99_ms = self.slo_ms = None
             return None
         self.last_p99_ms, self.slo_ms = latency.p99_ms, slo
         error = (slo * (1.0 - self.margin) - latency.p99_ms) / slo

@@ -395,6 +395,10 @@ def test_training_pauses_while_the_app_is_over_its_slo_at_any_duty_and_resumes()
     assert after and max(p99 for p99, _ in after) <= 20.0 and min(d for _, d in after) > 0
     assert all(d == 1.0 for t, _, d in trace if t > 640)  # nobody serving: full speed
     assert gov.state == GovernorState.NORMAL
+    # The record shows the application's p99 while it reports, and none after it stopped.
+    served = [x["app_p99_ms"] for x in hook.record.samples if 480 < x["t_s"] < 600]
+    assert served and all(p is not None for p in served)
+    assert all(x["app_p99_ms"] is None for x in hook.record.samples if x["t_s"] > 640)
 
 
 def test_the_hotter_limit_wins_over_latency_and_the_other_way_round() -> None:
