@@ -70,6 +70,18 @@ def read_json_arg(text: str, what: str) -> Any:
         raise UsageError(f"{what}: not JSON or not readable ({e})") from None
 
 
+def _seconds(text: str) -> float:
+    """A duration of 1 s or more (a lease or a re-ask period under that would have every
+    replica take every rollout, or flood the devices)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number of seconds") from None
+    if not v >= 1.0:
+        raise argparse.ArgumentTypeError(f"{text}: at least 1 second")
+    return v
+
+
 def add_global_options(ap: argparse.ArgumentParser) -> None:
     """The options before the command, each defaulting to its ``FLEETCTL_*`` variable."""
     g = ap.add_argument_group("broker (or FLEETCTL_HOST, _PORT, _PREFIX, ... in the environment)")
@@ -92,10 +104,10 @@ def add_global_options(ap: argparse.ArgumentParser) -> None:
                     help="controller state: a SQLite file (one controller), or a PostgreSQL "
                          "URL postgresql://USER@HOST:PORT/DB shared by controller replicas "
                          "(the password from ~/.pgpass or PGPASSWORD, never the command line)")
-    ap.add_argument("--lease-s", type=float, default=15.0,
+    ap.add_argument("--lease-s", type=_seconds, default=15.0,
                     help="PostgreSQL --db: how long a replica that stops renewing keeps its "
                          "rollouts before another takes them over")
-    ap.add_argument("--reask-s", type=float, default=30.0,
+    ap.add_argument("--reask-s", type=_seconds, default=30.0,
                     help="send an open execution again (same id) when nothing was heard of "
                          "it for this long: the device answers where it stands")
     ap.add_argument("--report-dir", default=_env("REPORT_DIR", "fleet-reports"))

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -157,3 +158,13 @@ def test_a_replica_that_lost_its_lease_cannot_overwrite_the_new_holders_rows(
     store.save_executions([e], "b")
     assert store.executions(r.id)[0].status == "SUCCEEDED"
     store.close()
+
+
+@pytest.mark.parametrize("flag", ["--lease-s", "--reask-s"])
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "soon"])
+def test_a_lease_or_reask_period_under_a_second_is_refused(
+    flag: str, value: str, subprocess_env: dict[str, str],
+) -> None:
+    r = subprocess.run([sys.executable, "-m", "fleet.cli", flag, value, "rollout", "list"],
+                       capture_output=True, text=True, env=subprocess_env, timeout=60)
+    assert r.returncode == 2 and f"argument {flag}:" in r.stderr, r.stderr
