@@ -42,7 +42,7 @@ from typing import Protocol
 import numpy as np
 
 from agent.runtime.engines import ServingEngine, engine_for
-from agent.runtime.latency import LatencyWindow
+from agent.runtime.latency import LatencyWindow, percentiles
 from agent.runtime.stats import ServingStats, remove_stats, write_stats
 from agent.runtime.update_lock import hold_update_lock
 from agent.storage.nofollow import read_bytes
@@ -219,12 +219,14 @@ class ActiveModel:
     def stats(self) -> ServingStats:
         now = time.time()
         with self._lock:
-            p50, p99, n = self._c.latencies.percentiles(self.stats_window_s)
+            recent = self._c.latencies.recent(self.stats_window_s)
             c = self._c
-            return ServingStats(
-                model=self.name, version=self.version, pid=os.getpid(), updated=now,
-                window_s=self.stats_window_s, window_requests=n, p50_ms=p50, p99_ms=p99,
-                requests=c.requests, failed=c.failed, swaps=c.swaps, slo_ms=self.slo_ms)
+            version, requests, failed, swaps = self.version, c.requests, c.failed, c.swaps
+        p50, p99, n = percentiles(recent)
+        return ServingStats(
+            model=self.name, version=version, pid=os.getpid(), updated=now,
+            window_s=self.stats_window_s, window_requests=n, p50_ms=p50, p99_ms=p99,
+            requests=requests, failed=failed, swaps=swaps, slo_ms=self.slo_ms)
 
     @property
     def load_failures(self) -> int:

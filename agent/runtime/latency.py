@@ -21,19 +21,24 @@ class LatencyWindow:
     def add(self, ms: float, now: float | None = None) -> None:
         self._ring.append((time.perf_counter() if now is None else now, ms))
 
-    def percentiles(self, window_s: float, now: float | None = None
-                    ) -> tuple[float | None, float | None, int]:
-        """(p50, p99, count) of the samples in the last ``window_s`` seconds (nearest rank);
-        (None, None, 0) when there are none."""
+    def recent(self, window_s: float, now: float | None = None) -> list[float]:
+        """The latencies (ms) of the last ``window_s`` seconds, oldest first: a copy, so the
+        owner sorts it for :func:`percentiles` after releasing its lock (a sort of 100,000
+        samples under it would stall every request for milliseconds)."""
         since = (time.perf_counter() if now is None else now) - window_s
         ring = self._ring
         while ring and ring[0][0] < since:  # drop what left the window: the ring stays short
             ring.popleft()
-        xs = sorted(ms for _, ms in ring)
-        if not xs:
-            return None, None, 0
+        return [ms for _, ms in ring]
 
-        def rank(q: float) -> float:
-            return xs[max(0, math.ceil(q * len(xs)) - 1)]
 
-        return rank(0.50), rank(0.99), len(xs)
+def percentiles(samples: list[float]) -> tuple[float | None, float | None, int]:
+    """(p50, p99, count) of ``samples`` (nearest rank); (None, None, 0) when there are none."""
+    xs = sorted(samples)
+    if not xs:
+        return None, None, 0
+
+    def rank(q: float) -> float:
+        return xs[max(0, math.ceil(q * len(xs)) - 1)]
+
+    return rank(0.50), rank(0.99), len(xs)

@@ -11,11 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from agent.finetune import memory_plan
 from agent.finetune.job import FinetuneJob
-from agent.finetune.memory_plan import BudgetTooSmall, fit_plan
+from agent.finetune.memory_plan import BudgetTooSmall, fit_plan, plan_micro_batch
 from agent.finetune.model import apply_trainable, enable_activation_checkpointing
 from agent.finetune.recipe import run_finetune
-from hpc_core.config import load_config
+from hpc_core.config import config_from_dict, load_config
 from hpc_core.models import build_model
 from hpc_core.trainer import Trainer
 
@@ -129,6 +130,51 @@ def test_fit_plan_keeps_the_noise_and_the_job_process_off_the_budget() -> None:
     assert tree.predicted_tree_peak_mb == pytest.approx(100 + 396 + 2 * 32)
     with pytest.raises(BudgetTooSmall, match="100 MB job process"):
         fit_plan(500, 256, points, "test", job_process_mb=100.0)
+
+
+def test_the_plan_is_probed_at_the_size_it_picks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A curve that bends upward past the probed sizes, as RSS did: the line through 4-16 says
+    # 1 MB/sample, but 128 samples cost 1.5 MB each.
+    def peak(m: int) -> float:
+        return 270.0 + 0.9 * m + 0.005 * m * m
+
+    calls: list[int] = []
+
+    def fake_probe(cfg: object, init: Path, trainable: str, micro: int) -> float:
+        calls.append(micro)
+        return peak(micro)
+
+    monkeypatch.setattr(memory_plan, "probe_subprocess", fake_probe)
+    cfg = config_from_dict({
+        "run": {"name": "plan", "output_dir": str(tmp_path / "job")},
+        "data": {"source": "digits"}, "model": {"name": "small_cnn"},
+        "training": {"global_batch_size": 256, "max_steps": 2},
+    })
+    budget = 450.0
+    small = {m: [peak(m)] * 2 for m in (4, 8, 16)}
+    unverified = fit_plan(budget, 256, small, "test")
+    assert peak(unverified.micro_batch_size) > budget, "the curve must defeat the line"
+    cache = tmp_path / "probes.json"
+    plan = plan_micro_batch(cfg, tmp_path, "all", budget, cache=cache)
+    assert plan.micro_batch_size in plan.probes and plan.micro_batch_size > 16
+    assert peak(plan.micro_batch_size) <= budget, plan
+    assert plan.accumulation_steps * plan.micro_batch_size >= 256
+    # The verification probes are cached with the rest: planning again probes nothing.
+    calls.clear()
+    again = plan_micro_batch(cfg, tmp_path, "all", budget, cache=cache)
+    assert calls == [] and again.probes_reused and again.micro_batch_size == plan.micro_batch_size
+
+    # A probe the kernel kills (its size out of the line's reach): the plan stays below it.
+    def killed_past_100(cfg: object, init: Path, trainable: str, micro: int) -> float:
+        if micro > 100:
+            raise RuntimeError(f"memory probe at micro-batch {micro} failed: killed")
+        return peak(micro)
+
+    monkeypatch.setattr(memory_plan, "probe_subprocess", killed_past_100)
+    low = plan_micro_batch(cfg, tmp_path, "all", 10_000.0, cache=tmp_path / "other.json")
+    assert low.micro_batch_size <= 100 and low.micro_batch_size in low.probes, low
 
 
 def test_trainable_scopes() -> None:

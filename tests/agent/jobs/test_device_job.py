@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -335,13 +336,16 @@ def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
     assert rec.error["code"] == "JOB_FAILED"
     assert "finetune.budget_mb=250" in rec.error["message"], rec.error
     # A micro-batch forced beside a budget it cannot fit is refused with the numbers, before
-    # any training (the probes are the cached ones).
-    # The size: past what the 450 MB runs' own probes say fits.
+    # any training. The sizes, from the 450 MB runs' own probes (this model needs little per
+    # sample, so 450 MB holds every batch the data allows): a budget with room for 256
+    # samples, and a micro-batch the line puts 100 MB past it. The small probes are the
+    # cached ones; the check probes the size the line picks, as every plan does.
     p = {s.name: s for s in results[450][1]["steps"]}["finetune"].outputs["memory"]["plan"]
-    big = int((450 - p["job_process_mb"] - p["margin_mb"] - p["base_mb"]) / p["per_sample_mb"])
-    big += 64
+    tight = math.ceil(p["job_process_mb"] + p["base_mb"] + p["margin_mb"]
+                      + 256 * p["per_sample_mb"])
+    big = min(256 + math.ceil(100 / p["per_sample_mb"]), 1200)  # the data holds 1,258
     submit(base, "mbig", finetune={"micro_batch": big, "effective_batch": big,
-                                   "budget_mb": 450, "steps": 6}, steps={"export": False})
+                                   "budget_mb": tight, "steps": 6}, steps={"export": False})
     done = subprocess.run([sys.executable, "-m", "agent.jobs.worker", "--state-dir",
                            str(base.state), "--job-id", "mbig", "--no-parent-check"],
                           cwd=REPO, capture_output=True, text=True, timeout=400)
@@ -349,7 +353,7 @@ def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
     rec = JobStore(base.state).get("mbig")
     assert rec is not None and rec.state is JobState.FAILED, rec
     assert rec.error["code"] == "BAD_ARGS", rec.error
-    assert f"finetune.micro_batch={big} does not fit finetune.budget_mb=450" in (
+    assert f"finetune.micro_batch={big} does not fit finetune.budget_mb={tight}" in (
         rec.error["message"]), rec.error
     assert not (base.state / "jobs/mbig/finetune").exists()  # nothing trained
 

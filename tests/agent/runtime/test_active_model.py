@@ -15,6 +15,7 @@ import pytest
 
 from agent.runtime import active_model as am
 from agent.runtime.active_model import ActiveModel, NoSpoolError
+from agent.runtime.latency import LatencyWindow, percentiles
 from agent.runtime.stats import read_stats
 from registry.errors import NoActiveModelError
 from tests.agent.runtime.conftest import MODEL, Device, served_version
@@ -209,3 +210,18 @@ def test_record_scores_the_sample_and_hands_it_to_the_spool(device: Device) -> N
         assert label == 3 and logits is not None and served_version(logits) == 1
     with ActiveModel(device.state, MODEL) as model, pytest.raises(NoSpoolError, match="spool"):
         model.record(ZERO)
+
+
+def test_latency_window_keeps_the_window_and_ranks_the_nearest_sample() -> None:
+    w = LatencyWindow(max_samples=1000)
+    for i in range(200):  # one sample per 0.1 s, 1..200 ms
+        w.add(float(i + 1), now=i * 0.1)
+    recent = w.recent(10.0, now=19.9)  # the last 10 s: samples at t >= 9.9, i.e. 100..200 ms
+    assert recent == [float(i + 1) for i in range(99, 200)]
+    assert percentiles(recent) == (150.0, 199.0, 101)  # nearest rank: ceil(q * n)
+    assert percentiles([]) == (None, None, 0)
+    assert w.recent(10.0, now=100.0) == []  # everything left the window
+    bounded = LatencyWindow(max_samples=3)
+    for ms in (1.0, 2.0, 3.0, 4.0):
+        bounded.add(ms, now=0.0)
+    assert bounded.recent(1.0, now=0.5) == [2.0, 3.0, 4.0]
