@@ -17,6 +17,7 @@ no longer depend on the CPU's instruction set.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,7 @@ def ort_session(
     path: Path,
     *,
     threads: int = 0,
-    providers: list[str] | None = None,
+    providers: Sequence[str | tuple[str, dict[str, str]]] | None = None,
     optimize: bool = True,
 ) -> ort.InferenceSession:
     """A session on ``path``; ``threads`` 0 = ONNX Runtime's default (all cores).
@@ -45,7 +46,8 @@ def ort_session(
         else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     )
     opts.add_session_config_entry(*PRECISE_INT8)
-    return ort.InferenceSession(str(path), opts, providers=providers or ["CPUExecutionProvider"])
+    return ort.InferenceSession(str(path), opts,
+                                providers=list(providers or ["CPUExecutionProvider"]))
 
 
 class OrtRunner:

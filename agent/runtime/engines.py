@@ -13,7 +13,7 @@ The choice, in order, each fallback said in :attr:`ServingEngine.notes`:
    TensorRT version (and the GPU) that built it;
 2. ``artefacts/model.onnx`` through :func:`exporters.ort_runner.ort_session` (the one way the
    project builds a session), providers TensorRT EP > CUDA EP > CPU as this ONNX Runtime
-   build offers them.
+   build offers them; the TensorRT EP with its engine cache (``agent.runtime.trt_cache``).
 
 Torch-free: the TensorRT engine's device buffers come from the CUDA runtime through ctypes
 (``agent.runtime.tensorrt_engine``), not from torch as the exporter's runner has them.
@@ -31,6 +31,7 @@ from typing import Protocol
 import numpy as np
 import onnxruntime as ort
 
+from agent.runtime.trt_cache import ProviderSpec, with_engine_cache
 from exporters.ort_runner import ort_session
 
 log = logging.getLogger("agent.runtime")
@@ -89,7 +90,7 @@ class OnnxEngine:
     name = "onnxruntime"
     platform = "onnxruntime_onnx"
 
-    def __init__(self, path: Path, *, providers: list[str] | None = None, threads: int = 0,
+    def __init__(self, path: Path, *, providers: list[ProviderSpec] | None = None, threads: int = 0,
                  notes: tuple[str, ...] = ()) -> None:
         self.path = Path(path)
         self.session: ort.InferenceSession | None = ort_session(
@@ -176,4 +177,5 @@ def engine_for(slot_path: Path, providers: list[str] | None = None, *,
     if providers is None and wanted[0] != PROVIDER_ORDER[0]:
         notes.append(f"ONNX Runtime here offers {', '.join(ort.get_available_providers())}: "
                      f"running on {wanted[0]}")
-    return OnnxEngine(onnx, providers=wanted, threads=threads, notes=tuple(notes))
+    return OnnxEngine(onnx, providers=with_engine_cache(wanted, slot_path, onnx),
+                      threads=threads, notes=tuple(notes))

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import types
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 from agent.runtime import tensorrt_engine
 from agent.runtime.engines import NoServableArtefactError, OnnxEngine, engine_for, onnx_providers
-from tests.agent.runtime.conftest import served_version, tiny_onnx
+from agent.runtime.trt_cache import CACHE_DIR, onnx_digest, with_engine_cache
+from tests.agent.runtime.conftest import INPUT_SHAPE, served_version, tiny_onnx
 
 
 def make_slot(root: Path, *, onnx: bool = True, engine_version: str | None = None) -> Path:
@@ -138,3 +141,64 @@ def test_a_real_tensorrt_engine_matches_onnx_runtime(tmp_path: Path) -> None:
     want = OnnxEngine(art / "model.onnx")(x)
     np.testing.assert_allclose(engine(x), want, rtol=1e-3, atol=1e-3)
     engine.close()
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider .TensorrtExecutionProvider.")
+def test_the_tensorrt_provider_gets_an_engine_cache_per_model_file_beside_the_slots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No TensorRT EP in this ONNX Runtime build: asked for, it is passed over with a warning
+    # and the CPU serves, but the options it would have got are built and the cache laid out.
+    asked: list[Any] = []
+    real_session = ort.InferenceSession
+
+    def spy(path: str, opts: Any, providers: Any) -> Any:
+        asked.append(providers)
+        return real_session(path, opts, providers=providers)
+
+    monkeypatch.setattr(ort, "InferenceSession", spy)
+    models = tmp_path / "models" / "digits"
+    slots = []
+    for i in range(5):  # five versions: each its own ONNX file (logit 0 of a zero batch = 4 + i)
+        slot = models / f"slot{i}" / "artefacts"
+        slot.mkdir(parents=True)
+        tiny_onnx(slot / "model.onnx", 4 + i)
+        slots.append(slot.parent)
+        engine = engine_for(slot.parent, ["TensorrtExecutionProvider", "CPUExecutionProvider"])
+        assert engine.providers == ("CPUExecutionProvider",)
+        assert engine(np.zeros((1, *INPUT_SHAPE), np.float32))[0, 0] == 4 + i
+        time.sleep(0.01)  # distinct folder times
+    trt, cpu = asked[-1]
+    assert cpu == "CPUExecutionProvider" and trt[0] == "TensorrtExecutionProvider"
+    cache_root = models / CACHE_DIR
+    opts = trt[1]
+    assert opts["trt_engine_cache_enable"] == "True" and opts["trt_timing_cache_enable"] == "True"
+    assert Path(opts["trt_engine_cache_path"]).parent == cache_root
+    assert opts["trt_timing_cache_path"] == str(cache_root)
+    assert Path(opts["trt_engine_cache_path"]).name == onnx_digest(
+        slots[-1] / "artefacts/model.onnx")[:32]
+    # Bounded: the newest three versions' folders stay; the same file maps to the same folder.
+    kept = sorted(d.name for d in cache_root.iterdir())
+    assert kept == sorted(onnx_digest(s / "artefacts/model.onnx")[:32] for s in slots[-3:])
+    engine_for(slots[-1], ["TensorrtExecutionProvider", "CPUExecutionProvider"])
+    assert sorted(d.name for d in cache_root.iterdir()) == kept
+    # Not asked for TensorRT: no options, no folder.
+    assert with_engine_cache(["CPUExecutionProvider"], slots[0], Path("-")) == [
+        "CPUExecutionProvider"]
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider .TensorrtExecutionProvider.")
+def test_a_models_folder_it_cannot_write_serves_without_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slot = make_slot(tmp_path)
+
+    def refuse(*_: Any, **__: Any) -> None:
+        raise PermissionError(13, "Permission denied", str(tmp_path / CACHE_DIR))
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    assert with_engine_cache(["TensorrtExecutionProvider", "CPUExecutionProvider"], slot,
+                             slot / "artefacts/model.onnx") == [
+        "TensorrtExecutionProvider", "CPUExecutionProvider"]
+    engine = engine_for(slot, ["TensorrtExecutionProvider", "CPUExecutionProvider"])
+    assert engine.providers == ("CPUExecutionProvider",)
