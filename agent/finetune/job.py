@@ -109,6 +109,27 @@ class FinetuneJob(BaseModel):
         return self
 
 
+def min_samples(effective_batch: int, val_fraction: float) -> int:
+    """The fewest samples whose training split (what hpc_core.data.split_indices leaves after
+    holding out val_fraction) still fills one optimizer step of effective_batch."""
+    n = effective_batch + 1
+    while n - max(1, round(n * val_fraction)) < effective_batch:
+        n += 1
+    return n
+
+
+def too_few_samples(samples: int, what: str, effective_batch: int,
+                    val_fraction: float) -> str | None:
+    """Why ``samples`` (held by ``what``) cannot feed one optimizer step, or None."""
+    need = min_samples(effective_batch, val_fraction)
+    if samples >= need:
+        return None
+    return (f"{what} holds {samples} labelled samples; a fine-tune needs at least {need} "
+            f"(finetune.effective_batch={effective_batch} training samples once "
+            f"finetune.val_fraction={val_fraction:g} is held out): let the device record "
+            "more, or lower finetune.effective_batch")
+
+
 @dataclass
 class FinetuneResult:
     report: dict[str, Any]

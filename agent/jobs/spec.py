@@ -33,10 +33,11 @@ from pydantic import (
     model_validator,
 )
 
-from agent.finetune.job import FinetuneJob
+from agent.finetune.job import FinetuneJob, too_few_samples
 from agent.jobs.evaluate_spec import EvaluateArgs, EvaluateJob
 from agent.jobs.names import ModelName, Name, Version
 from agent.spool.config import MARKER, SPOOL_DATA, is_spool, spool_dir
+from agent.spool.index import count_kept
 from exporters.job import ExportJob, Precision, TensorRTConfig
 from hpc_core.job_args import flag
 
@@ -421,10 +422,22 @@ def resolve(type_: str, args: BaseModel, settings: DeviceSettings) -> BaseModel:
     cache = export["tensorrt"]["timing_cache"]
     if cache is not None:
         export["tensorrt"]["timing_cache"] = str(settings.timing_caches / cache)
+    if args.data == SPOOL_DATA:
+        data = resolve_spool(args.model, settings)
+        # Refused now rather than after the pull; the fine-tune's snapshot checks again.
+        try:
+            samples = count_kept(data)
+        except OSError as e:
+            raise ArgsRefused("data", f"the spool {data} cannot be read: {e}") from None
+        why = too_few_samples(samples, f"the spool {data}", ft["effective_batch"],
+                              ft["val_fraction"])
+        if why is not None:
+            raise ArgsRefused("data", why)
+    else:
+        data = resolve_data(args.data, settings)
     return DeviceJob.model_validate({
         "model": args.model, "version": args.version,
-        "data": resolve_spool(args.model, settings) if args.data == SPOOL_DATA
-        else resolve_data(args.data, settings), "finetune": ft, "export": export,
+        "data": data, "finetune": ft, "export": export,
         "health": args.health.model_dump(),
         "upload": {"registry": upload_to, "version": args.upload.version},
         "steps": args.steps.model_dump(), "registry": settings.registry,

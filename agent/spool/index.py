@@ -275,6 +275,30 @@ class Index:
         return np.concatenate(xs), self.rows.y[r].copy(), self.rows.pseudo[r].copy()
 
 
+def count_kept(root: Path) -> int:
+    """The samples a snapshot of the spool at ``root`` would hold now (those of its newest
+    shape, less the evicted ones), read without its lock and without changing a file: for a
+    check when a job is submitted. The fine-tune's snapshot is the count that decides (age
+    limits apply there, and recording goes on in between)."""
+    newest: dict[str, tuple[int, str]] = {}
+    for name in os.listdir(root):
+        m = NAME_RE.match(name)
+        if m is not None and int(m.group(2)) >= newest.get(m.group(1), (-1, ""))[0]:
+            newest[m.group(1)] = (int(m.group(2)), name)
+    dead = _read_dead(root / DEAD)
+    kept: dict[tuple[int, ...], int] = {}
+    shape: tuple[int, ...] | None = None
+    for _, name in (newest[base] for base in sorted(newest)):  # recording order
+        try:
+            header, _, _ = read_header(root / name)
+        except (OSError, SegmentError):
+            continue  # rewritten or removed meanwhile, or not a segment: the snapshot decides
+        n, shape = header.shape[0], tuple(header.shape[1:])
+        evicted = {i for i in dead.get(name, []) if 0 <= i < n}
+        kept[shape] = kept.get(shape, 0) + n - len(evicted)
+    return kept.get(shape, 0) if shape is not None else 0
+
+
 def unlink(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         path.unlink()

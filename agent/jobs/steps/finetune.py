@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agent.finetune.job import too_few_samples
 from agent.finetune.memory_plan import BudgetTooSmall, plan_micro_batch
 from agent.finetune.setup import FinetuneSetup
 from agent.jobs.proctree import rss_mb
@@ -47,15 +48,6 @@ def _plan(ctx: JobContext, setup: FinetuneSetup) -> Any:
         raise StepFailed("finetune", str(e)) from None
 
 
-def min_samples(effective_batch: int, val_fraction: float) -> int:
-    """The fewest samples whose training split (what hpc_core.data.split_indices leaves after
-    holding out val_fraction) still fills one optimizer step of effective_batch."""
-    n = effective_batch + 1
-    while n - max(1, round(n * val_fraction)) < effective_batch:
-        n += 1
-    return n
-
-
 def _training_data(ctx: JobContext) -> dict[str, Any]:
     """Fix what the job learns from before anything trains (a spool: its snapshot), and
     refuse a spool too small for one optimizer step after the held-out split."""
@@ -64,14 +56,10 @@ def _training_data(ctx: JobContext) -> dict[str, Any]:
         data = fix_training_data(Path(ctx.spec.data), ctx.job_dir)
     except (OSError, ValueError) as e:
         raise StepFailed("finetune", f"data {ctx.spec.data}: {e}") from None
-    need = min_samples(ft.effective_batch, ft.val_fraction)
-    if data.source == "spool" and data.samples < need:
-        raise StepFailed(
-            "finetune", f"data: the spool {ctx.spec.data} holds {data.samples} labelled "
-            f"samples; a fine-tune needs at least {need} (finetune.effective_batch="
-            f"{ft.effective_batch} training samples once finetune.val_fraction="
-            f"{ft.val_fraction:g} is held out): let the device record more, or lower "
-            "finetune.effective_batch", code="BAD_ARGS")
+    why = too_few_samples(data.samples, f"data: the spool {ctx.spec.data}", ft.effective_batch,
+                          ft.val_fraction) if data.source == "spool" else None
+    if why is not None:
+        raise StepFailed("finetune", why, code="BAD_ARGS")
     ctx.event("finetune", status="data", source=data.source, samples=data.samples,
               pseudo_labelled=data.pseudo_labelled, sha256=data.sha256)
     return data.model_dump(mode="json")

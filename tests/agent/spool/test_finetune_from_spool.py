@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from agent.finetune.job import min_samples
+from agent.jobs.preflight import check_inputs
 from agent.jobs.spec import (
     ArgsRefused,
     DeployArgs,
@@ -23,9 +25,9 @@ from agent.jobs.spec import (
     FinetuneArgs,
     resolve,
 )
-from agent.jobs.steps.finetune import min_samples
 from agent.jobs.store import JobState, JobStore
 from agent.spool.config import SpoolConfig, spool_dir
+from agent.spool.index import count_kept
 from agent.spool.lineage import data_set_record
 from agent.spool.store import Spool
 from registry.manifest import Manifest, TrainingData, TrainingInfo
@@ -52,6 +54,12 @@ def test_data_spool_resolves_to_the_model_s_spool_and_nowhere_else(tmp_path: Pat
         resolve("finetune", args, s)
     assert e.value.field == "data" and "no spool for digits" in str(e.value)
     Spool(s.spool("digits"), SpoolConfig()).close()
+    # Found, but empty: refused at once, not after the pull (64 + its held-out 30% = 91).
+    with pytest.raises(ArgsRefused) as e:
+        resolve("finetune", args, s)
+    assert e.value.field == "data" and "holds 0 labelled samples" in str(e.value)
+    assert "at least 91" in str(e.value)
+    record_random(s.spool("digits"), 91)
     job = resolve("finetune", args, s)
     assert isinstance(job, DeviceJob)
     assert job.data == spool_dir(s.data_root.resolve(), "digits") == s.data_root.resolve() / \
@@ -64,6 +72,35 @@ def test_data_spool_resolves_to_the_model_s_spool_and_nowhere_else(tmp_path: Pat
                 settings(tmp_path).model_copy(update={"registry": "http://r"}))
     assert resolve("finetune", FinetuneArgs(model="digits", data="cam0"), s).data == \
         s.data_root.resolve() / "cam0"  # type: ignore[attr-defined]
+
+
+def record_random(root: Path, n: int, config: SpoolConfig | None = None) -> None:
+    rng = np.random.default_rng(0)
+    with Spool(root, config or SpoolConfig()) as spool:
+        for i in range(n):
+            spool.record(rng.random((1, 8, 8), dtype=np.float32), label=i % 10)
+
+
+def test_the_submission_count_is_the_spool_s_own_after_evictions(tmp_path: Path) -> None:
+    # Two of each class, then 60 of class 0 over a cap of 12: the first segment keeps 18 of
+    # its 20 rows (2 evicted: dead rows), whole later segments go. The count read without
+    # the lock agrees with the spool's own and with its snapshot.
+    root = tmp_path / "spool"
+    rng = np.random.default_rng(0)
+    with Spool(root, SpoolConfig(per_class_cap=12)) as spool:
+        spool.record(rng.random((20, 1, 8, 8), dtype=np.float32), label=np.arange(20) % 10)
+        for _ in range(3):
+            spool.record(rng.random((20, 1, 8, 8), dtype=np.float32),
+                         label=np.zeros(20, np.int64))
+        kept = spool.stats().samples
+        snap = spool.snapshot(tmp_path / "snap.npz")
+    assert json.loads((root / "dead.json").read_text())["dead"], "no partly evicted segment"
+    assert kept == 30 == count_kept(root) == snap.samples
+    # A sample of another shape is dropped by the spool, and not counted.
+    with Spool.open(root) as spool:
+        assert spool.record(np.zeros((1, 16, 16), np.float32), label=3) == 0
+    assert count_kept(root) == 30
+    assert count_kept(tmp_path) == 0  # no segments at all
 
 
 def test_a_spool_that_leads_out_of_data_root_is_refused(tmp_path: Path) -> None:
@@ -197,6 +234,11 @@ def test_a_spool_too_small_for_one_step_is_refused_naming_the_field(
     dev = make_device(template, registry, tmp_path / "dev")
     spool = tmp_path / "data" / "spool" / "digits"
     fill_spool(spool, dev.data, 40)
+    # agentctl finetune refuses it before anything is created (the daemon's commands in
+    # resolve, above); a job stored anyway is refused by its fine-tune step.
+    with pytest.raises(ValueError, match=f"--data {spool}: the spool holds 40 labelled") as e:
+        check_inputs(DeviceJob.model_validate(dev.spec(data=str(spool))))
+    assert "at least 91" in str(e.value)
     rec = run_job(dev, "s2", data=str(spool), steps={"export": False})
     assert rec.state == JobState.FAILED  # type: ignore[attr-defined]
     msg = json.dumps(rec.error)  # type: ignore[attr-defined]
