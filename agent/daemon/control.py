@@ -267,9 +267,11 @@ def request(
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout_s)
         s.connect(str(path))
-        f = s.makefile("rwb")
-        f.write(json.dumps(req).encode() + b"\n")
-        f.flush()
+        # A refused client is answered before the daemon reads (who we are decides): a write
+        # after that finds it gone, and the refusal waits below.
+        with contextlib.suppress(BrokenPipeError):
+            s.sendall(json.dumps(req).encode() + b"\n")
+        f = s.makefile("rb")
         for line in f:
             obj = json.loads(line)
             yield obj
