@@ -18,6 +18,7 @@ from fleet.cli_options import (
     EXIT_FAILED,
     EXIT_OK,
     UsageError,
+    field_help,
     read_json_arg,
 )
 from fleet.controller import Controller
@@ -216,7 +217,7 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
         if name == "name":
             continue
         flag = "--" + name.replace("_", "-")
-        h = (f.description or "").split("\n")[0].replace("%", "%%")
+        h = field_help(f)
         if f.annotation is bool:
             p.add_argument(flag, dest=f"plan_{name}", action="store_const", const=True, help=h)
         else:

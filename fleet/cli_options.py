@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
 from fleet.broker_config import BrokerConfigError, load_inventory
 from fleet.mqtt import BrokerConfig, FleetConnection
@@ -26,6 +27,12 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 class UsageError(Exception):
     """Bad arguments: printed and exit 2."""
+
+
+def field_help(f: FieldInfo) -> str:
+    """A plan field's whole description as its flag's help: argparse re-wraps it, so the
+    description's own line breaks go (its first line alone stops mid-sentence)."""
+    return " ".join((f.description or "").split()).replace("%", "%%")
 
 
 def _env(name: str, default: str | None = None) -> str | None:

@@ -19,6 +19,7 @@ from fleet.cli_options import (
     EXIT_FAILED,
     EXIT_OK,
     UsageError,
+    field_help,
     read_json_arg,
 )
 from fleet.controller import Controller
@@ -205,7 +206,7 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     for name, f in RolloutPlan.model_fields.items():
         flag = "--" + name.replace("_", "-")
         p.add_argument(flag, dest=f"plan_{name}", metavar="VALUE",
-                       help=(f.description or "").split("\n")[0].replace("%", "%%"))
+                       help=field_help(f))
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import re
 
+import pytest
+from pydantic import BaseModel
+
+from fleet.cli import main
+from fleet.learn_plan import LearnPlan
 from fleet.plan import PlanError, RolloutPlan, validate_plan
 
 
@@ -72,3 +77,23 @@ def test_execution_ids_fit_the_contract_for_the_longest_names() -> None:
     assert len(ids) == 16
     for i in ids:
         assert check_command_id(i) == i
+
+
+@pytest.mark.parametrize(("command", "model"), [
+    (["rollout", "create"], RolloutPlan),
+    (["learn", "start"], LearnPlan),
+])
+def test_every_plan_flag_help_says_the_whole_description(
+        command: list[str], model: type[BaseModel], capsys: pytest.CaptureFixture[str]) -> None:
+    """A flag's help is its plan field's description, whole (not its first line cut
+    mid-sentence): the flag and the plan file document one field once."""
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    def flat(s: str) -> str:  # argparse wraps lines, also after a hyphen
+        return re.sub(r"-\s+", "-", " ".join(s.split()))
+
+    text = flat(capsys.readouterr().out)
+    for name, f in model.model_fields.items():
+        if name == "name" or not f.description:
+            continue
+        assert flat(f.description) in text, name
