@@ -233,7 +233,10 @@ class LearnDriver:
             self.tools.pop(key).stop()
         if learn.state == "finished":
             for r in self.learns.rounds(learn.id):
-                run = self.ctl.runs.get(r.rollouts.get("finetune", ""))
+                rid = r.rollouts.get("finetune", "")
+                if rid == learn.plan.first_updates:
+                    continue  # the operator's own rollout: theirs to stop
+                run = self.ctl.runs.get(rid)
                 if run is not None and run.rollout.state in ("running", "paused"):
                     self.ctl.abort(run, f"learn {learn.id} finished: no round left for its "
                                         "uploads", now, rollback=False)
@@ -264,6 +267,18 @@ class LearnDriver:
         log.info("learn rollout", extra={"learn": learn.id, "round": rs.round,
                                          "phase": phase, "rollout": rid})
         return self._run(rid)
+
+    def _adopt_finetune(self, learn: Learn, rs: RoundState, name: str) -> None:
+        """Round 1's uploads come from a fine-tune rollout the operator already ran."""
+        found = self.store.rollout(name)
+        if found is None or found.plan.job != "finetune" or not (
+                found.plan.args.get("steps") or {}).get("upload"):
+            raise UpstreamError(f"first_updates: {name} is not a fine-tune rollout of this db "
+                                "whose args upload (steps.upload: true; fleetctl rollout list)")
+        rs.rollouts["finetune"] = found.id
+        self.learns.save_round(learn.id, rs)
+        log.info("learn rollout", extra={"learn": learn.id, "round": rs.round, "adopted": True,
+                                         "phase": "finetune", "rollout": found.id})
 
     def _tool(self, learn: Learn, rs: RoundState, name: str,
               argv: Callable[[], list[str]]) -> tuple[int, str] | None:
@@ -297,8 +312,11 @@ class LearnDriver:
         plan = learn.plan
         if "finetune" not in rs.rollouts:
             rs.collect_until = now + plan.collect_s
-            self._start_rollout(learn, rs, "finetune")
-            return None
+            if rs.round == 1 and plan.first_updates is not None:
+                self._adopt_finetune(learn, rs, plan.first_updates)
+            else:
+                self._start_rollout(learn, rs, "finetune")
+                return None
         chosen, dropped = collect(learn, rs, self.history[learn.id], self._run)
         if len(chosen) >= plan.min_updates:
             rs.updates, rs.dropped = chosen, dropped

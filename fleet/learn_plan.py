@@ -94,6 +94,10 @@ class LearnPlan(BaseModel):
     max_staleness: int = Field(default=0, ge=0, le=100)
     """Uploads fine-tuned from up to this many releases back still count (FedBuff weighting
     in ``hpc-train aggregate``); older ones are dropped."""
+    first_updates: str | None = None
+    """Round 1 combines the uploads of this fine-tune rollout, already run (``fleetctl rollout
+    create --job finetune`` with ``steps.upload``, its devices on ``base``), instead of
+    starting one: the devices' fine-tunes are not run twice. Later rounds start their own."""
     collect_s: float = Field(default=3600.0, gt=0)
     """Seconds from a round's fine-tune rollout to its aggregation at the latest: offline or
     slow devices do not hold a round; their uploads count in a later one."""
@@ -156,6 +160,11 @@ class LearnPlan(BaseModel):
     @classmethod
     def _data(cls, v: str) -> str:
         return check_id(v, "data set name")
+
+    @field_validator("first_updates")
+    @classmethod
+    def _first_updates(cls, v: str | None) -> str | None:
+        return v if v is None else check_id(v, "rollout name")
 
     @field_validator("waves", mode="before")
     @classmethod

@@ -178,6 +178,53 @@ def test_a_round_published_and_deployed_then_one_refused_keeps_its_base(
     assert (tmp_path / "reports" / "learn-nl.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_round_one_can_combine_the_uploads_of_a_fine_tune_rollout_already_run(
+    broker: BrokerConfig, learn_fleet: Callable[..., SimFleet], keys: dict[str, Path],
+    tmp_path: Path, env: dict[str, str],
+) -> None:
+    """``--first-updates ROLLOUT``: round 1 aggregates what an operator's fine-tune rollout
+    uploaded; no device fine-tunes twice, and the learn leaves that rollout alone."""
+    scores = Scores(gains={}, gain=0.02)
+    fleet = learn_fleet(scores, devices=3, behavior={"job_duration_s": 0.05})
+    ft = {"model": "digits", "version": "v1", "data": "cam0", "steps": {"upload": True}}
+    (tmp_path / "ft.json").write_text(json.dumps(ft))
+    r = subprocess.run([
+        *fleetctl_argv(broker, tmp_path), "rollout", "create", "--name", "ops-ft",
+        "--group", "sim", "--job", "finetune", "--args", f"@{tmp_path / 'ft.json'}",
+        "--timeout-s", "20"],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(scores.uploads) == 3
+    # A rollout that is not a fine-tune with uploads is refused by name.
+    r = subprocess.run(learn_argv(broker, tmp_path, *start_args(
+        "bad", keys, "--rounds", "1", "--max-device-drop", "2", "--first-updates", "nope")),
+        capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0
+    assert "first_updates: nope is not a fine-tune rollout" in status(tmp_path, "bad")["reason"]
+    r = subprocess.run(learn_argv(broker, tmp_path, *start_args(
+        "fu", keys, "--rounds", "1", "--min-updates", "3", "--max-device-drop", "2",
+        "--deploy", "--timeout-s", "20", "--first-updates", "ops-ft")),
+        capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    s = status(tmp_path, "fu")
+    (r1,) = s["history"]
+    assert (r1["outcome"], r1["release"], r1["deploy"]) == ("published", "fu-r1", "succeeded")
+    assert r1["updates"]["combined"] == 3
+    (agg,) = calls(tmp_path, "aggregate")
+    assert sorted(opt(agg, "--updates").split(",")) == sorted(v for _, v in scores.uploads)
+    assert len(scores.uploads) == 3  # nobody fine-tuned again
+    rollouts = {j.split(".")[0].rsplit("-", 1)[0] for d in fleet.devices.values()
+                for j in d.executed}
+    assert rollouts == {"ops-ft", "fu-r1-ev", "fu-r1-dp"}
+    assert not ran_twice(fleet)
+    store = FleetStore(tmp_path / "fleet.db")
+    try:
+        ops = store.rollout("ops-ft")
+        assert ops is not None and ops.state == "succeeded", ops
+    finally:
+        store.close()
+
+
 def test_offline_and_slow_devices_do_not_hold_a_round_a_late_upload_counts_next_round(
     broker: BrokerConfig, learn_fleet: Callable[..., SimFleet], keys: dict[str, Path],
     tmp_path: Path, env: dict[str, str],
