@@ -227,7 +227,7 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
 def _add_tool_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hpc-train", metavar="CMD",
                    help=f"how to run hpc-train (shell words; default ${HPC_TRAIN_ENV}, else "
-                        "this Python's -m hpc_core.cli)")
+                        "the hpc-train beside this Python)")
 
 
 EPILOG = """\

@@ -12,8 +12,8 @@ there already (``already_published``): versions are immutable, the tool never ov
 (The fleet reads no manifest itself: verifying one needs ``registry.pull``, whose imports
 reach into ``hpc_core``, which the import contract keeps out of ``fleet``.)
 
-The command is ``$FLEETCTL_HPC_TRAIN`` (or ``--hpc-train``), default ``python -m
-hpc_core.cli``, the ``hpc-train`` entry point of this environment.
+The command is ``$FLEETCTL_HPC_TRAIN`` (or ``--hpc-train``), default the ``hpc-train`` entry
+point of this environment.
 """
 
 from __future__ import annotations
@@ -38,13 +38,25 @@ GATES_REPORT = "gates.json"
 EXIT_REFUSED_BY_GATES = 4
 """``hpc-train publish``: a gate failed, nothing published."""
 MAX_REPORT_BYTES = 16 << 20
+EXIT_CRASHED = 70
+"""What ``ToolRun.poll`` reports for a tool that died of an uncaught exception (EX_SOFTWARE):
+the learn stops with its traceback's tail instead of skipping the round."""
+CHILD = str(Path(__file__).with_name("learn_child.py"))
+"""``fleet.learn_child``, the launcher that ties a tool to the controller."""
 
 
 def hpc_train_command(text: str | None = None) -> list[str]:
     """The upstream tool's argv prefix: ``text`` (shell words), ``$FLEETCTL_HPC_TRAIN``, or
-    this interpreter's ``-m hpc_core.cli``."""
+    this environment's ``hpc-train`` entry point (``-m hpc_core.cli`` where it has none).
+
+    The entry point first: ``python -m`` puts the working directory first on the module
+    path, so a folder there named like a package (an operator's ``registry/``) would be
+    imported in its place."""
     text = text if text is not None else os.environ.get(HPC_TRAIN_ENV)
-    return shlex.split(text) if text else [sys.executable, "-m", "hpc_core.cli"]
+    if text:
+        return shlex.split(text)
+    script = Path(sys.executable).parent / "hpc-train"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "hpc_core.cli"]
 
 
 class UpstreamError(Exception):
@@ -119,11 +131,23 @@ class ToolRun:
             out.write(f"$ {shlex.join(self.argv)}\n".encode())
             out.flush()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "fleet.learn_child", str(os.getpid()), "--", *self.argv],
+                # By path, not -m: see hpc_train_command (it imports the standard library only).
+                [sys.executable, CHILD, str(os.getpid()), "--", *self.argv],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
 
     def poll(self) -> int | None:
-        return self.proc.poll()
+        """The exit code once it ended; EXIT_CRASHED for an uncaught exception (Python exits
+        1 for one, the code the tools give a round's "too few updates")."""
+        code = self.proc.poll()
+        if code == 1 and self.crashed():
+            return EXIT_CRASHED
+        return code
+
+    def crashed(self) -> bool:
+        try:
+            return "Traceback (most recent call last):" in self.log.read_text(errors="replace")
+        except OSError:
+            return False
 
     def tail(self, lines: int = 6) -> str:
         try:

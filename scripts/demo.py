@@ -21,7 +21,14 @@
    gates -> stage -> health -> commit -> upload of each device's signed delta. The
    application keeps being served throughout: while its p99 is over the SLO the governor
    lowers the fine-tune's duty (limit "latency"), and at commit the runtime swaps to the new
-   version between two requests.
+   version between two requests;
+7. fleet learning: ``fleetctl learn`` runs one round on those uploads (``--first-updates``:
+   the devices do not fine-tune again): ``hpc-train aggregate`` verifies and combines the
+   three signed deltas (fedavg, weighted by samples), the candidate is published and scored
+   on each device's held-out data by an ``evaluate`` job (installing nothing), and, past the
+   device gate, published as the next upstream release, signed, with its lineage. The
+   summary shows the base, the aggregate and each device's own fine-tune on each device's
+   held-out data and on their union.
 
 Everything is driven through the command lines, MQTT and HTTP, as an operator would. The live
 view below follows the devices over MQTT (the fleet's operator account): temperature, the
@@ -70,6 +77,11 @@ DEVICES = {  # device id -> the camera it sees (scripts/make_device_data.py dist
     "edge-3": "blur,noise",
 }
 GROUP = "demo"
+LEARN = "fleet"
+"""The learning round's name: it publishes ``fleet-r1-candidate``, then ``fleet-r1``."""
+LEARN_MAX_DROP_PTS = 10.0
+"""The device gate: the aggregate is released only if no device's held-out accuracy drops
+more than this many points below the base's."""
 APP_RATE_HZ = 20.0
 """Requests a second each device's application sends (batch 1, one at a time)."""
 APP_SLO_MS = 3.0
@@ -219,6 +231,12 @@ class Mission:
         self.mq: mqtt.Client | None = None
         self.app_ports: dict[str, int] = {}
         self.apps: dict[str, AppLoad] = {}
+        self.learn_status = ""
+        """``fleetctl learn status`` once the learning round ended."""
+        self.finetunes: dict[str, JobOutcome] = {}
+        """The rollout's outcomes, kept before the learning round's jobs report."""
+        self.learn_round: dict[str, Any] = {}
+        """Its round, as ``fleetctl learn status --json`` shows it."""
 
     # --- processes -----------------------------------------------------------------------
 
@@ -550,14 +568,20 @@ class Mission:
         args.write_text(json.dumps(self.job_args, indent=2))
         self.say("fleet", f"rollout of a finetune job to group '{GROUP}': wave 1 = 1 canary, "
                           "wave 2 = the rest")
-        cmd = [str(BIN / "fleetctl"), "--log-format", "text",
-               "--port", str(self.operator_port), "--username", "fleet-controller",
-               "--password-file", str(self.operator_password_file("fleet-controller")),
-               "--db", str(self.out / "fleet.db"), "--report-dir", str(self.out / "reports"),
-               "rollout", "create", "--name", "demo", "--group", GROUP, "--job", "finetune",
-               "--args", f"@{args}", "--waves", "1,100%", "--bake-s", "3",
+        cmd = [*self.fleetctl(), "rollout", "create", "--name", "demo", "--group", GROUP,
+               "--job", "finetune", "--args", f"@{args}", "--waves", "1,100%", "--bake-s", "3",
                "--abort-failure-rate", "0.5", "--min-completed", "1",
                "--max-metric-drop", "0.05", "--timeout-s", "600"]
+        return self._stream(cmd)
+
+    def fleetctl(self) -> list[str]:
+        """fleetctl as the operator's controller account, on the demo's fleet db."""
+        return [str(BIN / "fleetctl"), "--log-format", "text",
+                "--port", str(self.operator_port), "--username", "fleet-controller",
+                "--password-file", str(self.operator_password_file("fleet-controller")),
+                "--db", str(self.out / "fleet.db"), "--report-dir", str(self.out / "reports")]
+
+    def _stream(self, cmd: list[str]) -> int:
         with subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, cwd=self.out) as p:
             self.procs.append(("fleet", p))  # type: ignore[arg-type]
@@ -566,6 +590,59 @@ class Mission:
                 if line.strip():
                     self.say("fleet", line.rstrip())
         return p.returncode
+
+    def learn(self) -> int:
+        """One round of fleet learning on the rollout's uploads: aggregate, evaluate on the
+        devices, publish behind the gate. Not deployed here: each device's own fine-tune
+        beats the aggregate on its own camera, and its deploy health check would roll the
+        aggregate back; the release is the base the next round fine-tunes from, and what a
+        new device starts from."""
+        self.say("fleet", f"learning round: the {len(DEVICES)} uploads of rollout 'demo' -> "
+                          "hpc-train aggregate (fedavg) -> evaluate on every device -> "
+                          f"publish {LEARN}-r1 if no device loses over {LEARN_MAX_DROP_PTS:g} "
+                          "points")
+        self.finetunes = self._outcomes()  # the evaluate jobs' results replace them
+        code = self._stream([
+            *self.fleetctl(), "learn", "start", LEARN, "--group", GROUP, "--model", MODEL,
+            "--base", "1", "--rounds", "1", "--data", "camera.npz",
+            # Upstream writes the registry's folder; the server serves what it holds.
+            "--registry", str(self.out / "registry"),
+            "--trusted-keys", str(self.out / "registry-trusted"),
+            "--sign-key", str(self.out / "keys/upstream.key.pem"),
+            "--first-updates", "demo", "--min-updates", str(len(DEVICES)),
+            "--min-devices", str(len(DEVICES)), "--max-device-drop", str(LEARN_MAX_DROP_PTS),
+            "--timeout-s", "600"])
+        status = [*self.fleetctl(), "learn", "status", LEARN]
+        self.learn_status = self.run("fleet", status)
+        (self.learn_round,) = json.loads(self.run("fleet", [*status, "--json"]))["history"]
+        r1 = self.learn_round
+        if code == 0 and r1["outcome"] != "published":
+            self.say("fleet", f"learning round: {r1['outcome'] or r1['phase']}: {r1['reason']}")
+            code = 1
+        return code
+
+    def learn_summary(self) -> None:
+        """Per device and on the union of their held-out data: the base, the aggregate, and
+        the device's own fine-tune (what its rollout committed)."""
+        r1, outcomes = self.learn_round, self.finetunes
+        evals = {e["device"]: e for e in r1["evaluations"]}
+        print(f"fleet learning ({LEARN}-r1 = fedavg of {r1['updates']['combined']} device "
+              "updates), accuracy on each device's held-out data:")
+        rows = [("device", "camera", "base 1", f"aggregate {LEARN}-r1", "own fine-tune")]
+        for dev, camera in DEVICES.items():
+            e, o = evals.get(dev), outcomes.get(dev)
+            own = o.metrics_after.get("eval/acc") if o else None
+            rows.append((dev, camera, f"{e['base_accuracy']:.1%}" if e else "-",
+                         f"{e['candidate_accuracy']:.1%}" if e else "-",
+                         f"{own:.1%}" if own is not None else "-"))
+        ev = r1["evaluation"]
+        rows.append(("union", "", f"{ev['base_accuracy']:.1%}", f"{ev['candidate_accuracy']:.1%}",
+                     ""))
+        _table(rows)
+        print(f"fleet learning: base 1 -> {LEARN}-r1 on the union of the devices' data "
+              f"{ev['base_accuracy']:.1%} -> {ev['candidate_accuracy']:.1%} "
+              f"({ev['mean_gain_pts']:+.1f} pts); published, signed by upstream, with its "
+              "lineage; each device keeps its own fine-tune (better on its own camera)")
 
     def _outcomes(self) -> dict[str, JobOutcome]:
         return {dev: JobOutcome.model_validate(r) for dev, r in self.results.items()}
@@ -754,11 +831,19 @@ def main(argv: list[str] | None = None) -> int:
             mission.finish_apps()
             if not mission.summary() and code == 0:
                 code = 1
+            if code == 0:
+                code = mission.learn()
+                print()
+                print(mission.learn_status)
+                print()
+                mission.learn_summary()
+                print(f"report: {out / 'reports' / f'learn-{LEARN}.png'}")
         except KeyboardInterrupt:
             view("demo", "interrupted: stopping every process it started")
             code = 130
         except DemoError as e:
             view("demo", f"failed: {e}")
+            code = 1
         finally:
             mission.stop_all()
     view("demo", f"done (exit {code}); everything is under {out}")

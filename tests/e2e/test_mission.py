@@ -215,3 +215,47 @@ def test_uploads_are_signed_children_of_the_upstream_version(
         for f in (state / "trusted_keys").glob(f"{dev}.*"):
             shutil.copy(f, trusted)
         _cli(*pull, "--state-dir", str(tmp_path / dev / "s2"))
+
+
+def test_the_fleet_learned_from_the_uploads_in_one_round(
+    mission: tuple[Path, str], registry_url: str
+) -> None:
+    """The learning round combined the three uploads of the rollout (no device fine-tuned
+    again), each device scored the candidate without installing it, and upstream published
+    the aggregate, signed, with its lineage; it beats the base on the devices' data."""
+    out, log = mission
+    fleet = ["fleetctl", "--db", str(out / "fleet.db"), "--report-dir", str(out / "reports")]
+    s = json.loads(_cli(*fleet, "learn", "status", "fleet", "--json").stdout)
+    assert s["state"] == "finished", s
+    (r1,) = s["history"]
+    assert (r1["outcome"], r1["release"], r1["base"]) == ("published", "fleet-r1", "1"), r1
+    assert r1["updates"]["combined"] == len(DEVICES) and r1["updates"]["skipped"] == 0, r1
+    assert sorted(e["device"] for e in r1["evaluations"]) == sorted(DEVICES)
+    assert all(g["passed"] for g in r1["gates"]), r1["gates"]
+    assert r1["evaluation"]["mean_gain_pts"] > 0, r1["evaluation"]
+    uploaded = sorted(_finetune_job(out / "devices" / d / "state")["result"]["uploaded"]
+                      ["version"] for d in DEVICES)  # one fine-tune each: none ran again
+    manifest = json.loads(_get(registry_url, f"/{MODEL}/fleet-r1/manifest.json"))
+    assert (manifest["parent"], manifest["signer"]["name"]) == ("1", "upstream")
+    assert sorted(manifest["training"]["aggregate"]["combined"]) == uploaded
+    for dev in DEVICES:  # scored on the device, installed nowhere
+        state = out / "devices" / dev / "state"
+        jobs = [json.loads(line) for line in _cli("agentctl", "jobs", "--json", "--state-dir",
+                                                  str(state)).stdout.splitlines() if line.strip()]
+        assert [j["state"] for j in jobs if j["type"] == "evaluate"] == ["SUCCEEDED"], jobs
+        models = _cli("agentctl", "models", "--state-dir", str(state)).stdout
+        assert "fleet-r1" not in models, models
+    # The summary's table: per device the base, the aggregate (as the device scored it) and
+    # the device's own fine-tune (as its job reported it).
+    start = next(i for i, line in enumerate(log.splitlines())
+                 if line.startswith("device") and "own fine-tune" in line)
+    scored = {e["device"]: e for e in r1["evaluations"]}
+    for line in log.splitlines()[start + 2:start + 2 + len(DEVICES)]:
+        dev, _, base, cand, own = re.split(r"\s{2,}", line.strip())
+        after = _finetune_job(out / "devices" / dev / "state")["result"]["metrics_after"]
+        assert (base, cand, own) == (f"{100 * scored[dev]['base_accuracy']:.1f}%",
+                                     f"{100 * scored[dev]['candidate_accuracy']:.1f}%",
+                                     f"{100 * after['eval/acc']:.1f}%"), line
+    assert re.search(r"^fleet learning: base 1 -> fleet-r1 on the union of the devices' data "
+                     r"[\d.]+% -> [\d.]+%", log, re.M), log[-3000:]
+    assert (out / "reports/learn-fleet.png").read_bytes()[:4] == b"\x89PNG"

@@ -119,6 +119,8 @@ def main(argv: list[str]) -> int:
     _log(argv)
     cmd, rest = argv[0], argv[1:]
     fail = os.environ.get("FAKE_HPC_TRAIN_FAIL", "")
+    if fail == f"{cmd}:crash":
+        raise RuntimeError("simulated crash")
     if fail.startswith(f"{cmd}:"):
         print(f"{cmd}: simulated failure: --trusted-keys holds no key", file=sys.stderr)
         return int(fail.split(":")[1])

@@ -432,20 +432,25 @@ def test_dp_options_reach_the_aggregation_accounted_over_the_learns_rounds(
     assert "--clip-norm" in argv
 
 
+@pytest.mark.parametrize(("fail", "said"), [
+    ("aggregate:2", ["hpc-train aggregate exit 2", "--trusted-keys holds no key"]),
+    # A crash exits 1 like "too few updates": it must stop the learn, not skip the round.
+    ("aggregate:crash", ["hpc-train aggregate exit 70", "RuntimeError: simulated crash"]),
+])
 def test_a_tool_that_fails_stops_the_learn_and_resume_goes_on_from_that_phase(
     broker: BrokerConfig, learn_fleet: Callable[..., SimFleet], keys: dict[str, Path],
-    tmp_path: Path, env: dict[str, str],
+    tmp_path: Path, env: dict[str, str], fail: str, said: list[str],
 ) -> None:
     fleet = learn_fleet(Scores(), devices=2, behavior={"job_duration_s": 0.05})
     r = subprocess.run(learn_argv(broker, tmp_path, *start_args(
         "f", keys, "--min-updates", "2", "--min-mean-gain", "1", "--rounds", "1")),
-        capture_output=True, text=True, env=env | {"FAKE_HPC_TRAIN_FAIL": "aggregate:2"},
+        capture_output=True, text=True, env=env | {"FAKE_HPC_TRAIN_FAIL": fail},
         timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
     s = status(tmp_path, "f")
     assert s["state"] == "failed" and s["current"]["phase"] == "aggregate"
-    assert "round 1, aggregate: hpc-train aggregate exit 2" in s["reason"]
-    assert "--trusted-keys holds no key" in s["reason"]
+    assert f"round 1, aggregate: {said[0]}" in s["reason"]
+    assert said[1] in s["reason"]
     r = subprocess.run(learn_argv(broker, tmp_path, "list"), capture_output=True, text=True,
                        env=env, timeout=60)
     assert r.returncode == 0 and "f   failed  1/1" in r.stdout, r.stdout
