@@ -47,7 +47,8 @@ CHILD = str(Path(__file__).with_name("learn_child.py"))
 
 def hpc_train_command(text: str | None = None) -> list[str]:
     """The upstream tool's argv prefix: ``text`` (shell words), ``$FLEETCTL_HPC_TRAIN``, or
-    this environment's ``hpc-train`` entry point (``-m hpc_core.cli`` where it has none).
+    this environment's ``hpc-train`` entry point (``-m hpc_core.cli`` where it has none, with
+    ``-P`` from 3.11 on).
 
     The entry point first: ``python -m`` puts the working directory first on the module
     path, so a folder there named like a package (an operator's ``registry/``) would be
@@ -56,7 +57,9 @@ def hpc_train_command(text: str | None = None) -> list[str]:
     if text:
         return shlex.split(text)
     script = Path(sys.executable).parent / "hpc-train"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "hpc_core.cli"]
+    if script.is_file():
+        return [str(script)]
+    return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "hpc_core.cli"]
 
 
 class UpstreamError(Exception):
