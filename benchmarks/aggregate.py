@@ -10,11 +10,16 @@ side by side on a warm page cache:
 * ``run_round`` in a fresh process (every update verified, measured and combined), its wall
   time and its peak RSS growth over the process's RSS after imports.
 
+``--cache cold`` drops the chunk files from the page cache before each of the three, so
+each reads from the disk (the target compares with that); the default, warm, reads
+everything once before each.
+
 Printed: time ratio to the plain read (target <= 2x) and to the hashing read, and peak RSS
 growth over the model's size (target <= 3x).
 
     python benchmarks/aggregate.py                                   # 100 x 25 M parameters
     python benchmarks/aggregate.py --updates-count 10 --params 5e6   # quick
+    python benchmarks/aggregate.py --cache cold                      # from the disk
 """
 
 from __future__ import annotations
@@ -95,6 +100,19 @@ def build(where: Path, n: int, params: int, tensors: int, seed: int) -> tuple[Fl
     return fleet, versions
 
 
+def evict(fleet: FleetRegistry, versions: list[Manifest]) -> None:
+    """Drop these versions' chunk files from the page cache (POSIX_FADV_DONTNEED; no root
+    needed): the next read comes from the disk."""
+    os.sync()  # dirty pages are not dropped
+    for m in versions:
+        for c in m.chunks:
+            fd = os.open(fleet.store.path(chunk_key(c.sha256)), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def read_all(fleet: FleetRegistry, versions: list[Manifest], *, hashing: bool) -> float:
     """Seconds to read (and optionally sha256) every chunk of these versions once."""
     buf = memoryview(bytearray(1 << 20))
@@ -132,6 +150,10 @@ def main() -> None:
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="where the temporary registry goes (needs N+1 models of disk)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cache", choices=("warm", "cold"), default="warm",
+                    help="warm: every byte read once before each measurement (page cache); "
+                         "cold: the chunk files dropped from the page cache before each (the "
+                         "reads come from the disk)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="aggregate-bench-", dir=args.work_dir))
     try:
@@ -144,12 +166,23 @@ def main() -> None:
               f"({model_bytes // 4 / 1e6:.1f} M float32 parameters); {total / 1e9:.2f} GB "
               f"read per pass; built in {time.perf_counter() - t0:.0f} s")
         krum_f = max(0, min(2, (args.updates_count - 3) // 2))
+        print(f"page cache: {args.cache} before each measurement")
         print(f"{'strategy':<13} {'aggregate s':>11} {'read s':>7} {'ratio':>6} "
               f"{'read+sha s':>10} {'ratio':>6} {'RSS growth MB':>13} {'x model':>7}")
+        cold = args.cache == "cold"
+
+        def cache() -> None:  # before each measurement: the same start for all three
+            if cold:
+                evict(fleet, versions)
+            else:
+                read_all(fleet, versions, hashing=False)
+
         for strategy in args.strategies.split(","):
-            read_all(fleet, versions, hashing=False)  # warm the page cache
+            cache()
             plain = read_all(fleet, versions, hashing=False)
+            cache()
             hashed = read_all(fleet, versions, hashing=True)
+            cache()
             got = aggregate(fleet, strategy, work / f"out-{strategy}", krum_f, args.block_mb)
             assert got["combined"] == args.updates_count and not got["torch"]
             growth = got["rss_growth_bytes"]
