@@ -18,6 +18,7 @@ from pydantic import (
 )
 
 from agent.pacing.app_latency import AppLatencySource
+from agent.spool.index import count_kept
 
 TRAINABLE_RE = re.compile(r"^(head|all|last_n:([1-9][0-9]*))$")
 PROFILE_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
@@ -128,6 +129,16 @@ def too_few_samples(samples: int, what: str, effective_batch: int,
             f"(finetune.effective_batch={effective_batch} training samples once "
             f"finetune.val_fraction={val_fraction:g} is held out): let the device record "
             "more, or lower finetune.effective_batch")
+
+
+def spool_too_small(root: Path, effective_batch: int, val_fraction: float) -> str | None:
+    """Why the spool at ``root`` cannot feed one optimizer step now (or cannot be read), or
+    None: the check when a job is submitted (the fine-tune's snapshot checks again)."""
+    try:
+        samples = count_kept(root)
+    except OSError as e:
+        return f"the spool {root} cannot be read: {e}"
+    return too_few_samples(samples, f"the spool {root}", effective_batch, val_fraction)
 
 
 @dataclass

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.finetune.job import too_few_samples
+from agent.finetune.job import spool_too_small
 from agent.jobs.spec import DeviceJob
 from agent.spool.config import is_spool
-from agent.spool.index import count_kept
 
 
 def check_signing_key(job: DeviceJob, state_dir: Path) -> None:
@@ -58,14 +57,9 @@ def check_inputs(job: DeviceJob, state_dir: Path | None = None) -> None:
     if not data.exists():
         raise ValueError(f"--data {data}: no such file or folder")
     if is_spool(data):  # recorded samples: the fine-tune step snapshots them, checks again
-        ft = job.finetune
-        try:
-            samples = count_kept(data)
-        except OSError as e:
-            raise ValueError(f"--data {data}: the spool cannot be read: {e}") from None
-        why = too_few_samples(samples, "the spool", ft.effective_batch, ft.val_fraction)
+        why = spool_too_small(data, job.finetune.effective_batch, job.finetune.val_fraction)
         if why is not None:
-            raise ValueError(f"--data {data}: {why}")
+            raise ValueError(f"--data: {why}")
         return
     if data.is_dir():
         if not any(p.is_dir() and any(p.iterdir()) for p in data.iterdir()):

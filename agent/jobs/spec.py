@@ -33,11 +33,10 @@ from pydantic import (
     model_validator,
 )
 
-from agent.finetune.job import FinetuneJob, too_few_samples
+from agent.finetune.job import FinetuneJob, spool_too_small
 from agent.jobs.evaluate_spec import EvaluateArgs, EvaluateJob
 from agent.jobs.names import ModelName, Name, Version
 from agent.spool.config import MARKER, SPOOL_DATA, is_spool, spool_dir
-from agent.spool.index import count_kept
 from exporters.job import ExportJob, Precision, TensorRTConfig
 from hpc_core.job_args import flag
 
@@ -425,12 +424,7 @@ def resolve(type_: str, args: BaseModel, settings: DeviceSettings) -> BaseModel:
     if args.data == SPOOL_DATA:
         data = resolve_spool(args.model, settings)
         # Refused now rather than after the pull; the fine-tune's snapshot checks again.
-        try:
-            samples = count_kept(data)
-        except OSError as e:
-            raise ArgsRefused("data", f"the spool {data} cannot be read: {e}") from None
-        why = too_few_samples(samples, f"the spool {data}", ft["effective_batch"],
-                              ft["val_fraction"])
+        why = spool_too_small(data, ft["effective_batch"], ft["val_fraction"])
         if why is not None:
             raise ArgsRefused("data", why)
     else:

@@ -146,14 +146,8 @@ class Index:
     def rescan(self) -> None:
         """Bring the index in line with the files: new segments read (headers only), vanished
         ones forgotten, superseded generations deleted, ``dead.json`` applied."""
-        found: dict[str, list[tuple[int, str]]] = {}
-        for name in os.listdir(self.root):
-            m = NAME_RE.match(name)
-            if m is not None:
-                found.setdefault(m.group(1), []).append((int(m.group(2)), name))
         present: dict[str, int] = {}
-        for gens in found.values():
-            gens.sort()
+        for gens in generations(self.root).values():
             for _, name in gens[:-1]:  # a compaction cut short: its newer file is whole
                 unlink(self.root / name)
             present[gens[-1][1]] = gens[-1][0]
@@ -275,16 +269,25 @@ class Index:
         return np.concatenate(xs), self.rows.y[r].copy(), self.rows.pseudo[r].copy()
 
 
+def generations(root: Path | str) -> dict[str, list[tuple[int, str]]]:
+    """The segment files in ``root`` by segment, ``(generation, file name)`` oldest first (a
+    compaction writes the next generation, then deletes the one it replaces)."""
+    found: dict[str, list[tuple[int, str]]] = {}
+    for name in os.listdir(root):
+        m = NAME_RE.match(name)
+        if m is not None:
+            found.setdefault(m.group(1), []).append((int(m.group(2)), name))
+    for gens in found.values():
+        gens.sort()
+    return found
+
+
 def count_kept(root: Path) -> int:
     """The samples a snapshot of the spool at ``root`` would hold now (those of its newest
     shape, less the evicted ones), read without its lock and without changing a file: for a
     check when a job is submitted. The fine-tune's snapshot is the count that decides (age
     limits apply there, and recording goes on in between)."""
-    newest: dict[str, tuple[int, str]] = {}
-    for name in os.listdir(root):
-        m = NAME_RE.match(name)
-        if m is not None and int(m.group(2)) >= newest.get(m.group(1), (-1, ""))[0]:
-            newest[m.group(1)] = (int(m.group(2)), name)
+    newest = {base: gens[-1] for base, gens in generations(root).items()}
     dead = _read_dead(root / DEAD)
     kept: dict[tuple[int, ...], int] = {}
     shape: tuple[int, ...] | None = None

@@ -236,7 +236,7 @@ def test_a_spool_too_small_for_one_step_is_refused_naming_the_field(
     fill_spool(spool, dev.data, 40)
     # agentctl finetune refuses it before anything is created (the daemon's commands in
     # resolve, above); a job stored anyway is refused by its fine-tune step.
-    with pytest.raises(ValueError, match=f"--data {spool}: the spool holds 40 labelled") as e:
+    with pytest.raises(ValueError, match=f"--data: the spool {spool} holds 40 labelled") as e:
         check_inputs(DeviceJob.model_validate(dev.spec(data=str(spool))))
     assert "at least 91" in str(e.value)
     rec = run_job(dev, "s2", data=str(spool), steps={"export": False})
