@@ -131,6 +131,7 @@ class ToolRun:
         self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
+            self.start = out.tell()  # the log is appended to across restarts: this run's part
             out.write(f"$ {shlex.join(self.argv)}\n".encode())
             out.flush()
             self.proc = subprocess.Popen(
@@ -147,8 +148,11 @@ class ToolRun:
         return code
 
     def crashed(self) -> bool:
+        """This run's output holds a Python traceback."""
         try:
-            return "Traceback (most recent call last):" in self.log.read_text(errors="replace")
+            with open(self.log, "rb") as f:
+                f.seek(self.start)
+                return b"Traceback (most recent call last):" in f.read()
         except OSError:
             return False
 

@@ -42,3 +42,7 @@ def test_a_tool_that_crashes_is_told_from_one_that_found_too_few_updates(
     too_few = ToolRun(["python3", "-c", script], ["few"], tmp_path / "few.log")
     assert _wait(crash) == 70 and "ZeroDivisionError" in crash.tail()
     assert _wait(too_few) == 1
+    # The log is appended to across controller restarts: an earlier run's traceback does not
+    # make a later "too few" a crash.
+    again = ToolRun(["python3", "-c", script], ["few"], tmp_path / "crash.log")
+    assert _wait(again) == 1
