@@ -639,10 +639,15 @@ class Mission:
         rows.append(("union", "", f"{ev['base_accuracy']:.1%}", f"{ev['candidate_accuracy']:.1%}",
                      ""))
         _table(rows)
+        own_better = all(
+            o is not None and dev in evals
+            and o.metrics_after.get("eval/acc", 0.0) > evals[dev]["candidate_accuracy"]
+            for dev, o in ((d, outcomes.get(d)) for d in DEVICES))
         print(f"fleet learning: base 1 -> {LEARN}-r1 on the union of the devices' data "
               f"{ev['base_accuracy']:.1%} -> {ev['candidate_accuracy']:.1%} "
               f"({ev['mean_gain_pts']:+.1f} pts); published, signed by upstream, with its "
-              "lineage; each device keeps its own fine-tune (better on its own camera)")
+              "lineage; not deployed: each device keeps its own fine-tune"
+              + (" (better on its own camera than the aggregate)" if own_better else ""))
 
     def _outcomes(self) -> dict[str, JobOutcome]:
         return {dev: JobOutcome.model_validate(r) for dev, r in self.results.items()}
@@ -835,8 +840,9 @@ def main(argv: list[str] | None = None) -> int:
                 code = mission.learn()
                 print()
                 print(mission.learn_status)
-                print()
-                mission.learn_summary()
+                if code == 0:  # published: every device scored it
+                    print()
+                    mission.learn_summary()
                 print(f"report: {out / 'reports' / f'learn-{LEARN}.png'}")
         except KeyboardInterrupt:
             view("demo", "interrupted: stopping every process it started")
