@@ -11,15 +11,26 @@ after the commit flips ``current`` to it. Never inside a slot: a slot holds the 
 version's files only. The timing cache (kernel timings, reusable across models) sits one level
 up, shared. Bounded: the :data:`KEEP` most recently used folders stay (the active version, the
 standby, and one being staged); older ones are removed when a session is set up.
+
+An engine is valid only for the software that built it: ONNX Runtime's TensorRT EP and the
+TensorRT it links, and on a Jetson the L4T release (JetPack) with its driver. The folder name
+carries a hash of that platform (:func:`engine_platform`) and holds it as ``platform.json``,
+so after a JetPack upgrade the next session builds a fresh engine instead of loading one the
+new TensorRT cannot run; the old folder ages out with the bound.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
+
+from hpc_core.atomic import write_json_atomic
 
 log = logging.getLogger("agent.runtime")
 
@@ -40,11 +51,52 @@ def onnx_digest(onnx: Path) -> str:
     return h.hexdigest()
 
 
-def engine_cache_dir(slot_path: Path, onnx: Path) -> Path:
-    """This ONNX file's engine folder (created, marked as just used), older ones pruned."""
+TEGRA_RELEASE = Path("/etc/nv_tegra_release")
+_L4T_RE = re.compile(r"#\s*R(\d+)\s*\(release\),\s*REVISION:\s*([\d.]+)")
+
+
+def l4t_release(path: Path = TEGRA_RELEASE) -> str | None:
+    """The Jetson's L4T release from the first line of ``/etc/nv_tegra_release`` (``# R36
+    (release), REVISION: 4.3, GCID: ...`` -> ``R36.4.3``, JetPack 6.2); None elsewhere."""
+    try:
+        with open(path, errors="replace") as f:
+            first = f.readline()
+    except OSError:
+        return None
+    m = _L4T_RE.match(first.strip())
+    return f"R{m.group(1)}.{m.group(2)}" if m else None
+
+
+@functools.lru_cache(maxsize=1)
+def engine_platform() -> dict[str, str]:
+    """What this host's TensorRT engines are valid for: ONNX Runtime's version, TensorRT's
+    (where its Python package imports) and the L4T release (on a Jetson)."""
+    import onnxruntime
+
+    out = {"onnxruntime": onnxruntime.__version__}
+    try:
+        import tensorrt  # type: ignore[import-not-found]
+
+        out["tensorrt"] = str(tensorrt.__version__)
+    except ImportError:
+        pass
+    release = l4t_release()
+    if release is not None:
+        out["l4t"] = release
+    return out
+
+
+def engine_cache_dir(slot_path: Path, onnx: Path,
+                     platform: dict[str, str] | None = None) -> Path:
+    """This ONNX file's engine folder on this platform (created with its ``platform.json``,
+    marked as just used), older ones pruned."""
+    platform = engine_platform() if platform is None else platform
+    tag = hashlib.sha256(json.dumps(platform, sort_keys=True).encode()).hexdigest()[:8]
     root = Path(slot_path).resolve().parent / CACHE_DIR
-    path = root / onnx_digest(onnx)[:32]
+    path = root / f"{onnx_digest(onnx)[:32]}-{tag}"
     path.mkdir(parents=True, exist_ok=True)
+    if not (path / "platform.json").is_file():
+        write_json_atomic(path / "platform.json", platform)
     os.utime(path)  # used now: pruning goes by the folders' modification times
     _prune(root, keep=path)
     return path

@@ -17,7 +17,14 @@ import pytest
 
 from agent.runtime import tensorrt_engine
 from agent.runtime.engines import NoServableArtefactError, OnnxEngine, engine_for, onnx_providers
-from agent.runtime.trt_cache import CACHE_DIR, onnx_digest, with_engine_cache
+from agent.runtime.trt_cache import (
+    CACHE_DIR,
+    engine_cache_dir,
+    engine_platform,
+    l4t_release,
+    onnx_digest,
+    with_engine_cache,
+)
 from tests.agent.runtime.conftest import INPUT_SHAPE, served_version, tiny_onnx
 
 
@@ -175,11 +182,14 @@ def test_the_tensorrt_provider_gets_an_engine_cache_per_model_file_beside_the_sl
     assert opts["trt_engine_cache_enable"] == "True" and opts["trt_timing_cache_enable"] == "True"
     assert Path(opts["trt_engine_cache_path"]).parent == cache_root
     assert opts["trt_timing_cache_path"] == str(cache_root)
-    assert Path(opts["trt_engine_cache_path"]).name == onnx_digest(
-        slots[-1] / "artefacts/model.onnx")[:32]
+    assert Path(opts["trt_engine_cache_path"]).name.startswith(onnx_digest(
+        slots[-1] / "artefacts/model.onnx")[:32] + "-")
+    assert json.loads((Path(opts["trt_engine_cache_path"]) / "platform.json").read_text()) \
+        == engine_platform()
     # Bounded: the newest three versions' folders stay; the same file maps to the same folder.
     kept = sorted(d.name for d in cache_root.iterdir())
-    assert kept == sorted(onnx_digest(s / "artefacts/model.onnx")[:32] for s in slots[-3:])
+    assert [k.split("-")[0] for k in kept] == sorted(
+        onnx_digest(s / "artefacts/model.onnx")[:32] for s in slots[-3:])
     engine_for(slots[-1], ["TensorrtExecutionProvider", "CPUExecutionProvider"])
     assert sorted(d.name for d in cache_root.iterdir()) == kept
     # Not asked for TensorRT: no options, no folder.
@@ -202,3 +212,40 @@ def test_a_models_folder_it_cannot_write_serves_without_the_cache(
         "TensorrtExecutionProvider", "CPUExecutionProvider"]
     engine = engine_for(slot, ["TensorrtExecutionProvider", "CPUExecutionProvider"])
     assert engine.providers == ("CPUExecutionProvider",)
+
+
+# /etc/nv_tegra_release as Jetsons ship it (first lines; JetPack 6.0 as NVIDIA's docs print it,
+# JetPack 6.2.x as a device reported it).
+NV_TEGRA_RELEASE = {
+    "R36.3.0": "# R36 (release), REVISION: 3.0, GCID: 36923193, BOARD: generic, EABI: aarch64, "
+               "DATE: Fri Jul 19 23:24:25 UTC 2024\n# KERNEL_VARIANT: oot\n",
+    "R36.4.7": "# R36 (release), REVISION: 4.7, GCID: 42132812, BOARD: generic, EABI: aarch64, "
+               "DATE: Thu Sep 18 22:54:44 UTC 2025\n# KERNEL_VARIANT: oot\n",
+}
+
+
+@pytest.mark.parametrize("release", sorted(NV_TEGRA_RELEASE))
+def test_the_l4t_release_is_read_from_nv_tegra_release(tmp_path: Path, release: str) -> None:
+    path = tmp_path / "nv_tegra_release"
+    path.write_text(NV_TEGRA_RELEASE[release])
+    assert l4t_release(path) == release
+
+
+def test_no_l4t_release_off_a_jetson(tmp_path: Path) -> None:
+    assert l4t_release(tmp_path / "absent") is None
+    (tmp_path / "odd").write_text("not a release line\n")
+    assert l4t_release(tmp_path / "odd") is None
+
+
+def test_an_engine_of_another_platform_gets_its_own_folder(tmp_path: Path) -> None:
+    """After a JetPack upgrade (another L4T, another TensorRT) the engine is built afresh, in
+    a folder of its own that records what built it; the same platform finds its folder."""
+    slot = make_slot(tmp_path)
+    onnx = slot / "artefacts/model.onnx"
+    jp60 = {"onnxruntime": "1.20.0", "tensorrt": "10.3.0", "l4t": "R36.3.0"}
+    jp62 = {"onnxruntime": "1.20.0", "tensorrt": "10.3.0", "l4t": "R36.4.7"}
+    a, b = engine_cache_dir(slot, onnx, jp60), engine_cache_dir(slot, onnx, jp62)
+    assert a != b and a.parent == b.parent == slot.parent / CACHE_DIR
+    assert json.loads((a / "platform.json").read_text()) == jp60
+    assert json.loads((b / "platform.json").read_text()) == jp62
+    assert engine_cache_dir(slot, onnx, dict(jp60)) == a
