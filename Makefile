@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 NPROC ?= $(shell nproc)
 
-.PHONY: demo test bench lint setup services clean
+.PHONY: demo test test-gpu bench lint setup services clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,13 @@ test: setup services
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25  # the slowest, to keep it under 30 min
+
+# On a GPU host: the CUDA paths that `make test` skips without one (fp16/bf16 training, a real
+# out-of-memory, deterministic resume, batch-find and the fine-tune's memory plan on CUDA), then
+# the trainer's and the fine-tune's suites, which take CUDA by themselves where one is visible.
+test-gpu: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests/hpc_core/test_cuda.py tests/agent/finetune/test_cuda.py
+	$(PY) -m pytest -q -p no:cacheprovider tests/hpc_core/test_trainer.py tests/agent/finetune
 
 # One script per target in the issues; each prints its figures beside its baseline.
 bench: setup

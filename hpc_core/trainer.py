@@ -20,6 +20,7 @@ import gc
 import itertools
 import logging
 import math
+import os
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -125,6 +126,10 @@ class Trainer:
         )
         self.device = self.dist.device
         if cfg.run.deterministic:
+            if self.device.type == "cuda":
+                # cuBLAS picks its reduction order per workspace: deterministic algorithms
+                # refuse every matmul unless it is fixed before the first handle is made.
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         seed_everything(cfg.run.seed)
         self.hooks = list(hooks)

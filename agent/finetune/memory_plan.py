@@ -6,11 +6,14 @@ run the real training step (and its closing evaluation) at three small micro-bat
 ``peak = base + per_sample * m``, and take the largest micro-batch whose predicted peak stays
 under the budget.
 
-Measurement: on CPU and unified memory, the resident-set high-water mark of a probe
-subprocess (a fresh process, so one probe's allocator caches do not hide the next one's
-peak); on CUDA, ``torch.cuda.max_memory_allocated`` in this process. The budget covers the
-whole process tree: a process that stays alive while the fine-tune runs (the device job's
-worker) passes its own RSS as ``job_process_mb`` and it comes off the budget first.
+Measurement: the resident-set high-water mark of a probe subprocess (a fresh process, so one
+probe's allocator caches do not hide the next one's peak), plus, on CUDA, the most the caching
+allocator reserved from the device (``max_memory_reserved``: on a Jetson's unified memory that
+comes out of the same DRAM, and the allocator keeps what it reserved, so allocated alone
+under-counts). The profile's budget is RSS plus GPU memory on every board; the sum of the two
+peaks bounds their peak sum from above. The budget covers the whole process tree: a process
+that stays alive while the fine-tune runs (the device job's worker) passes its own RSS as
+``job_process_mb`` and it comes off the budget first.
 
 Noise: RSS peaks of identical runs differed by up to 1.5 MB/sample, enough to pick 32 or 64
 at random. Each size is probed twice, the line goes through the worst probe of each size, and
@@ -156,19 +159,16 @@ def plan_micro_batch(
     cfg = cfg.model_copy(update={"data": cfg.data.model_copy(
         update={"val_fraction": min(cfg.data.val_fraction, 0.05)})})
     sizes = probe_points(effective)
-    cached = _read_cache(cache) if cache is not None and device != "cuda" else {}
+    cached = _read_cache(cache) if cache is not None else {}
     keys: dict[int, str] = {}
-    if device == "cuda":  # deterministic allocator counts: one probe per size, no cache
-        def measure(m: int) -> list[float]:
-            return [_probe_cuda(cfg, init_checkpoint, trainable, m)]
-        method = "cuda max_memory_allocated"
-    else:
-        def measure(m: int) -> list[float]:
-            keys[m] = probe_key(cfg, init_checkpoint, trainable, m)
-            return cached.get(keys[m]) or [
-                probe_subprocess(cfg, init_checkpoint, trainable, m) for _ in range(REPEATS)]
-        method = f"probe subprocess peak RSS, {len(sizes)} sizes x {REPEATS}" + (
-            ", whole-tree budget" if job_process_mb else "")
+
+    def measure(m: int) -> list[float]:
+        keys[m] = probe_key(cfg, init_checkpoint, trainable, m)
+        return cached.get(keys[m]) or [
+            probe_subprocess(cfg, init_checkpoint, trainable, m) for _ in range(REPEATS)]
+    method = ("probe subprocess peak RSS" + (" + CUDA reserved" if device == "cuda" else "")
+              + f", {len(sizes)} sizes x {REPEATS}"
+              + (", whole-tree budget" if job_process_mb else ""))
     points = {m: measure(m) for m in sizes}
     plan = fit_plan(budget_mb, effective, points, method, job_process_mb=job_process_mb)
     failed: list[int] = []
@@ -184,13 +184,12 @@ def plan_micro_batch(
             failed.append(m)
         plan = fit_plan(budget_mb, effective, points, method + ", verified at the plan",
                         job_process_mb=job_process_mb, failed=failed)
-    if device != "cuda":
-        reused = all(k in cached for k in keys.values())
-        if cache is not None and not reused:
-            cached.update({keys[m]: points[m] for m in points})
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(cache, dict(list(cached.items())[-CACHE_ENTRIES:]))
-        plan = replace(plan, probes_reused=reused)
+    reused = all(k in cached for k in keys.values())
+    if cache is not None and not reused:
+        cached.update({keys[m]: points[m] for m in points})
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(cache, dict(list(cached.items())[-CACHE_ENTRIES:]))
+    plan = replace(plan, probes_reused=reused)
     log.info("memory plan: micro-batch %d x %d accumulation (predicted %.0f MB of %.0f MB; "
              "probes %s)", plan.micro_batch_size, plan.accumulation_steps,
              plan.predicted_tree_peak_mb, budget_mb, plan.to_dict()["probes"])
@@ -261,19 +260,6 @@ def probe_subprocess(cfg: TrainConfig, init_checkpoint: Path, trainable: str, mi
     return float(json.loads(p.stdout.strip().splitlines()[-1])["peak_mb"])
 
 
-def _probe_cuda(cfg: TrainConfig, init_checkpoint: Path, trainable: str, micro: int) -> float:
-    import torch
-
-    from agent.finetune.model import prepare_model
-    from hpc_core.trainer import Trainer
-
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    pcfg = probe_config(cfg, cfg.run.output_dir / "probes" / f"m{micro}", micro)
-    Trainer(pcfg, model=prepare_model(init_checkpoint, trainable)[0]).train()
-    return torch.cuda.max_memory_allocated() / 2**20
-
-
 def _probe_main(spec_path: str) -> None:
     from agent.finetune.cold_pages import drop_cold_pages
     from agent.finetune.model import prepare_model
@@ -288,7 +274,12 @@ def _probe_main(spec_path: str) -> None:
     trainer = Trainer(cfg, model=model)
     drop_cold_pages()
     trainer.train()
-    print(json.dumps({"peak_mb": peak_rss_mb()}))
+    peak = peak_rss_mb()
+    if trainer.device.type == "cuda":
+        import torch
+
+        peak += torch.cuda.max_memory_reserved(trainer.device) / 2**20
+    print(json.dumps({"peak_mb": peak}))
 
 
 if __name__ == "__main__":

@@ -123,6 +123,9 @@ def resolve_setup(job: FinetuneJob, upstream: ModelConfig | None = None, *,
     from hpc_core import checkpoint as ckpt
 
     profile = resolve_profile(job.profile)
+    if job.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("finetune.device=cuda but no CUDA device is visible here: use auto "
+                         "(CUDA where there is one) or cpu")
     device = "cuda" if job.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     slot = (job.checkpoint / "manifest.json").is_file()
     init = job.checkpoint if slot else ckpt.resolve_checkpoint(job.checkpoint)

@@ -42,7 +42,9 @@ def test_lr_finder_suggestion_trains_digits_to_97_percent(tmp_path: Path, capsys
 
 # Small probes: an MLP on the native 8x8 digits; each probe is a fresh process, so its cost is
 # mostly the interpreter and torch starting.
-FAST = ["model.name=mlp", "model.kwargs={hidden: [64]}", "data.image_size=8"]
+# CPU: these assert the CPU's measure (peak RSS); test_cuda.py has the CUDA allocator's.
+FAST = ["model.name=mlp", "model.kwargs={hidden: [64]}", "data.image_size=8",
+        "training.device=cpu"]
 
 
 def _batch_find(args: list[str], capsys) -> tuple[int, dict, str]:
@@ -110,7 +112,8 @@ print(peak_rss_mb())
 @pytest.mark.slow
 def test_training_at_the_found_batch_stays_within_the_limit(tmp_path: Path, subprocess_env) -> None:
     # small_cnn on 16x16 digits: its peak grows ~120 MB from batch 256 to 1024.
-    cfg = load_config(REPO / "configs/digits.yaml", [f"run.output_dir={tmp_path}"])
+    cfg = load_config(REPO / "configs/digits.yaml",
+                      [f"run.output_dir={tmp_path}", "training.device=cpu"])
     small, large = probe(cfg, 256, None).peak_mb, probe(cfg, 1024, None).peak_mb
     assert small is not None and large is not None and large > small + 50
     # A limit whose probe limit (less the 10 % headroom) lies half way between the two.
@@ -122,7 +125,8 @@ def test_training_at_the_found_batch_stays_within_the_limit(tmp_path: Path, subp
     assert answer.fits and answer.peak_mb <= limit * 0.9
     # The claim: a real training at that batch, in a fresh process as `hpc-train train` runs
     # (3 epochs, evaluations, checkpoints), peaks within the limit.
-    sets = [f"training.global_batch_size={b}", "training.epochs=3", "logging.progress=off"]
+    sets = [f"training.global_batch_size={b}", "training.epochs=3", "logging.progress=off",
+            "training.device=cpu"]
     sets.append(f"run.output_dir={tmp_path / 'train'}")
     run = subprocess.run(
         [sys.executable, "-c", _TRAIN_AND_REPORT_PEAK, str(REPO / "configs/digits.yaml"), *sets],

@@ -10,6 +10,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 SETS = [
+    "training.device=cpu",  # gloo on CPU ranks, also on a host with one GPU
     "model.name=small_cnn",
     "model.kwargs={width: 8, norm: none, dropout: 0.0}",
     "training.global_batch_size=64",
