@@ -50,6 +50,48 @@ class LocalBlob:
         self.offsets = manifest.chunk_offsets()
         self._verified = verified
         """Shared by every blob of a run: a chunk several versions hold is hashed once."""
+        self._open: tuple[int, BinaryIO] | None = None
+        """The chunk file :meth:`read_into` read last, kept open: the combine pass reads
+        each update a block at a time in blob order, and opening the file for each of those
+        reads cost more than the read (19 us an open, 80,000 reads for 100 updates)."""
+
+    def prefetch(self) -> None:
+        """Ask the kernel to start reading this blob's chunk files into the page cache
+        (``POSIX_FADV_WILLNEED``; returns at once): the first pass hashes one update while the
+        disk reads the next, instead of waiting for each read in turn. Advice only: a file
+        that cannot be opened here is read (and refused) when its turn comes."""
+        for path in self.paths:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+
+    def close(self) -> None:
+        if self._open is not None:
+            self._open[1].close()
+            self._open = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _chunk_fd(self, i: int) -> int:
+        """Chunk ``i`` open for reading, its file checked against the verification record
+        (inode, size, mtime) at each use: a chunk swapped (a new inode at the path) or
+        rewritten in place (a new mtime) stops the run."""
+        path = self.paths[i]
+        st = os.stat(path)
+        if (st.st_ino, st.st_size, st.st_mtime_ns) != self._verified.get(path):
+            raise ChunkChangedError(
+                f"chunk file {path} changed after it was verified (or never was): "
+                "something writes into the registry; run again")
+        if self._open is None or self._open[0] != i:
+            self.close()
+            self._open = (i, open(path, "rb", buffering=0))  # noqa: SIM115 - see close()
+        return self._open[1].fileno()
 
     def verify(self, wanted: Callable[[int, int], bool] | None = None,
                ) -> Iterator[tuple[int, memoryview]]:
@@ -104,13 +146,7 @@ class LocalBlob:
             path, start = self.paths[i], self.offsets[i]
             size = self.manifest.chunks[i].size
             n = min(want - done, start + size - pos)
-            with open(path, "rb") as f:
-                if _stamp(f.fileno()) != self._verified.get(path):
-                    raise ChunkChangedError(
-                        f"chunk file {path} changed after it was verified (or never was): "
-                        "something writes into the registry; run again")
-                f.seek(pos - start)
-                got = f.readinto(view[done : done + n])
+            got = os.preadv(self._chunk_fd(i), [view[done : done + n]], pos - start)
             if got != n:
                 raise ChunkChangedError(f"chunk file {path} is shorter than when verified")
             done += n

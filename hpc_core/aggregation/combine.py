@@ -1,14 +1,18 @@
 """The passes of one aggregation round over the selected updates.
 
 1. :func:`measure_updates`: per update, hash every chunk and sum its delta's squares in the
-   same read (one update at a time, a piece at a time); an update whose chunks do not verify,
-   or whose weights are not finite, is skipped here.
+   same read (one update at a time, a piece at a time, the kernel reading the next update
+   meanwhile); an update whose chunks do not verify, or whose weights are not finite, is
+   skipped here.
 2. krum only, :func:`pairwise`: every pairwise distance, block by block across the N updates.
 3. :func:`combine`: tensor by tensor, block by block: stack the N scaled deltas of the block,
    combine them, accumulate each update's distance to the result, add DP noise, add the base
-   and write the bytes out.
+   and write the bytes out. The bytes come from the page cache by now (pass 1 read them), so
+   this pass is compute: float32 and BLAS where float64 bought nothing (a distance is a
+   float32 difference and a float32 dot per row, each block's sum kept in float64).
 
-Memory: one N x block float32 array and a few block-sized float64 temporaries at a time.
+Memory: two N x block float32 arrays (the block, its differences to the result) and a few
+block-sized float64 temporaries at a time.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from hpc_core.aggregation.deltas import (
     element_blocks,
     measure,
     read_elements,
+    squared_norm,
     verify_release,
 )
 from hpc_core.aggregation.dtypes import COMBINED, encode, item_size
@@ -35,7 +40,7 @@ from hpc_core.aggregation.select import Release, Selection, Skipped, Update
 from hpc_core.aggregation.strategies import PairwiseDistances, Strategy, combine_block
 from registry.errors import RegistryError
 from registry.manifest import TensorEntry
-from registry.stores import RegistryStore
+from registry.stores import LocalStore, RegistryStore
 from registry.transfer import TransferConfig
 
 COPY_PIECE = 1 << 20
@@ -84,7 +89,15 @@ def measure_updates(selection: Selection, store: RegistryStore, cache: ChunkCach
         return found
 
     out = Blobs(release_blob(selection.lineage[0]))
-    for update in selection.updates:
+    updates = selection.updates
+    # A folder registry's chunk files are read where they lie: while one update is hashed and
+    # measured, the kernel reads the next one (remote chunks are fetched, and checked, first).
+    ahead = isinstance(store, LocalStore)
+    if ahead and updates:
+        local_blob(store, updates[0].manifest, cache, cfg, verified).prefetch()
+    for k, update in enumerate(updates):
+        if ahead and k + 1 < len(updates):
+            local_blob(store, updates[k + 1].manifest, cache, cfg, verified).prefetch()
         try:
             reference = release_blob(update.release)
         except (RegistryError, OSError) as e:
@@ -151,7 +164,7 @@ def combine(deltas: Deltas, base: LocalBlob, strategy: Strategy, *, weights: np.
     delta2 = 0.0
     kept: list[str] = []
     step = per_row(block_bytes, n)
-    tmp = np.empty(0, dtype=np.float64)
+    diff = np.empty((0, 0), dtype=np.float32)
     for entry in sorted(base.manifest.tensors, key=lambda t: t.offset):
         # A tensor no update changed keeps the base's bytes; not under DP, where every
         # coordinate is noised (which tensors the devices left alone is theirs to hide),
@@ -170,11 +183,11 @@ def combine(deltas: Deltas, base: LocalBlob, strategy: Strategy, *, weights: np.
             block = deltas.stack(entry.name, start, stop)
             combined = combine_block(strategy, block, weights=weights, trim=trim)
             if measure_distances:
-                if tmp.shape[0] != combined.shape[0]:
-                    tmp = np.empty_like(combined)
+                if diff.shape != block.shape:
+                    diff = np.empty_like(block)
+                np.subtract(block, combined.astype(np.float32), out=diff)
                 for i in range(n):
-                    np.subtract(block[i], combined, out=tmp)
-                    dist2[i] += float(np.dot(tmp, tmp))
+                    dist2[i] += squared_norm(diff[i], block[i], combined)
             delta2 += float(np.dot(combined, combined))
             if noise is not None:
                 noise.add(combined)

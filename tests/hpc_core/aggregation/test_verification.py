@@ -3,15 +3,19 @@ reason, never combined, and too few usable updates write nothing."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 
+from hpc_core.aggregation.blobs import ChunkChangedError, local_blob
+from hpc_core.aggregation.deltas import verify_release
 from hpc_core.aggregation.select import listed_versions
 from hpc_core.config import ModelConfig
 from registry.errors import UsageError
 from registry.stores import HttpStore
+from registry.transfer import TransferConfig
 from tests.hpc_core.aggregation.conftest import Result, hand_deltas
 from tests.support.fleet_registry import SPEC, FleetRegistry
 from tests.support.registry_server import RegistryServer
@@ -141,3 +145,29 @@ def test_only_a_folder_store_lists_versions(fleet: FleetRegistry) -> None:
     assert fleet.store.list_versions("unknown-model") == []
     with pytest.raises(UsageError, match="only a folder registry"):
         listed_versions(HttpStore("http://127.0.0.1:9/registry"), fleet.name)
+
+
+@pytest.mark.parametrize("how", ["swapped", "rewritten in place"])
+def test_a_chunk_changed_after_it_was_verified_stops_the_read(
+    fleet: FleetRegistry, how: str
+) -> None:
+    base = fleet.release("1", ZERO)
+    up = fleet.update(fleet.device("edge-1"), base, _tensors(GOOD[0]))
+    blob = local_blob(fleet.store, up, None, TransferConfig(), {})
+    verify_release(blob)
+    w = next(t for t in up.tensors if t.name == "w")
+    out = np.empty(w.nbytes, np.uint8)
+    blob.read_into(out, w.offset)  # verified: read (and the chunk file kept open)
+    assert out.view(np.float32).tolist() == [1, 2, 3, 4, 5, 6]
+    chunk = fleet.chunk_path(up, "w")
+    data = chunk.read_bytes()
+    if how == "swapped":  # a new file renamed over it: the open file is not the path's
+        chunk.with_suffix(".new").write_bytes(data)
+        os.replace(chunk.with_suffix(".new"), chunk)
+    else:
+        st = chunk.stat()
+        chunk.write_bytes(data)
+        os.utime(chunk, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    with pytest.raises(ChunkChangedError, match="changed after it was verified"):
+        blob.read_into(out, w.offset)
+    blob.close()
