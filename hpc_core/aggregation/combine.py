@@ -186,8 +186,9 @@ def combine(deltas: Deltas, base: LocalBlob, strategy: Strategy, *, weights: np.
                 if diff.shape != block.shape:
                     diff = np.empty_like(block)
                 np.subtract(block, combined.astype(np.float32), out=diff)
-                for i in range(n):
-                    dist2[i] += squared_norm(diff[i], block[i], combined)
+                with np.errstate(over="ignore"):  # squared_norm redoes an overflow in float64
+                    for i in range(n):
+                        dist2[i] += squared_norm(diff[i], block[i], combined)
             delta2 += float(np.dot(combined, combined))
             if noise is not None:
                 noise.add(combined)

@@ -95,8 +95,13 @@ def measure(update: UpdateBlob) -> float:
         i = bisect.bisect_left(starts, end) - 1
         return i >= 0 and changed[i][1] > start
 
-    total = 0.0
     pieces = tensor_pieces(update.blob.manifest.tensors, update.blob.verify(wanted))
+    with np.errstate(over="ignore"):  # squared_norm sees a float32 overflow and redoes it
+        return _measure(update, pieces)
+
+
+def _measure(update: UpdateBlob, pieces: Iterator[tuple[TensorEntry, int, np.ndarray]]) -> float:
+    total = 0.0
     for entry, first, raw in pieces:
         if entry.dtype not in COMBINED or update.unchanged(entry.name):
             continue
@@ -111,7 +116,9 @@ def squared_norm(delta: np.ndarray, values: np.ndarray, ref: np.ndarray) -> floa
     """``delta . delta`` for the float32 ``delta = values - ref``: BLAS's float32 dot (its
     relative error ~1e-7 here, 10x faster than going through float64); where that overflows
     float32 (an update scaled to ~1e19 or more) or the inputs are not finite, float64 says
-    which of the two it was: a huge norm is clipped or reported, a NaN is skipped."""
+    which of the two it was: a huge norm is clipped or reported, a NaN is skipped. Callers
+    run it under ``np.errstate(over="ignore")``, once per update or block (a context per call
+    would cost more than the dot)."""
     sq = float(np.dot(delta, delta))
     if not math.isfinite(sq):
         exact = np.subtract(values, ref, dtype=np.float64)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from scipy import stats
 
+from hpc_core.aggregation.deltas import squared_norm
 from hpc_core.aggregation.strategies import (
     PairwiseDistances,
     combine_block,
@@ -75,3 +78,19 @@ def test_weights_and_the_staleness_discount() -> None:
     assert staleness_scale(0) == 1.0
     assert staleness_scale(1) == pytest.approx(2 ** -0.5)
     assert staleness_scale(3) == pytest.approx(0.5)
+
+
+def test_squared_norm_is_exact_enough_and_tells_huge_from_nan() -> None:
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(300_000).astype(np.float32)
+    ref = rng.standard_normal(300_000).astype(np.float32)
+    exact = float(np.sum((values.astype(np.float64) - ref) ** 2))
+    assert squared_norm(values - ref, values, ref) == pytest.approx(exact, rel=1e-5)
+    # A finite update scaled past float32's square root (1e20: its square overflows float32)
+    # is huge, not "NaN or infinity": float64 measures it, so it is clipped or reported.
+    huge = np.full(4, 1e20, np.float32)
+    zero = np.zeros(4, np.float32)
+    with np.errstate(over="ignore"):  # as its callers run it
+        assert squared_norm(huge - zero, huge, zero) == pytest.approx(4e40, rel=1e-6)
+    nan = np.array([1.0, np.nan], np.float32)
+    assert math.isnan(squared_norm(nan - zero[:2], nan, zero[:2]))
