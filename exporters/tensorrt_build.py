@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from device_profiles.detect import l4t_release
 from exporters.job import Precision, TensorRTConfig
 from hpc_core.atomic import atomic_output, write_json_atomic
 
@@ -140,6 +141,9 @@ def build_engine(
         input_name=inp.name,
         input_shape=list(input_shape),
         profile={"min": 1, "opt": opt, "max": cfg.max_batch},
+        # The JetPack it was built on (None off a Jetson): the runtime rebuilds an engine
+        # after a JetPack upgrade, whose CUDA driver may not load it, instead of trying it.
+        l4t=l4t_release(),
     )
     write_json_atomic(info.metadata_path, meta)
     return info

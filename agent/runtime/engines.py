@@ -32,6 +32,7 @@ import numpy as np
 import onnxruntime as ort
 
 from agent.runtime.trt_cache import ProviderSpec, with_engine_cache
+from device_profiles.detect import l4t_release
 from exporters.ort_runner import ort_session
 
 log = logging.getLogger("agent.runtime")
@@ -143,6 +144,13 @@ def _tensorrt_engine(engine: Path) -> tuple[ServingEngine | None, str | None]:
         return None, (f"{ENGINE_FILE} skipped: built with TensorRT {built}, this host has "
                       f"{here} (an engine loads only on the version that built it: rebuild "
                       "it on this device)")
+    # Recorded since engines carry it; an older engine's metadata has no l4t and is judged by
+    # its TensorRT version alone.
+    built_l4t, here_l4t = meta.get("l4t"), l4t_release()
+    if built_l4t is not None and built_l4t != here_l4t:
+        return None, (f"{ENGINE_FILE} skipped: built on L4T {built_l4t}, this device runs "
+                      f"{here_l4t or 'no L4T'} (a JetPack upgrade changes the CUDA driver "
+                      "under it: rebuild it on this device)")
     from agent.runtime.tensorrt_engine import TensorRTEngine
 
     try:

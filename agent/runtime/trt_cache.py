@@ -26,10 +26,10 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 from pathlib import Path
 
+from device_profiles.detect import l4t_release
 from hpc_core.atomic import write_json_atomic
 
 log = logging.getLogger("agent.runtime")
@@ -49,22 +49,6 @@ def onnx_digest(onnx: Path) -> str:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
-
-
-TEGRA_RELEASE = Path("/etc/nv_tegra_release")
-_L4T_RE = re.compile(r"#\s*R(\d+)\s*\(release\),\s*REVISION:\s*([\d.]+)")
-
-
-def l4t_release(path: Path = TEGRA_RELEASE) -> str | None:
-    """The Jetson's L4T release from the first line of ``/etc/nv_tegra_release`` (``# R36
-    (release), REVISION: 4.3, GCID: ...`` -> ``R36.4.3``, JetPack 6.2); None elsewhere."""
-    try:
-        with open(path, errors="replace") as f:
-            first = f.readline()
-    except OSError:
-        return None
-    m = _L4T_RE.match(first.strip())
-    return f"R{m.group(1)}.{m.group(2)}" if m else None
 
 
 @functools.lru_cache(maxsize=1)

@@ -15,20 +15,20 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from agent.runtime import tensorrt_engine
+from agent.runtime import engines, tensorrt_engine
 from agent.runtime.engines import NoServableArtefactError, OnnxEngine, engine_for, onnx_providers
 from agent.runtime.trt_cache import (
     CACHE_DIR,
     engine_cache_dir,
     engine_platform,
-    l4t_release,
     onnx_digest,
     with_engine_cache,
 )
 from tests.agent.runtime.conftest import INPUT_SHAPE, served_version, tiny_onnx
 
 
-def make_slot(root: Path, *, onnx: bool = True, engine_version: str | None = None) -> Path:
+def make_slot(root: Path, *, onnx: bool = True, engine_version: str | None = None,
+              l4t: str | None = None) -> Path:
     art = root / "slot" / "artefacts"
     art.mkdir(parents=True)
     if onnx:
@@ -37,7 +37,8 @@ def make_slot(root: Path, *, onnx: bool = True, engine_version: str | None = Non
         (art / "model.engine").write_bytes(b"serialized plan")
         (art / "model.engine.json").write_text(json.dumps({
             "tensorrt_version": engine_version, "input_name": "input", "input_shape": [1, 8, 8],
-            "profile": {"min": 1, "opt": 8, "max": 32}}))
+            "profile": {"min": 1, "opt": 8, "max": 32},
+            **({"l4t": l4t} if l4t else {})}))
     return root / "slot"
 
 
@@ -82,6 +83,21 @@ def test_an_engine_built_by_another_tensorrt_version_is_skipped_saying_both(
     assert engine.name == "onnxruntime"
     (note,) = [n for n in engine.notes if "model.engine" in n]
     assert "built with TensorRT 8.6.1, this host has 10.3.0" in note and "rebuild" in note
+
+
+def test_an_engine_built_on_another_jetpack_is_skipped_saying_both(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_tensorrt(monkeypatch, "10.3.0")
+    monkeypatch.setattr(tensorrt_engine, "TensorRTEngine", FakeTensorRTEngine)
+    monkeypatch.setattr(engines, "l4t_release", lambda: "R36.4.7")
+    engine = engine_for(make_slot(tmp_path / "old", engine_version="10.3.0", l4t="R36.3.0"))
+    assert engine.name == "onnxruntime"
+    (note,) = [n for n in engine.notes if "model.engine" in n]
+    assert "built on L4T R36.3.0, this device runs R36.4.7" in note and "rebuild" in note
+    # Built here, or before engines recorded it: judged by the TensorRT version alone.
+    for where, l4t in (("here", "R36.4.7"), ("unrecorded", None)):
+        chosen = engine_for(make_slot(tmp_path / where, engine_version="10.3.0", l4t=l4t))
+        assert isinstance(chosen, FakeTensorRTEngine), where
 
 
 def test_an_engine_without_its_metadata_is_skipped(
@@ -212,29 +228,6 @@ def test_a_models_folder_it_cannot_write_serves_without_the_cache(
         "TensorrtExecutionProvider", "CPUExecutionProvider"]
     engine = engine_for(slot, ["TensorrtExecutionProvider", "CPUExecutionProvider"])
     assert engine.providers == ("CPUExecutionProvider",)
-
-
-# /etc/nv_tegra_release as Jetsons ship it (first lines; JetPack 6.0 as NVIDIA's docs print it,
-# JetPack 6.2.x as a device reported it).
-NV_TEGRA_RELEASE = {
-    "R36.3.0": "# R36 (release), REVISION: 3.0, GCID: 36923193, BOARD: generic, EABI: aarch64, "
-               "DATE: Fri Jul 19 23:24:25 UTC 2024\n# KERNEL_VARIANT: oot\n",
-    "R36.4.7": "# R36 (release), REVISION: 4.7, GCID: 42132812, BOARD: generic, EABI: aarch64, "
-               "DATE: Thu Sep 18 22:54:44 UTC 2025\n# KERNEL_VARIANT: oot\n",
-}
-
-
-@pytest.mark.parametrize("release", sorted(NV_TEGRA_RELEASE))
-def test_the_l4t_release_is_read_from_nv_tegra_release(tmp_path: Path, release: str) -> None:
-    path = tmp_path / "nv_tegra_release"
-    path.write_text(NV_TEGRA_RELEASE[release])
-    assert l4t_release(path) == release
-
-
-def test_no_l4t_release_off_a_jetson(tmp_path: Path) -> None:
-    assert l4t_release(tmp_path / "absent") is None
-    (tmp_path / "odd").write_text("not a release line\n")
-    assert l4t_release(tmp_path / "odd") is None
 
 
 def test_an_engine_of_another_platform_gets_its_own_folder(tmp_path: Path) -> None:
