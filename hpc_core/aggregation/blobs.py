@@ -71,8 +71,9 @@ class LocalBlob:
                 os.close(fd)
 
     def close(self) -> None:
-        if self._open is not None:
-            self._open[1].close()
+        opened = getattr(self, "_open", None)  # None too for a blob whose __init__ failed
+        if opened is not None:
+            opened[1].close()
             self._open = None
 
     def __del__(self) -> None:
