@@ -56,10 +56,10 @@ test: setup services
 
 # On a GPU host: the CUDA paths that `make test` skips without one (fp16/bf16 training, a real
 # out-of-memory, deterministic resume, batch-find and the fine-tune's memory plan on CUDA), then
-# the trainer's and the fine-tune's suites, which take CUDA by themselves where one is visible.
+# the trainer's and the finders' suites, which take CUDA by themselves where one is visible.
 test-gpu: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests/hpc_core/test_cuda.py tests/agent/finetune/test_cuda.py
-	$(PY) -m pytest -q -p no:cacheprovider tests/hpc_core/test_trainer.py tests/agent/finetune
+	$(PY) -m pytest -q -p no:cacheprovider tests/hpc_core/test_trainer.py tests/hpc_core/test_finders.py
 
 # One script per target in the issues; each prints its figures beside its baseline.
 bench: setup
