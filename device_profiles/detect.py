@@ -4,9 +4,6 @@ and MemTotal, and match them against every profile's ``detect`` rule.
 The compatible list names the module part number (``nvidia,p3767-0003``), which stays right on
 third-party carrier boards whose model string is their own; the model string and MemTotal tell
 apart the rest (e.g. AGX Orin 32GB vs 64GB share a dev kit name).
-
-:func:`l4t_release` reads which software the board runs (the L4T release, i.e. the JetPack):
-a TensorRT engine records it, and one built on another release is rebuilt, not loaded.
 """
 
 from __future__ import annotations
@@ -97,19 +94,3 @@ def detect(root: Path = Path("/"), machine: str | None = None) -> Detection:
         f"MemTotal {facts.mem_total_mb} MB, machine {machine}; pass --profile NAME "
         f"(one of: {', '.join(list_profiles())})"
     )
-
-
-TEGRA_RELEASE = Path("/etc/nv_tegra_release")
-_L4T_RE = re.compile(r"#\s*R(\d+)\s*\(release\),\s*REVISION:\s*([\d.]+)")
-
-
-def l4t_release(path: Path = TEGRA_RELEASE) -> str | None:
-    """The Jetson's L4T release from the first line of ``/etc/nv_tegra_release`` (``# R36
-    (release), REVISION: 4.3, GCID: ...`` -> ``R36.4.3``, JetPack 6.2); None elsewhere."""
-    try:
-        with open(path, errors="replace") as f:
-            first = f.readline()
-    except OSError:
-        return None
-    m = _L4T_RE.match(first.strip())
-    return f"R{m.group(1)}.{m.group(2)}" if m else None

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from device_profiles.detect import l4t_release
+from exporters.jetpack import l4t_release
 from exporters.job import Precision, TensorRTConfig
 from hpc_core.atomic import atomic_output, write_json_atomic
 

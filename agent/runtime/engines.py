@@ -32,7 +32,7 @@ import numpy as np
 import onnxruntime as ort
 
 from agent.runtime.trt_cache import ProviderSpec, with_engine_cache
-from device_profiles.detect import l4t_release
+from exporters.jetpack import l4t_release
 from exporters.ort_runner import ort_session
 
 log = logging.getLogger("agent.runtime")

@@ -29,7 +29,7 @@ import os
 import shutil
 from pathlib import Path
 
-from device_profiles.detect import l4t_release
+from exporters.jetpack import l4t_release
 from hpc_core.atomic import write_json_atomic
 
 log = logging.getLogger("agent.runtime")
