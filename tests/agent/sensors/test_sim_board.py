@@ -139,10 +139,18 @@ def test_a_board_is_its_file(tmp_path: Path) -> None:
     daemon = Sensors("sim", state_dir=tmp_path)
     idle = daemon.read()["temps_c"]["tj"]
     burn(0.3)
+    before = time.monotonic()
     hot = job.read()
+    seen = daemon.read()["temps_c"]["tj"]
     # Within PERSIST_S of the last write both advance the file's state in memory, by the
-    # same rule from the same inputs: the same board.
-    assert daemon.read()["temps_c"]["tj"] == pytest.approx(hot.temps_c["tj"], abs=0.5)
+    # same rule from the same inputs: the same board. At 1000x every wall millisecond between
+    # the two reads is a simulated second at some load in 0..1 (a busy host's scheduler can
+    # put several there): the daemon reads the job's temperature carried that far, no further.
+    gap_s = (time.monotonic() - before) * 1000.0
+    p = plant_params(SIM)
+    idle_c, full_c = p.steady_state_c(0.0), p.ambient_c + p.r_c_per_w * p.train_w
+    assert min(hot.temps_c["tj"], settle(hot.temps_c["tj"], idle_c, gap_s)) - 0.5 <= seen
+    assert seen <= max(hot.temps_c["tj"], settle(hot.temps_c["tj"], full_c, gap_s)) + 0.5
     assert hot.temps_c["tj"] > idle + 5 and hot.gpu_load_pct > 0
     # A reader that declares nothing (the daemon) keeps the board's profile and time scale.
     SimBoard(tmp_path)
