@@ -36,8 +36,7 @@ class ChunkChangedError(FetchFailedError):
     """A chunk file changed after it was verified (someone writes into the registry)."""
 
 
-def _stamp(fd: int) -> _Stamp:
-    st = os.fstat(fd)
+def _stamp(st: os.stat_result) -> _Stamp:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
@@ -84,8 +83,7 @@ class LocalBlob:
         (inode, size, mtime) at each use: a chunk swapped (a new inode at the path) or
         rewritten in place (a new mtime) stops the run."""
         path = self.paths[i]
-        st = os.stat(path)
-        if (st.st_ino, st.st_size, st.st_mtime_ns) != self._verified.get(path):
+        if _stamp(os.stat(path)) != self._verified.get(path):
             raise ChunkChangedError(
                 f"chunk file {path} changed after it was verified (or never was): "
                 "something writes into the registry; run again")
@@ -111,7 +109,7 @@ class LocalBlob:
             except FileNotFoundError:
                 raise TruncatedError(f"chunk {ref.sha256[:16]} is missing ({path})") from None
             try:
-                stamp = _stamp(f.fileno())
+                stamp = _stamp(os.fstat(f.fileno()))
                 if stamp[1] != ref.size:
                     raise TruncatedError(f"chunk {ref.sha256[:16]} holds {stamp[1]} bytes, the "
                                          f"signed manifest says {ref.size} ({path})")
