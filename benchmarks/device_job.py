@@ -35,11 +35,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from agent.jobs.machine import TRANSITIONS, planned_steps  # noqa: E402
+from agent.jobs.machine import TRANSITIONS, WORKER_STEPS, planned_steps  # noqa: E402
 from agent.jobs.proctree import TreePeak  # noqa: E402
 from agent.jobs.protocol import CRASH_ENV, JobContext  # noqa: E402
 from agent.jobs.spec import DeviceJob  # noqa: E402
-from agent.jobs.steps import WORKER_STEPS  # noqa: E402
 from agent.jobs.store import JobState, JobStore  # noqa: E402
 from tests.agent.jobs.conftest import Device, build_template, make_device, publish_v1  # noqa: E402
 from tests.support.registry_server import RegistryServer  # noqa: E402

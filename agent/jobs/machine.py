@@ -1,6 +1,7 @@
 """The device job as an explicit state machine (Mender-style): a table of
-``(state, event) -> state`` per job type, one step function per state
-(``agent.jobs.steps``), every transition persisted in the job store before it is announced.
+``(state, event) -> state`` per job type, one step function per state (:data:`WORKER_STEPS`,
+from ``agent.jobs.steps``), every transition persisted in the job store before it is
+announced.
 
     finetune: pull -> finetune -> [export] -> stage -> health -passed-> commit -> [upload] -> done
                                                              \\-failed-> rollback -> rolled back
@@ -33,6 +34,17 @@ from agent.jobs.protocol import (
     StepFailed,
     TimedOut,
     crash_point,
+)
+from agent.jobs.steps import (
+    commit,
+    evaluate,
+    export,
+    finetune,
+    health,
+    pull,
+    stage,
+    switch,
+    upload,
 )
 from agent.jobs.store import JobRecord, JobState
 
@@ -81,8 +93,16 @@ TRANSITIONS: dict[str, Table] = {
         ("evaluate", "done"): DONE,
     },
 }
-"""Job type -> its transitions. A state is a step name (``agent.jobs.steps.WORKER_STEPS``)
-or one of :data:`ENDS`."""
+"""Job type -> its transitions. A state is a step name (:data:`WORKER_STEPS`) or one of
+:data:`ENDS`."""
+
+WORKER_STEPS: dict[str, Callable[[JobContext], dict[str, Any]]] = {
+    "pull": pull.run, "finetune": finetune.run, "export": export.run, "stage": stage.run,
+    "health": health.run, "commit": commit.run, "rollback": commit.rollback,
+    "upload": upload.run, "switch": switch.run, "evaluate": evaluate.run,
+}
+"""State -> the function the worker runs for it (``agent.jobs.steps``: one module per step,
+which also holds the step's torch half)."""
 
 NOT_CANCELABLE = frozenset({"rollback", "upload"})
 """Steps that still run after a cancel: dropping what was staged, sending what was committed."""

@@ -1,13 +1,14 @@
 """How a device job's processes work together; torch-free (the daemon imports it).
 
     daemon --python -P -m agent.jobs.worker--> worker (the state machine, ~35 MB)
-    worker --python -P -m agent.jobs.child STEP JOB_DIR--> one torch child per heavy step
+    worker --python -P -m agent.jobs.steps.STEP CHILD JOB_DIR--> one torch child per heavy step
 
 Everything that crosses a process boundary is here: how a process is started
 (:func:`python_argv`) and tied to its parent (:func:`die_with_parent`), the exit codes, the
-typed :class:`StepContext` a child reads instead of free-form JSON, the worker's side of a
-child step (:func:`run_child`: heartbeat, SIGTERM forwarding, deadline, its output), the
-exceptions a step ends with, the :class:`StopFlag` a SIGTERM handler sets, and the fault
+typed :class:`StepContext` a child reads instead of free-form JSON (and :func:`step_context`,
+which builds it from the job so far), both sides of a child step (:func:`run_child` in the
+worker: heartbeat, SIGTERM forwarding, deadline, its output; :func:`child_main` in the child),
+the exceptions a step ends with, the :class:`StopFlag` a SIGTERM handler sets, and the fault
 injection the restart tests use. Steps (``agent.jobs.steps``) and the state machine
 (``agent.jobs.machine``) import this module; it imports neither.
 """
@@ -29,6 +30,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from agent.jobs.store import JobStore
+from agent.storage.trust import default_trusted_keys
 from hpc_core.atomic import write_json_atomic
 
 EX_TEMPFAIL = 75
@@ -39,6 +41,10 @@ exits with it, the daemon's runner tells a suspended job from a crashed one by i
 
 CONTEXT = "context.json"
 """JOB_DIR/context.json: the :class:`StepContext` of the child step about to run."""
+
+SETUP = "setup.json"
+"""JOB_DIR/setup.json: the fine-tune's resolved set-up (``agent.finetune.setup``), written
+once, read by the fine-tune and the steps after it."""
 
 HEARTBEAT_S = 5.0
 """A running child step is reported this often, with the last line of its log."""
@@ -228,6 +234,45 @@ class StepContext(BaseModel):
         return int(micro) if micro else None
 
 
+def trusted_dir(ctx: JobContext) -> Path:
+    """The job's trusted-keys folder: from its resolved spec, i.e. the device's configuration."""
+    return Path(ctx.spec.trusted_keys or default_trusted_keys(ctx.state_dir))
+
+
+def trusted_keys(ctx: JobContext) -> Any:
+    """The job's trusted keys, checked on disk first (``agent.storage.trust``)."""
+    from agent.storage.trust import load_trusted
+
+    return load_trusted(trusted_dir(ctx))
+
+
+def signing_key_path(ctx: JobContext) -> Path:
+    return Path(getattr(ctx.spec, "signing_key", None) or ctx.state_dir / "device.key.pem")
+
+
+def export_artefacts(outputs: dict[str, Any]) -> list[str]:
+    """The files the export step installed (a job exported before model.onnx.json existed
+    recorded only ``artefact``)."""
+    ex = outputs.get("export", {})
+    return list(ex.get("artefacts") or ([ex["artefact"]] if ex.get("artefact") else []))
+
+
+def step_context(ctx: JobContext, **extra: Any) -> StepContext:
+    """The child's view of the job so far: spec, the upstream, the fine-tuned checkpoint, the
+    export's files, the set-up, the keys."""
+    o = ctx.outputs
+    setup = read_output(ctx.job_dir / SETUP) or None
+    return StepContext(
+        job_id=ctx.job_id, state_dir=ctx.state_dir, job_dir=ctx.job_dir,
+        spec=ctx.spec.model_dump(mode="json"),
+        upstream_path=o.get("pull", {}).get("path"),
+        finetuned=o.get("finetune", {}).get("checkpoint"),
+        artefacts=[Path(a) for a in export_artefacts(o)],
+        setup=setup, signing_key=signing_key_path(ctx), trusted_keys=trusted_dir(ctx),
+        **extra,
+    )
+
+
 def write_context(ctx: StepContext) -> None:
     write_json_atomic(ctx.job_dir / CONTEXT, ctx.model_dump(mode="json"))
 
@@ -263,17 +308,18 @@ def _child_under_way(ctx: JobContext, step: str, elapsed: float) -> bool:
     return elapsed >= 1.5
 
 
-def run_child(ctx: JobContext, step: str, context: StepContext) -> dict[str, Any]:
-    """Run the child half of ``step`` on ``context`` and return what it wrote
-    (JOB_DIR/STEP.json): heartbeats while it runs, SIGTERM forwarded (the trainer checkpoints
-    at its next step) and the job suspended, killed at the job's deadline."""
+def run_child(ctx: JobContext, module: str, step: str, context: StepContext) -> dict[str, Any]:
+    """Run ``python -m MODULE STEP JOB_DIR`` (the step module's child half ``STEP``, see
+    :func:`child_main`) on ``context`` and return what it wrote (JOB_DIR/STEP.json):
+    heartbeats while it runs, SIGTERM forwarded (the trainer checkpoints at its next step) and
+    the job suspended, killed at the job's deadline."""
     write_context(context)
     out = ctx.job_dir / f"{step}.json"
     out.unlink(missing_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     log = open(ctx.job_dir / f"{step}.log", "ab")  # noqa: SIM115 - closed below
     try:
-        p = subprocess.Popen(python_argv("agent.jobs.child", step, str(ctx.job_dir.absolute())),
+        p = subprocess.Popen(python_argv(module, step, str(ctx.job_dir.absolute())),
                              stdout=log, stderr=log, env=env)
         forwarded, t0, beat = False, time.monotonic(), time.monotonic()
         inside = f"inside:{ctx.current}" in os.environ.get(CRASH_ENV, "").split(",")
@@ -301,3 +347,22 @@ def run_child(ctx: JobContext, step: str, context: StepContext) -> dict[str, Any
         raise StepFailed(step, f"exited with {p.returncode}: {tail.strip().splitlines()[-1:]}",
                          code="INTERNAL")
     return read_output(out)
+
+
+# -- the child's side ---------------------------------------------------------------------------
+
+
+def child_main(children: dict[str, Callable[[StepContext], dict[str, Any]]]) -> int:
+    """``python -m agent.jobs.steps.MODULE CHILD JOB_DIR``: one torch half of a step.
+
+    The worker stays torch-free (~35 MB) so that the memory budget can go to the one torch
+    process alive at a time: the planner's probes, then the fine-tune, export or health check.
+    The child reads its typed context (JOB_DIR/context.json), runs ``children[CHILD]`` (the
+    step module's own table: argv names an entry, never a function) and writes
+    JOB_DIR/CHILD.json atomically when it is done; the worker records that in the store."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before the step imports torch
+    step, job_dir = sys.argv[1], Path(sys.argv[2])
+    die_with_parent()
+    out = children[step](read_context(job_dir))
+    write_json_atomic(job_dir / f"{step}.json", out)
+    return 0

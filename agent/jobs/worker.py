@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent.jobs.machine import TRANSITIONS, planned_steps, run
+from agent.jobs.machine import TRANSITIONS, WORKER_STEPS, planned_steps, run
 from agent.jobs.protocol import (
     EX_TEMPFAIL,
     JobContext,
@@ -31,7 +31,6 @@ from agent.jobs.protocol import (
     die_with_parent,
 )
 from agent.jobs.spec import SPECS
-from agent.jobs.steps import WORKER_STEPS
 from agent.jobs.store import JobState, JobStore
 from contract import check_command_id
 from hpc_core.atomic import remove_stale_temps

@@ -158,11 +158,12 @@ def test_the_working_directory_never_shadows_the_agent(
     sb = secure_broker()
     trap = tmp_path / "cwd"
     marker = tmp_path / "shadowed"
-    for pkg in ("agent", "agent/jobs", "agent/finetune"):
+    for pkg in ("agent", "agent/jobs", "agent/jobs/steps", "agent/finetune"):
         (trap / pkg).mkdir(parents=True)
         (trap / pkg / "__init__.py").write_text(
             f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\n")
-    for mod in ("agent/jobs/worker.py", "agent/jobs/child.py"):
+    steps = ("pull", "finetune", "export", "stage", "health")  # each runs as its own child
+    for mod in ("agent/jobs/worker.py", *(f"agent/jobs/steps/{s}.py" for s in steps)):
         (trap / mod).write_text(f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\n")
     pw = secret_file(tmp_path / "dev-a.password", sb.password("devices", "dev-a"))
     cfg = tmp_path / "agent.yaml"

@@ -8,11 +8,20 @@ Upstream's publish gates read the two accuracies (``hpc-train publish --device-e
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent.jobs.protocol import JobContext, StepContext, StepFailed, run_child
-from agent.jobs.steps.context import step_context, trusted_keys
+from agent.jobs.protocol import (
+    JobContext,
+    StepContext,
+    StepFailed,
+    child_main,
+    run_child,
+    step_context,
+    trusted_keys,
+)
 
 
 def _baseline(ctx: JobContext) -> tuple[str | None, Path | None]:
@@ -48,7 +57,7 @@ def _baseline(ctx: JobContext) -> tuple[str | None, Path | None]:
 
 def run(ctx: JobContext) -> dict[str, Any]:
     version, path = _baseline(ctx)
-    out = run_child(ctx, "evaluate", step_context(
+    out = run_child(ctx, __name__, "evaluate", step_context(
         ctx, active_path=path, staged_path=Path(ctx.outputs["pull"]["path"])))
     out["version"] = ctx.outputs["pull"]["version"]
     if "baseline" in out:
@@ -81,3 +90,11 @@ def child(c: StepContext) -> dict[str, Any]:
     if "baseline" in out:
         out["gain_pts"] = round(100 * (out["accuracy"] - out["baseline"]["accuracy"]), 3)
     return out
+
+
+CHILDREN: dict[str, Callable[[StepContext], dict[str, Any]]] = {"evaluate": child}
+"""This step's torch halves by name: ``python -m agent.jobs.steps.evaluate NAME JOB_DIR``
+(:func:`agent.jobs.protocol.child_main`)."""
+
+if __name__ == "__main__":
+    sys.exit(child_main(CHILDREN))

@@ -9,16 +9,24 @@ killed first half is not trusted."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from typing import Any
 
-from agent.jobs.protocol import JobContext, StepContext, StepFailed, run_child
-from agent.jobs.steps.context import step_context
+from agent.jobs.protocol import (
+    JobContext,
+    StepContext,
+    StepFailed,
+    child_main,
+    run_child,
+    step_context,
+)
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
     context = step_context(ctx)
-    run_child(ctx, "export_prepare", context)
-    out = run_child(ctx, "export", context)
+    run_child(ctx, __name__, "export_prepare", context)
+    out = run_child(ctx, __name__, "export", context)
     if out.get("status") != "passed":
         raise StepFailed("export", f"no export step met the gates: {out.get('fallback_reason')}")
     return out
@@ -88,3 +96,12 @@ def child(c: StepContext) -> dict[str, Any]:
         if first is not None:
             out["reference_top1"] = getattr(first, "reference_top1", None)
     return out
+
+
+CHILDREN: dict[str, Callable[[StepContext], dict[str, Any]]] = {
+    "export_prepare": child_prepare, "export": child}
+"""This step's torch halves by name: ``python -m agent.jobs.steps.export NAME JOB_DIR``
+(:func:`agent.jobs.protocol.child_main`)."""
+
+if __name__ == "__main__":
+    sys.exit(child_main(CHILDREN))

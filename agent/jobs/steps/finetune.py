@@ -12,7 +12,9 @@ job learns from is fixed (``agent.spool.lineage``): a spool is snapshot into the
 from __future__ import annotations
 
 import os
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +22,16 @@ from agent.finetune.job import too_few_samples
 from agent.finetune.memory_plan import BudgetTooSmall, plan_micro_batch
 from agent.finetune.setup import FinetuneSetup
 from agent.jobs.proctree import rss_mb
-from agent.jobs.protocol import Canceled, JobContext, StepContext, StepFailed, run_child
-from agent.jobs.steps.context import SETUP, step_context
+from agent.jobs.protocol import (
+    SETUP,
+    Canceled,
+    JobContext,
+    StepContext,
+    StepFailed,
+    child_main,
+    run_child,
+    step_context,
+)
 from agent.spool.lineage import fix_training_data, training_data_path
 from hpc_core.atomic import write_json_atomic
 
@@ -73,7 +83,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
     # job never trains past the budget it was given.
     check_forced = ft.micro_batch is not None and ft.budget_mb is not None
     if setup is None and (ft.micro_batch is None or check_forced):
-        setup = FinetuneSetup.model_validate(run_child(ctx, "setup", step_context(ctx)))
+        setup = FinetuneSetup.model_validate(run_child(ctx, __name__, "setup", step_context(ctx)))
         write_json_atomic(ctx.job_dir / SETUP, setup.model_dump(mode="json"))
     if setup is not None and check_forced:  # re-checked on a resume: the probes are cached
         ctx.event("finetune", status="planning", budget_mb=setup.budget_mb)
@@ -91,7 +101,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
         setup = setup.with_plan(_plan(ctx, setup).to_dict())
         write_json_atomic(ctx.job_dir / SETUP, setup.model_dump(mode="json"))
     ctx.event("finetune", status="training", plan=setup.plan if setup else None)
-    out = run_child(ctx, "finetune", step_context(ctx))
+    out = run_child(ctx, __name__, "finetune", step_context(ctx))
     if str(out.get("stopped_reason", "")).endswith("cancel"):
         raise Canceled("canceled during finetune")
     setup = _read_setup(ctx.job_dir)  # the child wrote it when it resolved it itself
@@ -189,3 +199,12 @@ def child(c: StepContext) -> dict[str, Any]:
         "target_c": result.target_c, "governor": gov or None,
         "report_png": str(png) if png.is_file() else None,
     }
+
+
+CHILDREN: dict[str, Callable[[StepContext], dict[str, Any]]] = {
+    "setup": child_setup, "finetune": child}
+"""This step's torch halves by name: ``python -m agent.jobs.steps.finetune NAME JOB_DIR``
+(:func:`agent.jobs.protocol.child_main`)."""
+
+if __name__ == "__main__":
+    sys.exit(child_main(CHILDREN))

@@ -5,11 +5,19 @@ verdict picks the machine's next state: commit or rollback."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent.jobs.protocol import JobContext, StepContext, StepFailed, run_child
-from agent.jobs.steps.context import step_context
+from agent.jobs.protocol import (
+    JobContext,
+    StepContext,
+    StepFailed,
+    child_main,
+    run_child,
+    step_context,
+)
 
 ANCHOR = "anchor.safetensors"
 """The artefact an upstream version ships its anchor set as: tensors x (N,H,W or N,C,H,W,
@@ -35,7 +43,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
         raise StepFailed("health", "the staged version is not in the standby slot")
     # A device with no active model yet compares against the upstream it started from.
     reference = active.path if active is not None else ctx.outputs["pull"].get("path")
-    return run_child(ctx, "health", step_context(
+    return run_child(ctx, __name__, "health", step_context(
         ctx, active_path=reference, staged_path=staged.path))
 
 
@@ -182,3 +190,11 @@ def _anchor_gate(c: StepContext, out: dict[str, Any], anchor: Path, paths: dict[
                 f"is {drop:.1f} points below the active model's {100 * acc['active']:.1f}% "
                 f"(health.max_anchor_drop_pts={limit})"]
     return []
+
+
+CHILDREN: dict[str, Callable[[StepContext], dict[str, Any]]] = {"health": child}
+"""This step's torch halves by name: ``python -m agent.jobs.steps.health NAME JOB_DIR``
+(:func:`agent.jobs.protocol.child_main`)."""
+
+if __name__ == "__main__":
+    sys.exit(child_main(CHILDREN))

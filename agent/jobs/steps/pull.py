@@ -12,6 +12,8 @@ installed (what the job commits is its own new, higher version).
 from __future__ import annotations
 
 import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +21,13 @@ from agent.jobs.protocol import (
     JobContext,
     StepContext,
     StepFailed,
+    child_main,
     crash_inside_child,
     run_child,
+    step_context,
+    trusted_keys,
 )
 from agent.jobs.spec import DeployJob
-from agent.jobs.steps.context import step_context, trusted_keys
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
@@ -49,7 +53,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
             raise StepFailed("pull", f"{spec.model}@{spec.version} is not on this device and "
                              "the job has no registry to fetch it from: set registry.url in "
                              "agent.yaml (agentctl: --registry)", code="NOT_FOUND")
-        out = run_child(ctx, "fetch", step_context(ctx))
+        out = run_child(ctx, __name__, "fetch", step_context(ctx))
         out["active"] = active.version if active else None
         return out
     if active is not None and base.slot != active.slot:
@@ -107,3 +111,11 @@ def child_fetch(c: StepContext) -> dict[str, Any]:
     return {"version": staged.version, "path": str(Path(staged.path)), "slot": staged.slot,
             "sequence": staged.manifest.sequence, "fetched": True,
             "chunks_fetched": pulled.chunks_fetched, "bytes_fetched": pulled.bytes_fetched}
+
+
+CHILDREN: dict[str, Callable[[StepContext], dict[str, Any]]] = {"fetch": child_fetch}
+"""This step's torch halves by name: ``python -m agent.jobs.steps.pull NAME JOB_DIR``
+(:func:`agent.jobs.protocol.child_main`)."""
+
+if __name__ == "__main__":
+    sys.exit(child_main(CHILDREN))

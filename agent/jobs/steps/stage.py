@@ -4,11 +4,20 @@ stages the pulled registry version (already there when pull fetched it)."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from typing import Any
 
-from agent.jobs.protocol import JobContext, StepContext, crash_inside_child, run_child
+from agent.jobs.protocol import (
+    JobContext,
+    StepContext,
+    child_main,
+    crash_inside_child,
+    run_child,
+    step_context,
+)
 from agent.jobs.spec import DeployJob
-from agent.jobs.steps.context import step_context
+from agent.jobs.steps import pull
 from agent.jobs.steps.health import anchor_of
 
 
@@ -19,8 +28,8 @@ def run(ctx: JobContext) -> dict[str, Any]:
             return {"version": pulled["version"], "slot": pulled["slot"],
                     "sequence": pulled["sequence"]}
         # The version is active already: nothing new to stage.
-        return run_child(ctx, "fetch", step_context(ctx))
-    return run_child(ctx, "stage", step_context(ctx))
+        return run_child(ctx, pull.__name__, "fetch", step_context(ctx))
+    return run_child(ctx, __name__, "stage", step_context(ctx))
 
 
 def child(c: StepContext) -> dict[str, Any]:
@@ -59,3 +68,11 @@ def child(c: StepContext) -> dict[str, Any]:
     )
     return {"version": staged.version, "slot": staged.slot,
             "sequence": staged.manifest.sequence, "signer": key.name}
+
+
+CHILDREN: dict[str, Callable[[StepContext], dict[str, Any]]] = {"stage": child}
+"""This step's torch halves by name: ``python -m agent.jobs.steps.stage NAME JOB_DIR``
+(:func:`agent.jobs.protocol.child_main`)."""
+
+if __name__ == "__main__":
+    sys.exit(child_main(CHILDREN))

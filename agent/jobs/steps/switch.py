@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent.jobs.protocol import JobContext, StepFailed
-from agent.jobs.steps.context import trusted_keys
+from agent.jobs.protocol import JobContext, StepFailed, trusted_keys
 
 
 def run(ctx: JobContext) -> dict[str, Any]:

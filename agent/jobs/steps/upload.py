@@ -10,8 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from agent.jobs.protocol import JobContext, StepFailed
-from agent.jobs.steps.context import export_artefacts, signing_key_path, trusted_keys
+from agent.jobs.protocol import (
+    JobContext,
+    StepFailed,
+    export_artefacts,
+    signing_key_path,
+    trusted_keys,
+)
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
