@@ -324,7 +324,7 @@ class Fleet:
                        strategy=s.strategy, trusted_keys=self.trusted, out=out,
                        updates=updates, trim=self.args.trim,
                        clip_norm=dp.clip_norm if dp else None, dp=dp,
-                       min_updates=len(CAMERAS))
+                       server_lr=self.args.server_lr, min_updates=len(CAMERAS))
         report = run_round(opts, rng=np.random.default_rng(self.args.seed + rnd))
         release = self.publish(out, f"{s.name}.r{rnd}", base.version,
                                artefacts=[out / "aggregate.json"])
@@ -557,6 +557,9 @@ def main() -> None:
     ap.add_argument("--test-fraction", type=float, default=0.2,
                     help="share of the digits held out as every device's test images")
     ap.add_argument("--trim", type=float, default=0.25, help="trimmed-mean: drop per end")
+    ap.add_argument("--server-lr", type=float, default=1.0,
+                    help="every round's aggregate is base + this x the combined delta "
+                    "(hpc-train aggregate --server-lr; 1: plain averaging)")
     ap.add_argument("--attack-scale", type=float, default=50.0,
                     help="poisoned uploads: base + k (w - base), k = +scale and -scale")
     ap.add_argument("--no-attacks", action="store_true", help="skip the poisoning scenarios")

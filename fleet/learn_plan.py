@@ -83,6 +83,9 @@ class LearnPlan(BaseModel):
     """krum: Byzantine updates tolerated."""
     clip_norm: float | None = Field(default=None, gt=0)
     """Clip each update's delta to this L2 norm."""
+    server_lr: float = Field(default=1.0, gt=0, le=100)
+    """Each aggregate is the base + this x the combined delta (1: plain averaging; at most
+    100, as `hpc-train aggregate --server-lr` takes)."""
     dp_noise_multiplier: float | None = Field(default=None, gt=0)
     """Central Gaussian DP on fedavg (with clip_norm and dp_delta): noise std = this x
     clip_norm / N on the combined delta; each aggregate's (epsilon, dp_delta) is accounted

@@ -81,6 +81,8 @@ def aggregate_argv(plan: LearnPlan, base: str, updates: list[str], out: Path) ->
         argv += ["--krum-f", str(plan.krum_f)]
     if plan.clip_norm is not None:
         argv += ["--clip-norm", f"{plan.clip_norm:g}"]
+    if plan.server_lr != 1.0:
+        argv += ["--server-lr", f"{plan.server_lr:g}"]
     if plan.dp_noise_multiplier is not None:
         # The privacy cost composes over every release the learn makes: its rounds.
         argv += ["--dp-noise-multiplier", f"{plan.dp_noise_multiplier:g}",

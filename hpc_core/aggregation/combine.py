@@ -157,8 +157,12 @@ def numel(entry: TensorEntry) -> int:
 
 def combine(deltas: Deltas, base: LocalBlob, strategy: Strategy, *, weights: np.ndarray,
             trim: float, block_bytes: int, write: Callable[[bytes], None],
-            noise: GaussianNoise | None = None, measure_distances: bool = True) -> Combined:
-    """Pass 3: write base + combined delta for every tensor, in the base's blob order."""
+            noise: GaussianNoise | None = None, measure_distances: bool = True,
+            server_lr: float = 1.0) -> Combined:
+    """Pass 3: write base + ``server_lr`` x combined delta for every tensor (running
+    statistics: x 1), in the base's blob order. Distances and the delta's norm are the
+    combined delta's, before the step and before DP noise; the step scales the noised delta
+    (post-processing: the privacy accounting is unchanged)."""
     n = len(deltas.updates)
     dist2 = np.zeros(n, dtype=np.float64)
     delta2 = 0.0
@@ -179,6 +183,10 @@ def combine(deltas: Deltas, base: LocalBlob, strategy: Strategy, *, weights: np.
                 base.read_into(raw, entry.offset + start)
                 write(raw.tobytes())
             continue
+        # Running statistics (BatchNorm's mean and variance) are averages of what the devices
+        # saw, not a direction to step along: a step past their mean can turn a variance
+        # negative. They take the combined value as it is.
+        lr = 1.0 if is_statistic(entry.name) else server_lr
         for start, stop in element_blocks(numel(entry), step):
             block = deltas.stack(entry.name, start, stop)
             combined = combine_block(strategy, block, weights=weights, trim=trim)
@@ -192,6 +200,8 @@ def combine(deltas: Deltas, base: LocalBlob, strategy: Strategy, *, weights: np.
             delta2 += float(np.dot(combined, combined))
             if noise is not None:
                 noise.add(combined)
+            if lr != 1.0:
+                combined *= lr
             combined += read_elements(base, entry, start, stop)
             write(encode(combined, entry.dtype))
     noise_norm = math.sqrt(noise.sum_squares) if noise is not None else 0.0

@@ -95,7 +95,7 @@ def _options(args: argparse.Namespace) -> Options:
         trusted_keys=Path(args.trusted_keys), out=Path(args.out), updates=updates,
         trim=DEFAULT_TRIM if args.trim is None else args.trim,
         krum_f=DEFAULT_KRUM_F if args.krum_f is None else args.krum_f,
-        clip_norm=args.clip_norm, dp=dp, min_updates=args.min_updates,
+        clip_norm=args.clip_norm, server_lr=args.server_lr, dp=dp, min_updates=args.min_updates,
         max_staleness=args.max_staleness, block_mb=args.block_mb,
         work_dir=Path(args.work_dir) if args.work_dir else None,
     )
@@ -142,6 +142,10 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                    help=f"krum: Byzantine updates tolerated (default: {DEFAULT_KRUM_F})")
     p.add_argument("--clip-norm", type=float, metavar="X",
                    help="clip each update's delta to this L2 norm (default: no clipping)")
+    p.add_argument("--server-lr", type=float, default=1.0, metavar="ETA",
+                   help="the aggregate is base + ETA x the combined delta: 1 averages; > 1 "
+                   "steps further along the devices' mean direction, which on few rounds of "
+                   "short fine-tunes recovers what averaging leaves (default: %(default)s)")
     p.add_argument("--dp-noise-multiplier", type=float, metavar="Z",
                    help="central Gaussian DP (fedavg; with --clip-norm and --dp-delta): noise "
                    "std Z x clip x max weight, Z x clip / N with equal weights")

@@ -15,6 +15,9 @@ from registry.errors import UsageError
 DEFAULT_TRIM = 0.2
 DEFAULT_KRUM_F = 1
 DEFAULT_MIN_UPDATES = 2
+MAX_SERVER_LR = 100.0
+"""A server step beyond this is a typo, not a method: nothing published should move a model
+a hundred times further than its devices did."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,9 @@ class Options:
     """krum: Byzantine updates tolerated."""
     clip_norm: float | None = None
     """Clip each update's delta to this L2 norm (over the whole update)."""
+    server_lr: float = 1.0
+    """The aggregate is base + server_lr x the combined delta (FedAvg with a server learning
+    rate, Reddi et al. 2021): 1 is plain averaging."""
     dp: DpSettings | None = None
     min_updates: int = DEFAULT_MIN_UPDATES
     max_staleness: int = 0
@@ -53,6 +59,9 @@ class Options:
         clip = self.clip_norm
         if clip is not None and not (math.isfinite(clip) and clip > 0):
             raise UsageError(f"--clip-norm {self.clip_norm}: a positive L2 norm")
+        if not (math.isfinite(self.server_lr) and 0 < self.server_lr <= MAX_SERVER_LR):
+            raise UsageError(f"--server-lr {self.server_lr}: a step in (0, {MAX_SERVER_LR:g}] "
+                             "(1: plain averaging)")
         if self.min_updates < 1 or self.max_staleness < 0:
             raise UsageError("--min-updates must be >= 1 and --max-staleness >= 0")
         if self.block_mb is not None and not 0 < self.block_mb <= 4096:
@@ -92,6 +101,7 @@ class Options:
             "registry": self.registry, "updates": self.updates or "auto",
             "min_updates": self.min_updates, "max_staleness": self.max_staleness,
             "clip_norm": self.clip_norm, "block_mb": self.block_mb,
+            "server_lr": self.server_lr,
         }
         if self.strategy == "trimmed-mean":
             out["trim"] = self.trim

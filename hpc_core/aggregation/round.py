@@ -112,13 +112,14 @@ def _combine_and_write(opts: Options, selection: Selection, blobs: Blobs,
             weighting = "krum: the chosen update only"
             result = combine(Deltas([blobs.measured[chosen].data]), blobs.base, "fedavg",
                              weights=np.ones(1), trim=0.0, block_bytes=block_bytes,
-                             write=writer.write, measure_distances=False)
+                             write=writer.write, measure_distances=False,
+                             server_lr=opts.server_lr)
             result = replace(result, distances=np.sqrt(d2[:, chosen]))
         else:
             result = combine(deltas, blobs.base, opts.strategy,
                              weights=weights if weights is not None else np.empty(0),
                              trim=opts.trim, block_bytes=block_bytes, write=writer.write,
-                             noise=noise)
+                             noise=noise, server_lr=opts.server_lr)
         report = build(opts, selection, blobs, weighting=weighting, weights=weights,
                        scales=scales, combined=result, krum=krum, privacy=privacy)
         writer.finish(report, _metrics(result, blobs, privacy))

@@ -432,6 +432,27 @@ def test_dp_options_reach_the_aggregation_accounted_over_the_learns_rounds(
     assert "--clip-norm" in argv
 
 
+def test_the_server_step_reaches_the_aggregation_and_is_bounded(
+        keys: dict[str, Path], tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    from fleet.learn_plan import LearnPlan
+    from fleet.learn_upstream import aggregate_argv
+
+    fields = {"name": "stepped", "group": "sim", "model": "digits", "base": "v1",
+              "data": "cam0", "registry": str(keys["registry"]),
+              "trusted_keys": str(keys["trusted"]), "sign_key": str(keys["key"]),
+              "max_device_drop": 1, "rounds": 2}
+    plain = aggregate_argv(LearnPlan.model_validate(fields), "v1", ["u"], tmp_path / "a")
+    assert "--server-lr" not in plain  # the tool's own default: plain averaging
+    argv = aggregate_argv(LearnPlan.model_validate({**fields, "server_lr": 2.5}), "v1", ["u"],
+                          tmp_path / "a")
+    assert argv[argv.index("--server-lr") + 1] == "2.5"
+    for bad in (0, -1, 101):
+        with pytest.raises(ValidationError, match="server_lr"):
+            LearnPlan.model_validate({**fields, "server_lr": bad})
+
+
 @pytest.mark.parametrize(("fail", "said"), [
     ("aggregate:2", ["hpc-train aggregate exit 2", "--trusted-keys holds no key"]),
     # A crash exits 1 like "too few updates": it must stop the learn, not skip the round.

@@ -113,6 +113,40 @@ def test_clipping_reports_norms_before_and_after(fleet: FleetRegistry,
     np.testing.assert_allclose(result.tensors["w"], np.full((2, 3), want), rtol=1e-6)
 
 
+@pytest.mark.parametrize("strategy", ["fedavg", "median", "krum"])
+def test_a_server_step_scales_the_combined_delta_not_the_base(
+        strategy: str, fleet: FleetRegistry, aggregate: Callable[..., Result]) -> None:
+    start = {"w": np.full((2, 3), 0.5, np.float32), "b": np.array([1.0, -1.0], np.float32)}
+    base = fleet.release("1", start)
+    fleet.fine_tunes(base, start, hand_deltas())
+    plain = aggregate("--strategy", strategy)
+    stepped = aggregate("--strategy", strategy, "--server-lr", "2.5")
+    assert plain.code == 0 and stepped.code == 0, (plain.stderr, stepped.stderr)
+    for name, want in HAND_EXPECTED[strategy].items():
+        np.testing.assert_allclose(stepped.tensors[name],
+                                   start[name] + 2.5 * np.array(want, np.float32), rtol=1e-6)
+    # What the report measures is the combined delta's, as without the step.
+    assert stepped.report["aggregate_delta_norm"] == pytest.approx(
+        plain.report["aggregate_delta_norm"])
+    assert [r["distance_to_aggregate"] for r in stepped.report["updates"]] == pytest.approx(
+        [r["distance_to_aggregate"] for r in plain.report["updates"]])
+    assert stepped.report["params"]["server_lr"] == 2.5
+
+
+def test_a_server_step_leaves_running_statistics_at_their_mean(
+        fleet: FleetRegistry, aggregate: Callable[..., Result]) -> None:
+    start = {"conv.weight": np.ones(4, np.float32), "bn.running_var": np.ones(4, np.float32)}
+    base = fleet.release("1", start)
+    # The devices' variances fell; three times that fall would make them negative.
+    fleet.fine_tunes(base, start, [{"conv.weight": np.full(4, d, np.float32),
+                                    "bn.running_var": np.full(4, -0.5, np.float32)}
+                                   for d in (0.1, 0.3)])
+    result = aggregate("--server-lr", "3")
+    assert result.code == 0, result.stderr
+    np.testing.assert_allclose(result.tensors["conv.weight"], 1 + 3 * 0.2, rtol=1e-6)
+    np.testing.assert_allclose(result.tensors["bn.running_var"], 0.5, rtol=1e-6)
+
+
 def test_fedavg_weights_by_sample_count_when_every_update_has_one(
         fleet: FleetRegistry, aggregate: Callable[..., Result]) -> None:
     base = fleet.release("1", ZERO)
@@ -196,7 +230,8 @@ def test_bad_arguments_exit_2_before_reading_anything(tmp_path: Path,
                                                       aggregate: Callable[..., Result]) -> None:
     for options in (["--strategy", "mean"], ["--trim", "0.6", "--strategy", "trimmed-mean"],
                     ["--trim", "0.1"], ["--krum-f", "1"], ["--clip-norm", "-1"],
-                    ["--updates", "../x"], ["--dp-delta", "1e-5"]):
+                    ["--updates", "../x"], ["--dp-delta", "1e-5"], ["--server-lr", "0"],
+                    ["--server-lr", "nan"], ["--server-lr", "1000"]):
         result = aggregate(*options)
         assert result.code == 2, (options, result.stderr)
         assert not result.out.exists()
