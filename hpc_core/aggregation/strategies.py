@@ -16,6 +16,9 @@ blocks equals the same function on the whole stacked models.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import numpy as np
@@ -47,8 +50,40 @@ def fedavg(block: np.ndarray, weights: np.ndarray) -> np.ndarray:
     return out
 
 
-# Order statistics sort each column: on an N x block array numpy's sort along axis 0 is
-# several times faster than np.partition / np.median there (strided, one column at a time).
+# Order statistics: each coordinate's N values are a column of the N x block array. Sorting
+# along axis 0 walks them strided (~15 ns an element for N = 100 on an AVX2 EPYC); a slice of
+# columns copied to contiguous rows (its transpose, a cache-sized piece at a time) and sorted
+# along the rows costs ~9 ns, and numpy releases the GIL in both, so the pieces are spread
+# over a few threads (~5 ns on 2 cores). Each thread reduces its own rows straight into the
+# output: no whole sorted copy of the block is ever held.
+COLUMNS_PER_PIECE = 4096
+"""Columns transposed and sorted at a time: N x 4096 float32 is 1.6 MB for N = 100."""
+ORDER_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                           else (os.cpu_count() or 1)))
+
+
+def _order_statistic(block: np.ndarray, reduce: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """``reduce`` (rows of sorted values -> one float64 per row) of every column of ``block``."""
+    cols = block.shape[1]
+    out = np.empty(cols, dtype=np.float64)
+
+    def part(lo: int, hi: int) -> None:
+        for c in range(lo, hi, COLUMNS_PER_PIECE):
+            rows = np.ascontiguousarray(block[:, c:min(c + COLUMNS_PER_PIECE, hi)].T)
+            rows.sort(axis=1)
+            out[c:c + rows.shape[0]] = reduce(rows)
+
+    pieces = -(-cols // COLUMNS_PER_PIECE)
+    threads = min(ORDER_THREADS, pieces)
+    if threads <= 1:
+        part(0, cols)
+        return out
+    per = -(-pieces // threads) * COLUMNS_PER_PIECE
+    # A pool per block: a block is milliseconds of work, a thread's start microseconds.
+    with ThreadPoolExecutor(threads, thread_name_prefix="aggregate-sort") as pool:
+        for f in [pool.submit(part, lo, min(lo + per, cols)) for lo in range(0, cols, per)]:
+            f.result()
+    return out
 
 
 def trimmed_mean(block: np.ndarray, trim: float) -> np.ndarray:
@@ -56,15 +91,15 @@ def trimmed_mean(block: np.ndarray, trim: float) -> np.ndarray:
     k = trimmed_count(n, trim)
     if k == 0:
         return block.mean(axis=0, dtype=np.float64)
-    return np.sort(block, axis=0)[k : n - k].mean(axis=0, dtype=np.float64)
+    return _order_statistic(block, lambda rows: rows[:, k : n - k].mean(axis=1, dtype=np.float64))
 
 
 def median(block: np.ndarray) -> np.ndarray:
     n = block.shape[0]
-    ordered = np.sort(block, axis=0)
     if n % 2:
-        return ordered[n // 2].astype(np.float64)
-    return (ordered[n // 2 - 1].astype(np.float64) + ordered[n // 2]) / 2
+        return _order_statistic(block, lambda rows: rows[:, n // 2].astype(np.float64))
+    return _order_statistic(
+        block, lambda rows: (rows[:, n // 2 - 1].astype(np.float64) + rows[:, n // 2]) / 2)
 
 
 def combine_block(strategy: Strategy, block: np.ndarray, *, weights: np.ndarray,

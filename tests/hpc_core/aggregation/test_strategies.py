@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from hpc_core.aggregation import strategies
 from hpc_core.aggregation.deltas import squared_norm
 from hpc_core.aggregation.strategies import (
     PairwiseDistances,
@@ -68,6 +69,25 @@ def test_blockwise_equals_the_whole_array_references(n: int) -> None:
         distances.add(updates[:, a:b])
     for f in range(0, (n - 3) // 2 + 1):
         assert krum_choice(distances.squared(), f)[0] == reference_krum(updates, f)
+
+
+@pytest.mark.parametrize(("threads", "piece"), [(1, 4096), (2, 7), (3, 50), (4, 1)])
+def test_order_statistics_spread_over_threads_equal_the_references(
+        threads: int, piece: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pieces of columns sorted on several threads, uneven last pieces and threads with
+    # nothing to do included, must give what the whole-array references give.
+    monkeypatch.setattr(strategies, "ORDER_THREADS", threads)
+    monkeypatch.setattr(strategies, "COLUMNS_PER_PIECE", piece)
+    rng = np.random.default_rng(threads)
+    for n in (8, 9):
+        updates = rng.normal(size=(n, 301)).astype(np.float32)
+        updates[n - 1, ::3] *= 1e6  # outliers that trimming and the median must drop
+        np.testing.assert_allclose(
+            combine_block("trimmed-mean", updates, weights=np.empty(0), trim=0.25),
+            stats.trim_mean(updates, 0.25, axis=0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(
+            combine_block("median", updates, weights=np.empty(0), trim=0),
+            np.median(updates.astype(np.float64), axis=0))
 
 
 def test_weights_and_the_staleness_discount() -> None:
