@@ -30,7 +30,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from agent.jobs.store import JobStore
-from agent.storage.trust import default_trusted_keys
+from agent.storage.trust import default_trusted_keys, load_trusted
 from hpc_core.atomic import write_json_atomic
 
 EX_TEMPFAIL = 75
@@ -241,8 +241,6 @@ def trusted_dir(ctx: JobContext) -> Path:
 
 def trusted_keys(ctx: JobContext) -> Any:
     """The job's trusted keys, checked on disk first (``agent.storage.trust``)."""
-    from agent.storage.trust import load_trusted
-
     return load_trusted(trusted_dir(ctx))
 
 
