@@ -143,9 +143,10 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--clip-norm", type=float, metavar="X",
                    help="clip each update's delta to this L2 norm (default: no clipping)")
     p.add_argument("--server-lr", type=float, default=1.0, metavar="ETA",
-                   help="the aggregate is base + ETA x the combined delta: 1 averages; > 1 "
-                   "steps further along the devices' mean direction, which on few rounds of "
-                   "short fine-tunes recovers what averaging leaves (default: %(default)s)")
+                   help="the aggregate is base + ETA x the combined delta (running "
+                   "statistics: x 1): 1 averages; > 1 steps further along the devices' mean "
+                   "direction (README: on the digits benchmark it did not help) (default: "
+                   "%(default)s)")
     p.add_argument("--dp-noise-multiplier", type=float, metavar="Z",
                    help="central Gaussian DP (fedavg; with --clip-norm and --dp-delta): noise "
                    "std Z x clip x max weight, Z x clip / N with equal weights")
