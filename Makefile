@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 NPROC ?= $(shell nproc)
+# Test processes: two (the suite's own processes run torch on one thread each, so two use a
+# 2-core host; more would only contend with the subprocesses the tests start).
+TEST_WORKERS ?= 2
 
 .PHONY: demo test test-gpu bench lint setup services clean
 
@@ -52,7 +55,9 @@ demo: setup services
 test: setup services
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25  # the slowest, to keep it under 30 min
+	@# --dist loadfile: a file's tests share one process, so a module's fixture (the demo's
+	@# whole run, say) is set up once; --durations lists the slowest, to keep it under 30 min.
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # On a GPU host: the CUDA paths that `make test` skips without one (fp16/bf16 training, a real
 # out-of-memory, deterministic resume, batch-find and the fine-tune's memory plan on CUDA), then
