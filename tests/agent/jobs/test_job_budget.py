@@ -1,7 +1,8 @@
 """The budget binds the whole device job, export and health included: an upstream resnet at
-48 px, device data at 48 px, 500 MB. Every step's process tree stays <= 1.05 x the budget,
-and the job's report agrees with an outside sampler (PSS of the worker's tree every 10 ms)
-within 5%. Before the export ran in two processes its tree reached 1.20 x."""
+48 px, device data at 48 px, 450 MB (the issue's run). Every step's process tree stays
+<= 1.05 x the budget, and the job's report agrees with an outside sampler (PSS of the
+worker's tree every 10 ms) within 5%. Before the export ran in two processes its tree
+reached 1.20 x."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from agent.jobs.store import JobState, JobStore
 from tests.agent.jobs.conftest import REPO, build_template, make_device, publish_v1
 from tests.support.registry_server import RegistryServer
 
-BUDGET = 500.0
-"""The issue's run was at 450 MB; on a freshly installed host (the venv's libraries all in the
-page cache, so each fault maps more of them) the probes' fixed cost alone is ~460 MB for this
-model with every layer trainable, and the planner rightly refuses 450."""
+BUDGET = 450.0
+"""The issue's run. The test ran at 500 MB for a while: on a freshly installed host the probes'
+fixed cost measured ~460 MB then. Since each step's child imports its own module alone (and
+the export children drop their cold start-up pages), a fresh install peaks at ~432 MB (export),
+~395 MB (fine-tune), ~316 MB (health)."""
 
 
 class OutsideSampler(threading.Thread):
