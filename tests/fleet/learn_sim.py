@@ -9,7 +9,10 @@ agent's ``evaluation`` (the candidate beside its baseline on the same samples).
 from __future__ import annotations
 
 import itertools
+import json
+import sqlite3
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,6 +55,9 @@ class Scores:
     by_candidate: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per candidate version, per device gains that replace the above."""
     samples: int = 120
+    poisoned: dict[str, float] = field(default_factory=dict)
+    """Device -> k: its uploads are ``base + k x`` an honest fine-tune's delta (signed with
+    its own, valid key)."""
     uploads: list[tuple[str, str]] = field(default_factory=list)
     """(device, version) of every upload, in order."""
     _n: Any = field(default_factory=lambda: itertools.count(1))
@@ -62,8 +68,9 @@ class Scores:
         else:
             release, tensors = read_tensors(self.registry, base)
             rng = np.random.default_rng(len(self.uploads))
-            moved = {k: (v + rng.normal(0, 0.01, v.shape)).astype(v.dtype)
-                     for k, v in tensors.items()}
+            k = self.poisoned.get(device, 1.0)
+            moved = {name: (v + k * rng.normal(0, 0.01, v.shape)).astype(v.dtype)
+                     for name, v in tensors.items()}
             m = self.registry.update(self.registry.device(device), release, moved,
                                      samples=float(self.samples))
             version = m.version
@@ -126,3 +133,37 @@ def start(broker: BrokerConfig, scores: Scores, **cfg: Any) -> SimFleet:
     fleet.devices = {d: LearnSimDevice(fleet, d, dev.behavior, scores)
                      for d, dev in fleet.devices.items()}
     return fleet.start()
+
+
+def round_state(db: Path, learn: str) -> dict[str, Any] | None:
+    """The learn's latest round as its controller last stored it (None before it has one)."""
+    try:
+        with sqlite3.connect(db, timeout=5) as c:
+            row = c.execute("SELECT state FROM learn_rounds WHERE learn_id = ? "
+                            "ORDER BY round DESC LIMIT 1", (learn,)).fetchone()
+    except sqlite3.OperationalError:
+        return None
+    return None if row is None else json.loads(row[0])
+
+
+def open_jobs(db: Path, rollout_prefix: str) -> int:
+    """Jobs of the rollouts named ``rollout_prefix...`` that are out on devices."""
+    try:
+        with sqlite3.connect(db, timeout=5) as c:
+            return int(c.execute(
+                "SELECT COUNT(*) FROM executions WHERE rollout_id LIKE ? AND status IN "
+                "('SENT', 'ACCEPTED', 'IN_PROGRESS')", (rollout_prefix + "%",)).fetchone()[0])
+    except sqlite3.OperationalError:
+        return 0
+
+
+def mlp_registry(where: Path, devices: int) -> FleetRegistry:
+    """A real folder registry holding release 1 of a small mlp, signed by upstream, and the
+    keys of devices ``sim-0000...`` made up front (trusted, scoped to their own versions)."""
+    reg = FleetRegistry.create(where, name="digits")
+    rng = np.random.default_rng(0)
+    shapes = {"1.weight": (8, 4), "1.bias": (8,), "3.weight": (2, 8), "3.bias": (2,)}
+    reg.release("1", {k: rng.normal(0, 0.5, s).astype(np.float32) for k, s in shapes.items()})
+    for i in range(devices):
+        reg.device(f"sim-{i:04d}")
+    return reg

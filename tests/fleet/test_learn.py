@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -29,8 +28,14 @@ from fleet.mqtt import BrokerConfig
 from fleet.sim_fleet import SimFleet
 from fleet.store import FleetStore
 from tests.fleet.conftest import BOTH_ENGINES, fleetctl_argv
-from tests.fleet.learn_sim import Scores, read_tensors, start
-from tests.support.fleet_registry import FleetRegistry
+from tests.fleet.learn_sim import (
+    Scores,
+    mlp_registry,
+    open_jobs,
+    read_tensors,
+    round_state,
+    start,
+)
 
 FAKE = f"{sys.executable} {Path(__file__).with_name('fake_hpc_train.py')}"
 REAL = f"{sys.executable} -m hpc_core.cli"
@@ -261,26 +266,6 @@ def test_offline_and_slow_devices_do_not_hold_a_round_a_late_upload_counts_next_
     assert not ran_twice(fleet)
 
 
-def _round_state(db: Path, name: str) -> dict[str, Any] | None:
-    try:
-        with sqlite3.connect(db, timeout=5) as c:
-            row = c.execute("SELECT state FROM learn_rounds WHERE learn_id = ? "
-                            "ORDER BY round DESC LIMIT 1", (name,)).fetchone()
-    except sqlite3.OperationalError:
-        return None
-    return None if row is None else json.loads(row[0])
-
-
-def _open_evals(db: Path, rid_prefix: str) -> int:
-    try:
-        with sqlite3.connect(db, timeout=5) as c:
-            return int(c.execute(
-                "SELECT COUNT(*) FROM executions WHERE rollout_id LIKE ? AND status IN "
-                "('SENT', 'ACCEPTED', 'IN_PROGRESS')", (rid_prefix + "%",)).fetchone()[0])
-    except sqlite3.OperationalError:
-        return 0
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -299,10 +284,10 @@ def test_controller_sigkilled_mid_round_resumes_without_running_anything_again(
     env = env | {"FAKE_HPC_TRAIN_SLEEP_S": "2"}
     kill_points: list[Callable[[], bool]] = [
         # 1: round 1's evaluations are out on the devices
-        lambda: (_round_state(db, "k") or {}).get("phase") == "evaluate"
-        and _open_evals(db, "k-r1-ev") > 0,
+        lambda: (round_state(db, "k") or {}).get("phase") == "evaluate"
+        and open_jobs(db, "k-r1-ev") > 0,
         # 2: round 2's aggregation is running (the tool dies with its controller)
-        lambda: (_round_state(db, "k") or {}).get("round") == 2
+        lambda: (round_state(db, "k") or {}).get("round") == 2
         and len(calls(tmp_path, "aggregate", base="k-r1")) == 1,
     ]
     argvs = [learn_argv(broker, tmp_path, *start_args(
@@ -353,13 +338,7 @@ def test_real_hpc_train_aggregates_the_uploads_and_publishes_behind_the_gates(
 ) -> None:
     # A real folder registry: release 1 of a small mlp, device-signed uploads made by the
     # simulated devices' fine-tunes, the real `hpc-train aggregate` and `publish`.
-    reg = FleetRegistry.create(tmp_path / "fleet", name="digits")
-    rng = np.random.default_rng(0)
-    shapes = {"1.weight": (8, 4), "1.bias": (8,), "3.weight": (2, 8), "3.bias": (2,)}
-    reg.release("1", {k: rng.normal(0, 0.5, s).astype(np.float32) for k, s in shapes.items()})
-    devices = [f"sim-{i:04d}" for i in range(3)]
-    for d in devices:
-        reg.device(d)  # keys (trusted, scoped to the device's own versions) made up front
+    reg = mlp_registry(tmp_path / "fleet", devices=3)
     scores = Scores(registry=reg, gain=0.01)
     fleet = learn_fleet(scores, devices=3, behavior={"job_duration_s": 0.05})
     keys = {"trusted": reg.trusted, "key": reg.work / "keys" / "upstream.key.pem",
