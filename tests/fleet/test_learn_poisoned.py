@@ -37,7 +37,7 @@ def test_median_holds_a_poisoned_device_off_two_rounds_across_a_controller_sigki
 ) -> None:
     reg = mlp_registry(tmp_path / "fleet", devices=5)
     scores = Scores(registry=reg, gain=0.01, poisoned={POISONED: SCALE})
-    fleet = start(broker, scores, devices=5, behavior={"job_duration_s": 0.4})
+    fleet = start(broker, scores, devices=5, behavior={"job_duration_s": 0.6})
     db = tmp_path / "fleet.db"
     fleetctl = [*fleetctl_argv(broker, tmp_path), "learn"]
     try:
