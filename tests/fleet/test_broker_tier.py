@@ -389,10 +389,14 @@ def test_a_rollout_across_two_regions_survives_a_regional_restart(
         jobs = [e for e in rep["executions"] if e["kind"] == "job"]
         assert sorted(e["device"] for e in jobs) == sorted(inv)
         assert {e["status"] for e in jobs} == {"SUCCEEDED"}
-        for f in fleets:
+        for f, region in zip(fleets, ("eu", "us"), strict=True):
             for d in f.devices.values():
                 assert d.executed == [f"{rep['key']}.{d.id}.1"], (d.id, d.executed)
-                assert d.duplicates == 0 and d.model.version == "v2"
+                assert d.model.version == "v2", (d.id, d.model)
+                # A job message in flight when region us stopped may come again (QoS 1 is at
+                # least once: seen in a run beside another test process); the device answers
+                # it DUPLICATE and runs nothing (executed, above). Region eu never restarted.
+                assert d.duplicates == 0 or region == "us", (d.id, region, d.duplicates)
     finally:
         for f in fleets:
             f.stop()
