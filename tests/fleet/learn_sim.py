@@ -18,10 +18,13 @@ from typing import Any
 import numpy as np
 
 from contract import ErrorInfo, JobOutcome, ModelInfo
+from fleet import learn_report
+from fleet.learn_store import LearnStore
 from fleet.mqtt import BrokerConfig
 from fleet.sim_config import SimConfig
 from fleet.sim_device import SimDevice, _Job
 from fleet.sim_fleet import SimFleet
+from fleet.store import FleetStore
 from registry.manifest import MAX_MANIFEST_BYTES, Manifest
 from registry.names import chunk_key, manifest_key
 from tests.support.fleet_registry import STAMP, FleetRegistry
@@ -167,3 +170,12 @@ def mlp_registry(where: Path, devices: int) -> FleetRegistry:
     for i in range(devices):
         reg.device(f"sim-{i:04d}")
     return reg
+
+
+def learn_status(tmp_path: Path, name: str, db: str | None = None) -> dict[str, Any]:
+    """What ``fleetctl learn status NAME --json`` prints, read from the db in this process."""
+    store = FleetStore(db or tmp_path / "fleet.db")
+    try:
+        return learn_report.load(store, LearnStore(store), name)
+    finally:
+        store.close()

@@ -21,15 +21,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fleet import learn_report
 from fleet.db import is_url
-from fleet.learn_store import LearnStore
 from fleet.mqtt import BrokerConfig
 from fleet.sim_fleet import SimFleet
 from fleet.store import FleetStore
 from tests.fleet.conftest import BOTH_ENGINES, fleetctl_argv
 from tests.fleet.learn_sim import (
     Scores,
+    learn_status,
     mlp_registry,
     open_jobs,
     read_tensors,
@@ -86,15 +85,6 @@ def start_args(name: str, keys: dict[str, Path], *extra: str, base: str = "v1",
             *(["--hpc-train", FAKE] if fake else ["--hpc-train", REAL]), *extra]
 
 
-def status(tmp_path: Path, name: str, db: str | None = None) -> dict[str, Any]:
-    """What ``fleetctl learn status NAME --json`` prints, read from the db in this process."""
-    store = FleetStore(db or tmp_path / "fleet.db")
-    try:
-        return learn_report.load(store, LearnStore(store), name)
-    finally:
-        store.close()
-
-
 def tool_calls(tmp_path: Path) -> list[list[str]]:
     path = tmp_path / "tool-calls.jsonl"
     if not path.exists():
@@ -142,7 +132,7 @@ def test_a_round_published_and_deployed_then_one_refused_keeps_its_base(
         "--eval-config", str(tmp_path / "upstream.yaml"))),
         capture_output=True, text=True, env=env | {"FAKE_UPSTREAM_DROP_PTS": "0.5"}, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    s = status(tmp_path, "nl")
+    s = learn_status(tmp_path, "nl")
     assert s["state"] == "finished" and s["base"] == "nl-r1"
     r1, r2 = s["history"]
     assert (r1["outcome"], r1["release"], r1["deploy"]) == ("published", "nl-r1", "succeeded")
@@ -205,13 +195,14 @@ def test_round_one_can_combine_the_uploads_of_a_fine_tune_rollout_already_run(
         "bad", keys, "--rounds", "1", "--max-device-drop", "2", "--first-updates", "nope")),
         capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode != 0
-    assert "first_updates: nope is not a fine-tune rollout" in status(tmp_path, "bad")["reason"]
+    assert "first_updates: nope is not a fine-tune rollout" in \
+        learn_status(tmp_path, "bad")["reason"]
     r = subprocess.run(learn_argv(broker, tmp_path, *start_args(
         "fu", keys, "--rounds", "1", "--min-updates", "3", "--max-device-drop", "2",
         "--deploy", "--timeout-s", "20", "--first-updates", "ops-ft")),
         capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    s = status(tmp_path, "fu")
+    s = learn_status(tmp_path, "fu")
     (r1,) = s["history"]
     assert (r1["outcome"], r1["release"], r1["deploy"]) == ("published", "fu-r1", "succeeded")
     assert r1["updates"]["combined"] == 3
@@ -248,7 +239,7 @@ def test_offline_and_slow_devices_do_not_hold_a_round_a_late_upload_counts_next_
         capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert '"offline": 1' in r.stdout
-    s = status(tmp_path, "late")
+    s = learn_status(tmp_path, "late")
     r1, r2 = s["history"]
     assert r1["outcome"] == "published" and r2["outcome"] == "published"
     assert {u["device"] for u in r1["chosen"]} == {"sim-0000", "sim-0001"}
@@ -313,7 +304,7 @@ def test_controller_sigkilled_mid_round_resumes_without_running_anything_again(
     r = subprocess.run(learn_argv(broker, tmp_path, "run", "k"), capture_output=True,
                        text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    s = status(tmp_path, "k")
+    s = learn_status(tmp_path, "k")
     assert s["state"] == "finished" and [h["outcome"] for h in s["history"]] == \
         ["published", "published"]
     # Nothing that finished ran again: one aggregate of v1, one candidate and one release per
@@ -348,7 +339,7 @@ def test_real_hpc_train_aggregates_the_uploads_and_publishes_behind_the_gates(
         "--max-device-drop", "1", "--min-mean-gain", "0.5", "--deploy", "--timeout-s", "60",
         base="1", fake=False)), capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    s = status(tmp_path, "real")
+    s = learn_status(tmp_path, "real")
     (r1,) = s["history"]
     uploaded = sorted(v for _, v in scores.uploads)
     assert sorted(r1["combined"]) == uploaded and len(uploaded) == 3
@@ -447,7 +438,7 @@ def test_a_tool_that_fails_stops_the_learn_and_resume_goes_on_from_that_phase(
         capture_output=True, text=True, env=env | {"FAKE_HPC_TRAIN_FAIL": fail},
         timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
-    s = status(tmp_path, "f")
+    s = learn_status(tmp_path, "f")
     assert s["state"] == "failed" and s["current"]["phase"] == "aggregate"
     assert f"round 1, aggregate: {said[0]}" in s["reason"]
     assert said[1] in s["reason"]
@@ -462,7 +453,7 @@ def test_a_tool_that_fails_stops_the_learn_and_resume_goes_on_from_that_phase(
     r = subprocess.run(learn_argv(broker, tmp_path, "run", "f"), capture_output=True,
                        text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    s = status(tmp_path, "f")
+    s = learn_status(tmp_path, "f")
     assert s["state"] == "finished" and s["history"][0]["outcome"] == "published"
     assert s["history"][0]["tool_runs"] == {"aggregate": 2, "candidate": 1, "publish": 1}
     assert all(len(d.executed) == 2 for d in fleet.devices.values())  # one ft, one ev each
@@ -492,7 +483,7 @@ def test_the_fleet_controller_forever_drives_a_detached_learn_to_its_end(
     r = subprocess.run(learn_argv(broker, tmp_path, *args, db=fleet_db),
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert status(tmp_path, "fc", fleet_db)["state"] == "running"
+    assert learn_status(tmp_path, "fc", fleet_db)["state"] == "running"
     procs = []
     for i in range(replicas):
         log = open(tmp_path / f"controller{i}.log", "wb")  # noqa: SIM115
@@ -502,7 +493,7 @@ def test_the_fleet_controller_forever_drives_a_detached_learn_to_its_end(
         log.close()
     try:
         deadline = time.monotonic() + 90
-        while status(tmp_path, "fc", fleet_db)["state"] == "running":
+        while learn_status(tmp_path, "fc", fleet_db)["state"] == "running":
             assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
                 (tmp_path / "controller0.log").read_text()[-3000:]
             time.sleep(0.1)
@@ -511,7 +502,7 @@ def test_the_fleet_controller_forever_drives_a_detached_learn_to_its_end(
             p.terminate()
         for p in procs:
             p.wait(30)
-    s = status(tmp_path, "fc", fleet_db)
+    s = learn_status(tmp_path, "fc", fleet_db)
     assert s["state"] == "finished" and s["history"][0]["outcome"] == "published"
     assert s["history"][0]["tool_runs"] == {"aggregate": 1, "candidate": 1, "publish": 1}
     assert not ran_twice(fleet)

@@ -14,13 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from fleet import learn_report
-from fleet.learn_store import LearnStore
 from fleet.mqtt import BrokerConfig
-from fleet.store import FleetStore
 from tests.fleet.conftest import fleetctl_argv
 from tests.fleet.learn_sim import (
     Scores,
+    learn_status,
     mlp_registry,
     open_jobs,
     read_tensors,
@@ -53,9 +51,12 @@ def test_median_holds_a_poisoned_device_off_two_rounds_across_a_controller_sigki
         log.close()
         # Round 2's evaluations are out on the devices: kill the controller there.
         deadline = time.monotonic() + 120
-        while not ((round_state(db, "pz") or {}).get("round") == 2
-                   and (round_state(db, "pz") or {}).get("phase") == "evaluate"
-                   and open_jobs(db, "pz-r2-ev") > 0):
+        def round_2_evaluating() -> bool:
+            rs = round_state(db, "pz") or {}
+            return (rs.get("round"), rs.get("phase")) == (2, "evaluate") \
+                and open_jobs(db, "pz-r2-ev") > 0
+
+        while not round_2_evaluating():
             assert proc.poll() is None and time.monotonic() < deadline, \
                 (tmp_path / "controller-0.log").read_text()[-3000:]
             time.sleep(0.02)
@@ -68,11 +69,7 @@ def test_median_holds_a_poisoned_device_off_two_rounds_across_a_controller_sigki
     finally:
         fleet.stop()
     assert not fleet.errors, fleet.errors
-    store = FleetStore(db)
-    try:
-        s = learn_report.load(store, LearnStore(store), "pz")
-    finally:
-        store.close()
+    s = learn_status(tmp_path, "pz")
     assert s["state"] == "finished" and s["base"] == "pz-r2"
     assert [h["outcome"] for h in s["history"]] == ["published", "published"]
     for rnd, h in enumerate(s["history"], start=1):
