@@ -244,7 +244,13 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, address: Any, model: ActiveModel, limits: OipLimits) -> None:
         self.model, self.limits = model, limits
         self._slots = threading.BoundedSemaphore(limits.max_connections)
+        self._open_lock = threading.Lock()
+        self.open_connections = 0
         super().__init__(address, _Handler)
+
+    def _count(self, step: int) -> None:
+        with self._open_lock:
+            self.open_connections += step
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -255,17 +261,20 @@ class _Server(ThreadingHTTPServer):
                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n{body}".encode())
             self.shutdown_request(request)
             return
+        self._count(+1)
         try:
             super().process_request(request, client_address)
         except BaseException:
             self._slots.release()
+            self._count(-1)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
-        finally:
+        finally:  # the slot first: a count of 0 means every slot is free again
             self._slots.release()
+            self._count(-1)
 
 
 class _UnixServer(_Server):
@@ -315,6 +324,11 @@ class OipServer:
             return f"unix:{self.unix_socket}"
         host, port = self._http.server_address[:2]
         return f"http://{host}:{port}"
+
+    @property
+    def open_connections(self) -> int:
+        """Client connections holding a slot now (at most ``limits.max_connections``)."""
+        return self._http.open_connections
 
     @property
     def port(self) -> int:
