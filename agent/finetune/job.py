@@ -1,5 +1,14 @@
-"""The fine-tune job as a device accepts it: from ``agentctl finetune`` flags, a job file, or
-the daemon's fine-tune command. Torch-free, so the daemon and the CLI parser can import it."""
+"""The fine-tune job: what a device accepts (:class:`FinetuneJob`, from ``agentctl finetune``
+flags, a job file or the daemon's fine-tune command), what it resolves to on this board
+(:class:`FinetuneSetup`: profile, device, precision, budget, the ``TrainConfig`` and the memory
+plan that fixes its micro-batch), and what it returns (:class:`FinetuneResult`).
+
+Torch-free, so the daemon and the CLI parser can import it. The one function that decides a
+set-up needs torch (the device, the checkpoint's spec), so it lives beside the training run:
+``agent.finetune.recipe.resolve_setup``, used by the standalone fine-tune (``python -m
+agent.finetune``, which plans in its own process) and the device job (whose ``setup`` child
+resolves it, whose torch-free worker plans against the whole process tree, and whose fine-tune
+child trains on exactly that set-up, never building another)."""
 
 from __future__ import annotations
 
@@ -19,6 +28,7 @@ from pydantic import (
 
 from agent.pacing.app_latency import AppLatencySource
 from agent.spool.index import count_kept
+from hpc_core.config import ModelConfig, TrainConfig, config_from_dict
 
 TRAINABLE_RE = re.compile(r"^(head|all|last_n:([1-9][0-9]*))$")
 PROFILE_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
@@ -145,3 +155,96 @@ def spool_too_small(root: Path, effective_batch: int, val_fraction: float) -> st
 class FinetuneResult:
     report: dict[str, Any]
     checkpoint_dir: Path | None
+
+
+class FinetuneSetup(BaseModel):
+    """Everything the trainer is built from, JSON-safe so it crosses the job's processes."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    profile: str
+    """The board profile's name (``auto`` already detected)."""
+    device: str
+    """``cpu`` or ``cuda``."""
+    precision: str
+    budget_mb: float
+    """The job's memory budget, or its profile's training budget."""
+    checkpoint: Path
+    """The weights the fine-tune starts from (a slot, or a resolved hpc_core checkpoint)."""
+    config: dict[str, Any]
+    """``TrainConfig.to_dict()``; ``training.micro_batch_size`` is set once planned."""
+    plan: dict[str, Any] | None = None
+    """The memory plan that chose the micro-batch (``MemoryPlan.to_dict()``); None when the
+    job gave one."""
+
+    @property
+    def planned(self) -> bool:
+        return self.config["training"].get("micro_batch_size") is not None
+
+    def train_config(self) -> TrainConfig:
+        return config_from_dict(self.config, source="fine-tune set-up")
+
+    def with_plan(self, plan: dict[str, Any]) -> FinetuneSetup:
+        """This set-up with the planned micro-batch (accumulation follows from it)."""
+        training = {**self.config["training"], "micro_batch_size": plan["micro_batch_size"]}
+        return self.model_copy(update={"config": {**self.config, "training": training},
+                                       "plan": plan})
+
+
+def build_config(
+    job: FinetuneJob, upstream: ModelConfig, precision: str, micro: int | None
+) -> TrainConfig:
+    """The fine-tune as an hpc_core training config: the same loop as upstream."""
+    source = "image_folder" if job.data.is_dir() else "npz"
+    return config_from_dict(
+        {
+            "run": {
+                "name": f"finetune-{job.out.name}",
+                "output_dir": str(job.out),
+                "seed": job.seed,
+            },
+            "data": {
+                "source": source,
+                "path": str(job.data),
+                "image_size": upstream.image_size,
+                "grayscale": upstream.in_channels == 1,
+                "val_fraction": job.val_fraction,
+                "split_seed": job.seed,
+            },
+            "model": upstream.model_dump(mode="json"),
+            "optimizer": {"name": job.optimizer, "lr": job.lr, "weight_decay": 0.0},
+            "schedule": {"warmup_steps": 0, "decay": "cosine"},
+            "training": {
+                "global_batch_size": job.effective_batch,
+                "micro_batch_size": micro,
+                "max_steps": job.steps,
+                "epochs": job.epochs,
+                "precision": precision,
+                "device": job.device,
+                "grad_clip_norm": 1.0,
+                "proximal_mu": job.proximal_mu,
+            },
+            "checkpoint": {
+                "every_steps": job.checkpoint_every,
+                "keep_last": 2,
+                "best_metric": None,
+            },
+            "faults": {"max_nan_rollbacks": 3},
+            "logging": {"log_every_steps": 5, "progress": "auto"},
+        },
+        source="fine-tune job",
+    )
+
+
+def resolve_profile(name: str) -> Any:
+    from device_profiles import detect_profile, load_profile
+
+    return detect_profile() if name == "auto" else load_profile(name)
+
+
+def pick_precision(job: FinetuneJob, profile: Any, device: str) -> str:
+    if job.precision != "auto":
+        return job.precision
+    if device != "cuda":
+        return "fp32"
+    return "bf16" if profile.precision.bf16 else ("fp16" if profile.precision.fp16 else "fp32")

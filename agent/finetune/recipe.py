@@ -1,8 +1,9 @@
 """One on-device fine-tune job: the upstream model, the device's data, the board's limits.
 
 It is ``hpc_core.Trainer`` with a different config — never a second loop:
-- the set-up (profile, device, precision, budget, TrainConfig) is resolved once
-  (``agent.finetune.setup``); the memory budget becomes a micro-batch picked by probing
+- the set-up (profile, device, precision, budget, TrainConfig) is resolved once, here
+  (:func:`resolve_setup`, into ``agent.finetune.job.FinetuneSetup``); the memory budget
+  becomes a micro-batch picked by probing
   (``agent.finetune.memory_plan``) and gradient accumulation up to the effective batch; the
   trainer's OOM halving stays as the safety net;
 - the trainable scope (``head | last_n:K | all``) freezes the rest (no gradients, no saved
@@ -20,17 +21,56 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from agent.finetune.cold_pages import drop_cold_pages
-from agent.finetune.job import FinetuneJob, FinetuneResult
-from agent.finetune.model import enable_activation_checkpointing, prepare_model
-from agent.finetune.setup import FinetuneSetup, resolve_profile, resolve_setup
+from agent.finetune.job import (
+    FinetuneJob,
+    FinetuneResult,
+    FinetuneSetup,
+    build_config,
+    pick_precision,
+    resolve_profile,
+)
+from agent.finetune.memory_plan import plan_micro_batch
+from agent.finetune.model import enable_activation_checkpointing, load_upstream, prepare_model
 from device_profiles.schema import DeviceProfile
 from hpc_core import checkpoint as ckpt
 from hpc_core.atomic import write_json_atomic
+from hpc_core.config import ModelConfig
 from hpc_core.metrics import peak_device_mb, peak_rss_mb
 from hpc_core.trainer import Trainer, TrainerHook
 
 log = logging.getLogger(__name__)
+
+
+def resolve_setup(job: FinetuneJob, upstream: ModelConfig | None = None, *,
+                  plan: bool = True) -> FinetuneSetup:
+    """Decide the fine-tune's set-up from the job and the board. ``upstream``: the model's
+    spec when the caller has loaded it (read from the checkpoint otherwise). ``plan``: probe
+    for the micro-batch here, against this process's own budget (the standalone fine-tune);
+    the device job passes False and plans in its worker against the whole process tree."""
+    profile = resolve_profile(job.profile)
+    if job.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("finetune.device=cuda but no CUDA device is visible here: use auto "
+                         "(CUDA where there is one) or cpu")
+    device = "cuda" if job.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
+    slot = (job.checkpoint / "manifest.json").is_file()
+    init = job.checkpoint if slot else ckpt.resolve_checkpoint(job.checkpoint)
+    if upstream is None:
+        _, upstream = load_upstream(init)
+    precision = pick_precision(job, profile, device)
+    budget = (job.budget_mb if job.budget_mb is not None
+              else float(profile.memory.training_budget_mb))
+    setup = FinetuneSetup(
+        profile=profile.name, device=device, precision=precision, budget_mb=budget,
+        checkpoint=init,
+        config=build_config(job, upstream, precision, job.micro_batch).to_dict())
+    if plan and not setup.planned:
+        found = plan_micro_batch(setup.train_config(), init, job.trainable, budget,
+                                 device=device)
+        setup = setup.with_plan(found.to_dict())
+    return setup
 
 
 def run_finetune(

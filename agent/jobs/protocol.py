@@ -43,7 +43,7 @@ CONTEXT = "context.json"
 """JOB_DIR/context.json: the :class:`StepContext` of the child step about to run."""
 
 SETUP = "setup.json"
-"""JOB_DIR/setup.json: the fine-tune's resolved set-up (``agent.finetune.setup``), written
+"""JOB_DIR/setup.json: the fine-tune's resolved set-up (``agent.finetune.job``), written
 once, read by the fine-tune and the steps after it."""
 
 HEARTBEAT_S = 5.0
@@ -216,7 +216,7 @@ class StepContext(BaseModel):
     artefacts: list[Path] = []
     """The files the export step installed (staged and signed with the weights)."""
     setup: dict[str, Any] | None = None
-    """The fine-tune's setup (``agent.finetune.setup.FinetuneSetup``), resolved once per job:
+    """The fine-tune's setup (``agent.finetune.job.FinetuneSetup``), resolved once per job:
     profile, device, precision, budget, TrainConfig and memory plan."""
     signing_key: Path
     trusted_keys: Path

@@ -1,12 +1,13 @@
 """finetune: the upstream trained on the device's data inside the memory budget, paced by the
 thermal/power governor, resumed from its last checkpoint after any interruption.
 
-Worker half: the set-up (``agent.finetune.setup``) is resolved once by a ``setup`` child
-(torch), the micro-batch planned here, torch-free, against the whole process tree's budget
-(this process, the probes, the child), and the result handed to the ``finetune`` child, which
-trains on exactly that set-up. With the micro-batch given there is nothing to plan: the
-fine-tune child resolves the set-up itself (one torch start less). First of all, the data the
-job learns from is fixed (``agent.spool.lineage``): a spool is snapshot into the job's folder.
+Worker half: the set-up is resolved once by a ``setup`` child (torch:
+``agent.finetune.recipe.resolve_setup``), the micro-batch planned here, torch-free, against
+the whole process tree's budget (this process, the probes, the child), and the result handed
+to the ``finetune`` child, which trains on exactly that set-up. With the micro-batch given
+there is nothing to plan: the fine-tune child resolves the set-up itself (one torch start
+less). First of all, the data the job learns from is fixed (``agent.spool.lineage``): a spool
+is snapshot into the job's folder.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent.finetune.job import too_few_samples
+from agent.finetune.job import FinetuneJob, FinetuneSetup, too_few_samples
 from agent.finetune.memory_plan import BudgetTooSmall, plan_micro_batch
-from agent.finetune.setup import FinetuneSetup
 from agent.jobs.proctree import rss_mb
 from agent.jobs.protocol import (
     SETUP,
@@ -114,9 +114,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
 # -- the child's half -------------------------------------------------------------------------
 
 
-def finetune_job(c: StepContext) -> Any:
-    from agent.finetune.job import FinetuneJob
-
+def finetune_job(c: StepContext) -> FinetuneJob:
     ft = c.spec["finetune"]
     # The application serving this model on this device is what training yields to.
     app = ({"state_dir": str(c.state_dir), "model": c.spec["model"],
@@ -129,7 +127,7 @@ def finetune_job(c: StepContext) -> Any:
 
 def child_setup(c: StepContext) -> dict[str, Any]:
     """The fine-tune's set-up, unplanned (the worker plans it): needs torch (device, model)."""
-    from agent.finetune.setup import resolve_setup
+    from agent.finetune.recipe import resolve_setup
 
     return resolve_setup(finetune_job(c), plan=False).model_dump(mode="json")
 
@@ -173,8 +171,7 @@ def _governor(trainer: Any) -> dict[str, Any]:
 def child(c: StepContext) -> dict[str, Any]:
     """Train on the job's set-up (resolved here when the worker had nothing to plan), paced by
     the governor, resumed from the last checkpoint; report.json/.png go to JOB_DIR/finetune."""
-    from agent.finetune.recipe import run_paced
-    from agent.finetune.setup import resolve_setup
+    from agent.finetune.recipe import resolve_setup, run_paced
 
     job = finetune_job(c)
     if c.setup is not None:

@@ -57,9 +57,8 @@ def _data_config(c: StepContext) -> dict[str, Any] | None:
         return dict(c.setup["config"]["data"])
     if not c.spec.get("data"):
         return None
-    from agent.finetune.job import FinetuneJob
+    from agent.finetune.job import FinetuneJob, build_config
     from agent.finetune.model import load_upstream
-    from agent.finetune.setup import build_config
 
     assert c.staged_path is not None
     _, upstream = load_upstream(c.staged_path)

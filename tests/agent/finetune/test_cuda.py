@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from agent.finetune.job import FinetuneJob
-from agent.finetune.recipe import run_finetune
-from agent.finetune.setup import resolve_setup
+from agent.finetune.recipe import resolve_setup, run_finetune
 from hpc_core.config import load_config
 from hpc_core.trainer import Trainer
 
