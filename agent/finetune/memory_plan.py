@@ -45,6 +45,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from agent.finetune.memory_fits import MemoryFit, largest_micro_batch
 from hpc_core.atomic import write_json_atomic
 from hpc_core.config import TrainConfig, config_from_dict
 
@@ -104,6 +105,12 @@ def fit(points: dict[int, list[float]]) -> tuple[float, float, float]:
     return base, slope, residual + spread
 
 
+def probes_over(points: dict[int, list[float]], budget_mb: float, job_process_mb: float,
+                failed: Collection[int] = ()) -> list[int]:
+    """The sizes whose own probe went past the budget (or did not finish)."""
+    return [m for m, v in points.items() if job_process_mb + max(v) > budget_mb] + [*failed]
+
+
 def fit_plan(
     budget_mb: float, effective_batch: int, points: dict[int, list[float]], method: str, *,
     job_process_mb: float = 0.0, probes_reused: bool = False, failed: Collection[int] = (),
@@ -112,12 +119,10 @@ def fit_plan(
     predicted tree peak, plus the noise margin, stays within ``budget_mb``, below every size
     in ``failed`` (probes that did not finish: the kernel's OOM killer, say)."""
     base, per_sample, margin = fit(points)
-    limit = budget_mb - job_process_mb - margin
-    micro = int((limit - base) // per_sample)
+    line = MemoryFit(base, per_sample, margin, job_process_mb)
     # Never at or past a size whose own probe went over: the line is a fit, the probe is a fact.
-    over = [m for m, v in points.items() if job_process_mb + max(v) > budget_mb] + [*failed]
-    if over:
-        micro = min(micro, min(over) - 1)
+    micro = largest_micro_batch(line, budget_mb, probes_over(points, budget_mb, job_process_mb,
+                                                             failed))
     if micro < 1:
         parts = (f"{job_process_mb:.0f} MB job process + " if job_process_mb else "")
         raise BudgetTooSmall(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from agent.finetune.job import spool_too_small
+from agent.finetune.memory_fits import submitted_refusal
 from agent.jobs.spec import DeviceJob
 from agent.spool.config import is_spool
 
@@ -54,6 +55,7 @@ def check_inputs(job: DeviceJob, state_dir: Path | None = None) -> None:
     data = job.data
     if state_dir is not None:
         _check_upstream(job, Path(state_dir))
+    _check_forced_micro_batch(job, state_dir)
     if not data.exists():
         raise ValueError(f"--data {data}: no such file or folder")
     if is_spool(data):  # recorded samples: the fine-tune step snapshots them, checks again
@@ -78,6 +80,18 @@ def check_inputs(job: DeviceJob, state_dir: Path | None = None) -> None:
             raise ValueError(f"--data {data}: not a readable .npz ({e})") from None
         if not {"x.npy", "y.npy"} <= names:
             raise ValueError(f"--data {data}: the .npz needs arrays x and y")
+
+
+def _check_forced_micro_batch(job: DeviceJob, state_dir: Path | None) -> None:
+    """A micro-batch forced beside an explicit budget, checked against the fit this device's
+    probes recorded for the same job (agent.finetune.memory_fits); without one the fine-tune
+    step probes and refuses it before anything trains."""
+    if state_dir is None or not job.data.exists():
+        return
+    why = submitted_refusal(Path(state_dir), job.model, job.version, job.data,
+                            job.finetune.model_dump())
+    if why is not None:
+        raise ValueError(f"--micro-batch: {why}")
 
 
 def _check_upstream(job: DeviceJob, state_dir: Path) -> None:

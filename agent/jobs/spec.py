@@ -34,6 +34,7 @@ from pydantic import (
 )
 
 from agent.finetune.job import FinetuneJob, spool_too_small
+from agent.finetune.memory_fits import submitted_refusal
 from agent.jobs.evaluate_spec import EvaluateArgs, EvaluateJob
 from agent.jobs.names import ModelName, Name, Version
 from agent.spool.config import MARKER, SPOOL_DATA, is_spool, spool_dir
@@ -429,6 +430,9 @@ def resolve(type_: str, args: BaseModel, settings: DeviceSettings) -> BaseModel:
             raise ArgsRefused("data", why)
     else:
         data = resolve_data(args.data, settings)
+    why = submitted_refusal(settings.state_dir, args.model, args.version, data, ft)
+    if why is not None:  # from this device's last probes of the same job
+        raise ArgsRefused("finetune.micro_batch", why)
     return DeviceJob.model_validate({
         "model": args.model, "version": args.version,
         "data": data, "finetune": ft, "export": export,

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.finetune.job import FinetuneJob, FinetuneSetup, too_few_samples
-from agent.finetune.memory_plan import BudgetTooSmall, plan_micro_batch
+from agent.finetune.memory_fits import MemoryFit, fit_key, forced_refusal, record_fit
+from agent.finetune.memory_plan import BudgetTooSmall, MemoryPlan, plan_micro_batch, probes_over
 from agent.jobs.proctree import rss_mb
 from agent.jobs.protocol import (
     SETUP,
@@ -41,7 +42,7 @@ def _read_setup(job_dir: Path) -> FinetuneSetup | None:
     return FinetuneSetup.model_validate_json(path.read_bytes()) if path.is_file() else None
 
 
-def _plan(ctx: JobContext, setup: FinetuneSetup) -> Any:
+def _plan(ctx: JobContext, setup: FinetuneSetup) -> MemoryPlan:
     """Probe (or reuse the cached probes of) this job's training step and fit the largest
     micro-batch whose whole-tree peak stays within the budget."""
     ft = ctx.spec.finetune
@@ -49,13 +50,22 @@ def _plan(ctx: JobContext, setup: FinetuneSetup) -> Any:
     probe_cfg = probe_cfg.model_copy(update={
         "run": probe_cfg.run.model_copy(update={"output_dir": ctx.job_dir / "probes"}),
         "training": probe_cfg.training.model_copy(update={"micro_batch_size": None})})
+    start = Path(ctx.outputs["pull"]["path"])
     try:
-        return plan_micro_batch(
-            probe_cfg, Path(ctx.outputs["pull"]["path"]), ft.trainable, setup.budget_mb,
+        plan = plan_micro_batch(
+            probe_cfg, start, ft.trainable, setup.budget_mb,
             job_process_mb=rss_mb(os.getpid()),
             cache=ctx.state_dir / "cache" / "memory_probes.json")
     except BudgetTooSmall as e:  # the job's answer, not a crash to retry
         raise StepFailed("finetune", str(e)) from None
+    # Kept for the next submission of this job: a forced micro-batch is checked there.
+    record_fit(ctx.state_dir, fit_key(ctx.spec.model, start, Path(ctx.spec.data),
+                                      ft.model_dump()), plan_fit(plan))
+    return plan
+
+
+def plan_fit(plan: MemoryPlan) -> MemoryFit:
+    return MemoryFit(plan.base_mb, plan.per_sample_mb, plan.margin_mb, plan.job_process_mb)
 
 
 def _training_data(ctx: JobContext) -> dict[str, Any]:
@@ -88,14 +98,10 @@ def run(ctx: JobContext) -> dict[str, Any]:
     if setup is not None and check_forced:  # re-checked on a resume: the probes are cached
         ctx.event("finetune", status="planning", budget_mb=setup.budget_mb)
         plan = _plan(ctx, setup)
-        if plan.micro_batch_size < ft.micro_batch:
-            need = plan.job_process_mb + plan.base_mb + plan.per_sample_mb * ft.micro_batch
-            raise StepFailed(
-                "finetune", f"finetune.micro_batch={ft.micro_batch} does not fit "
-                f"finetune.budget_mb={ft.budget_mb:.0f}: the probes predict a whole-tree peak "
-                f"of ~{need:.0f} MB (+{plan.margin_mb:.0f} MB noise margin); the largest "
-                f"micro-batch that fits is {plan.micro_batch_size}: drop micro_batch to let "
-                "the planner choose, or raise the budget", code="BAD_ARGS")
+        why = forced_refusal(ft.micro_batch, ft.budget_mb, plan_fit(plan),
+                             probes_over(plan.probes, ft.budget_mb, plan.job_process_mb))
+        if why is not None:
+            raise StepFailed("finetune", why, code="BAD_ARGS")
     if setup is not None and not setup.planned:
         ctx.event("finetune", status="planning", budget_mb=setup.budget_mb)
         setup = setup.with_plan(_plan(ctx, setup).to_dict())

@@ -356,6 +356,37 @@ def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
     assert f"finetune.micro_batch={big} does not fit finetune.budget_mb={tight}" in (
         rec.error["message"]), rec.error
     assert not (base.state / "jobs/mbig/finetune").exists()  # nothing trained
+    # The same job submitted again is refused at submission, from the fit those probes left
+    # (agent.finetune.memory_fits): in the foreground with exit 2 and no job folder, ...
+    refused = _agentctl([
+        "--model", "digits", "--version", "v1", "--registry", device.registry.url,
+        "--data", str(base.data), "--state-dir", str(base.state), "--profile", "generic-x86",
+        "--sensors", "none", "--trainable", "all", "--steps", "6", "--effective-batch",
+        str(big), "--micro-batch", str(big), "--budget-mb", str(tight), "--job-id", "mbig2"])
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert f"finetune.micro_batch={big} does not fit finetune.budget_mb={tight}" in (
+        refused.stderr), refused.stderr[-2000:]
+    assert not (base.state / "jobs/mbig2").exists()
+    assert JobStore(base.state).get("mbig2") is None
+    # ... and as a daemon command, REJECTED BAD_ARGS before it is queued; a micro-batch the
+    # fit holds passes.
+    from agent.daemon.jobspec import resolve_command_args
+    from agent.jobs.spec import DeviceSettings
+    from contract import CommandRejected
+
+    settings = DeviceSettings(
+        state_dir=base.state, data_root=base.data.parent, registry=device.registry.url,
+        upload_registry=None, trusted_keys=base.state / "trusted_keys",
+        signing_key=base.state / "device.key.pem", profile="generic-x86", sensors="none")
+    args = {"model": "digits", "version": "v1", "data": base.data.name,
+            "finetune": {"trainable": "all", "steps": 6, "effective_batch": big,
+                         "micro_batch": big, "budget_mb": tight}}
+    with pytest.raises(CommandRejected) as rejected:
+        resolve_command_args("finetune", args, settings)
+    assert rejected.value.code == "BAD_ARGS"
+    assert f"finetune.micro_batch={big} does not fit" in rejected.value.message
+    args["finetune"] = {**args["finetune"], "micro_batch": 128}
+    assert resolve_command_args("finetune", args, settings)["finetune"]["micro_batch"] == 128
 
 
 # -- bad input ----------------------------------------------------------------------------
