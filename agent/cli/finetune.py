@@ -45,7 +45,9 @@ carries names and numbers only: --data is a data set under the daemon's data_roo
 daemon's come from agent.yaml).
 
 exit codes: 0 committed, 1 the job failed or rolled back (the summary says why), 2 invalid
-arguments (nothing created), 75 suspended by SIGTERM (resume with --resume)
+arguments (nothing created; or found by a step before anything trained, e.g. a --micro-batch
+the probes say --budget-mb cannot hold: the job ends BAD_ARGS), 75 suspended by SIGTERM
+(resume with --resume)
 """
 
 
@@ -154,7 +156,11 @@ def _execute(state_dir: Path, job_id: str, progress: str, term: dict[str, bool])
     print_rows(summary_rows(rec, store.steps(job_id)))
     print(json.dumps({"job": job_id, "state": rec.state.value, "result": rec.result,
                       "error": rec.error}, sort_keys=True))
-    return 0 if rec.state is JobState.SUCCEEDED else 1
+    if rec.state is JobState.SUCCEEDED:
+        return 0
+    # A step found the arguments impossible here before anything trained (a forced
+    # micro-batch over the budget, a spool too small): bad input, as at submission.
+    return 2 if (rec.error or {}).get("code") == "BAD_ARGS" else 1
 
 
 def _one_line(e: ConfigError) -> str:

@@ -358,16 +358,24 @@ def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
     assert not (base.state / "jobs/mbig/finetune").exists()  # nothing trained
     # The same job submitted again is refused at submission, from the fit those probes left
     # (agent.finetune.memory_fits): in the foreground with exit 2 and no job folder, ...
-    refused = _agentctl([
-        "--model", "digits", "--version", "v1", "--registry", device.registry.url,
-        "--data", str(base.data), "--state-dir", str(base.state), "--profile", "generic-x86",
-        "--sensors", "none", "--trainable", "all", "--steps", "6", "--effective-batch",
-        str(big), "--micro-batch", str(big), "--budget-mb", str(tight), "--job-id", "mbig2"])
+    flags = ["--model", "digits", "--version", "v1", "--registry", device.registry.url,
+             "--data", str(base.data), "--state-dir", str(base.state), "--profile",
+             "generic-x86", "--sensors", "none", "--trainable", "all", "--steps", "6",
+             "--effective-batch", str(big), "--micro-batch", str(big), "--budget-mb",
+             str(tight)]
+    refused = _agentctl([*flags, "--job-id", "mbig2"])
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert f"finetune.micro_batch={big} does not fit finetune.budget_mb={tight}" in (
         refused.stderr), refused.stderr[-2000:]
     assert not (base.state / "jobs/mbig2").exists()
     assert JobStore(base.state).get("mbig2") is None
+    # With no fit on record the step's probes (cached here) refuse it: still exit 2, BAD_ARGS.
+    (base.state / "cache" / "memory_fits.json").unlink()
+    stepped = _agentctl([*flags, "--job-id", "mbig3"], timeout=400)
+    assert stepped.returncode == 2, stepped.stderr[-2000:]
+    rec = JobStore(base.state).get("mbig3")
+    assert rec is not None and rec.state is JobState.FAILED and rec.error["code"] == "BAD_ARGS"
+    assert not (base.state / "jobs/mbig3/finetune").exists()
     # ... and as a daemon command, REJECTED BAD_ARGS before it is queued; a micro-batch the
     # fit holds passes.
     from agent.daemon.jobspec import resolve_command_args
