@@ -22,21 +22,20 @@ the steady phase against the commit phase, and commit-to-serving delays.
 corun (issue 22, training yields to inference): an application with a p99 SLO beside a real
 device fine-tune on the same cores. The device is the job tests' (``build_template``: a
 small_cnn trained on clean digits, the device's distorted digits, keys); its digits@v1 is
-published with the upstream's ONNX export (the exporters' pipeline, INT8 first) as its
-artefact and pulled, so ``ActiveModel`` serves it; an open-loop client sends it
-``--corun-rate`` batch-1 requests/s on 1 ONNX Runtime thread. Three runs, each on a fresh
+published with the upstream's ONNX export (the exporters' pipeline, INT8 first) as its artefact
+and pulled, so ``ActiveModel`` serves it; an open-loop client sends it ``--corun-rate``
+requests/s of ``--corun-batch`` samples on 1 ONNX Runtime thread. Three runs, each on a fresh
 device: the application alone (its p99 sets the SLO, ``--corun-slo-k`` x), then beside
 ``agentctl finetune --sensors sim --latency-slo-ms SLO`` with ``--no-yield-to-app``, then
 yielding. Per run: the application's p50/p99 over the training loop (and over the whole
 fine-tune step) and the share of its 1 s windows over the SLO; the step's wall time, the
-training's steps/s, and ``yielded_s`` / ``worst_app_p99_ms`` from the job's report; the
-application's p99 while the governor held training at full duty, paced it or yielded; the CPU
-the rest of the host used (and the hypervisor stole) meanwhile, so a run that overlapped
-another load says so. The application serves at most ``--corun-max-s`` beside one job (a
-yielding fine-tune can take many times its unpaced time); the figures then cover the training
-up to there. Target: within the SLO while yielding, over it without. This section builds its
-own device (torch in a child process), so it runs alone too: ``--sections corun``.
-"""
+training's steps/s, and ``yielded_s`` / ``fewer_threads_s`` / ``worst_app_p99_ms`` from the
+job's report; the application's p99 while the governor held training at full duty, paced it or
+yielded; the CPU the rest of the host used (and the hypervisor stole) meanwhile, so a run that
+overlapped another load says so. The application serves at most ``--corun-max-s`` beside one
+job (a yielding fine-tune can take many times its unpaced time); the figures then cover the
+training up to there. Target: within the SLO while yielding, over it without. This section
+builds its own device (torch in a child process), so it runs alone too: ``--sections corun``."""
 
 from __future__ import annotations
 
@@ -404,17 +403,17 @@ class Served:
 def _serve(state: Path, slo_ms: float | None, args: argparse.Namespace, max_s: float,
            done: Callable[[], bool] = lambda: False, start: Callable[[], None] | None = None
            ) -> Served:
-    """The application: ``ActiveModel`` (1 worker thread, batch 1) behind an open-loop client
-    at ``--corun-rate``, until ``done()`` (asked ten times a second) or ``max_s``. ``start``
-    runs on a timer thread ``--corun-lead-s`` after the first request, so the application's
-    stats are there before a job starts."""
+    """The application: ``ActiveModel`` (1 worker thread, ``--corun-batch`` samples a request)
+    behind an open-loop client at ``--corun-rate``, until ``done()`` (asked ten times a second)
+    or ``max_s``. ``start`` runs on a timer thread ``--corun-lead-s`` after the first request,
+    so the application's stats are there before a job starts."""
     jobs: queue.Queue[float | None] = queue.Queue()
     out = Served([], [], [])
     with ActiveModel(state, MODEL, slo_ms=slo_ms, threads=args.threads,
                      stats_window_s=args.corun_stats_window_s) as model:
         assert model.engine is not None
-        x = np.random.default_rng(3).random((1, *model.engine.input_shape[1:]),
-                                            dtype=np.float32)
+        x = np.random.default_rng(3).random(
+            (args.corun_batch, *model.engine.input_shape[1:]), dtype=np.float32)
 
         def worker() -> None:
             while (due := jobs.get()) is not None:
@@ -528,6 +527,7 @@ def _corun_job(base: Path, run: str, slo_ms: float, yield_to_app: bool,
                 "steps_per_s": steps_served / (end - start),
                 "governed_s": summary["elapsed_s"],
                 "compute_s": summary["compute_s"], "yielded_s": summary["yielded_s"],
+                "fewer_threads_s": summary.get("fewer_threads_s", 0.0),
                 "worst_app_p99_ms": summary["worst_app_p99_ms"],
                 "mean_duty": summary["mean_duty"], "timeline": timeline},
         "app_by_duty": _by_duty(served, timeline, records),
@@ -600,7 +600,8 @@ def section_corun(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
     print(f"\n== corun: the application beside a device fine-tune on the same {os.cpu_count()} "
           "cores ==")
     print(f"app: ActiveModel serving digits@v1 ({won['step']} ONNX of a trained small_cnn, "
-          f"GroupNorm width 16, 16 px), batch 1, {args.threads} ONNX Runtime thread, open loop "
+          f"GroupNorm width 16, 16 px), batch {args.corun_batch}, {args.threads} ONNX Runtime "
+          f"thread(s), open loop "
           f"at {args.corun_rate:g} req/s, stats window {args.corun_stats_window_s:g} s")
     print(f"fine-tune: agentctl finetune --profile sim --sensors sim --trainable all --steps "
           f"{args.corun_steps} --micro-batch 64 --no-export --latency-slo-ms SLO "
@@ -610,18 +611,19 @@ def section_corun(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
           "training loop")
     print(f"{'run':<9} {'p50 ms':>6} {'p99 ms':>6} {'p99/SLO':>7} {'client p99':>10} "
           f"{'windows>SLO':>11} {'step s':>6} {'train s':>7} {'steps/s':>7} {'yielded s':>9} "
-          f"{'job worst p99':>13} {'others/steal cores':>18}")
+          f"{'fewer thr s':>11} {'job worst p99':>13} {'others/steal cores':>18}")
     for name, r in runs.items():
         a, j = r["app"], r["job"]
         over = f"{a['windows_over_slo']}/{a['windows']}"
         line = (f"{name:<9} {a['p50_ms']:>6.3f} {a['p99_ms']:>6.3f} {a['p99_ms'] / slo:>7.2f} "
                 f"{a['client_p99_ms']:>10.3f} {over:>11}")
         if j is None:
-            line += f" {'-':>6} {'-':>7} {'-':>7} {'-':>9} {'-':>13}"
+            line += f" {'-':>6} {'-':>7} {'-':>7} {'-':>9} {'-':>11} {'-':>13}"
         else:
             worst = j["worst_app_p99_ms"]
             line += (f" {j['step_s']:>6.1f} {j['train_s']:>7.1f} {j['steps_per_s']:>7.1f} "
-                     f"{j['yielded_s']:>9.1f} {'-' if worst is None else f'{worst:.3f}':>13}")
+                     f"{j['yielded_s']:>9.1f} {j['fewer_threads_s']:>11.1f} "
+                     f"{'-' if worst is None else f'{worst:.3f}':>13}")
         print(f"{line} {r['others_cores']:>12.2f} /{r['steal_cores']:>4.2f}")
     ny, y = runs["no-yield"], runs["yield"]
     cost = y["job"]["steps_per_s"] / ny["job"]["steps_per_s"]
@@ -684,6 +686,9 @@ def main() -> int:
     ap.add_argument("--poll-s", type=float, default=0.2, help="ActiveModel's poll interval")
     ap.add_argument("--corun-rate", type=float, default=200.0,
                     help="corun: the application's requests per second")
+    ap.add_argument("--corun-batch", type=int, default=1,
+                    help="corun: samples per request (32 stands for a heavier model: requests "
+                    "of ~20 ms, against which a VM's millisecond stalls are small)")
     ap.add_argument("--corun-baseline-s", type=float, default=15.0,
                     help="corun: seconds the application runs alone")
     ap.add_argument("--corun-slo-k", type=float, default=1.5,

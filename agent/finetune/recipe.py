@@ -154,7 +154,7 @@ def run_paced(
     heats and reads, as its daemon does (``agent.sensors.sim.SimBoard``)."""
     from agent.pacing.app_latency import RuntimeLatency
     from agent.pacing.governor import Governor, GovernorConfig
-    from agent.pacing.hook import GovernorHook
+    from agent.pacing.hook import GovernorHook, ThreadYield
     from agent.pacing.report import Limits, build_report, write_report
     from agent.sensors import open_backend
 
@@ -176,7 +176,12 @@ def run_paced(
                 profile=profile, switcher=switcher)
             if why_not:
                 governor.note_unavailable("power_mode", why_not)
-            hook = GovernorHook(governor, sensors, latency=latency, power_mode=switcher)
+            # Cores first, then time: a step that shares none of the application's cores
+            # costs its requests nothing (agent.pacing.hook.ThreadYield).
+            threads = (ThreadYield(torch.set_num_threads, torch.get_num_threads())
+                       if latency is not None else None)
+            hook = GovernorHook(governor, sensors, latency=latency, power_mode=switcher,
+                                threads=threads)
         result = run_finetune(job, hooks=[*(hooks or []), *([hook] if hook else [])],
                               resume=resume, setup=setup)
     report = result.report

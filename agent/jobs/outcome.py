@@ -89,4 +89,5 @@ def _governor(ft: dict[str, Any]) -> dict[str, Any]:
             "time_above_target_s": g.get("time_above_target_s"),
             "state_changes": g.get("events"),
             # Training given to the application (its p99 over the SLO), and the worst p99 seen.
-            "yielded_s": g.get("yielded_s"), "worst_app_p99_ms": g.get("worst_app_p99_ms")}
+            "yielded_s": g.get("yielded_s"), "fewer_threads_s": g.get("fewer_threads_s"),
+            "worst_app_p99_ms": g.get("worst_app_p99_ms")}

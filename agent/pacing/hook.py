@@ -33,6 +33,48 @@ class PacingRecord:
     """Of paced_s + waited_s: while the application's latency set the duty."""
     worst_p99_ms: float | None = None
     """The worst application p99 reported during the run."""
+    fewer_threads_s: float = 0.0
+    """Training time spent on fewer intra-op threads because the application was over its
+    SLO (cores yielded before time)."""
+
+
+@dataclass
+class ThreadYield:
+    """The trainer's intra-op threads, handed to the application while it is over its SLO.
+
+    Duty-cycle pacing lowers how often a request meets a training step, not what meeting one
+    costs: a step on every core still stalls each request that arrives during it, and p99 is
+    set by those once more than 1 in 100 do. So while the latency loop constrains, training
+    first gives up ``give`` cores (it runs on ``full - give`` threads, at least one). It takes
+    them back after ``hold_s`` without a constraint, and at once when nobody reports (nothing
+    to yield to). A p99 that breaks the SLO again within the hold after they came back says
+    the application needs them: the hold doubles (up to ``max_hold_s``), so a steady
+    application is not handed its cores and robbed of them every window."""
+
+    set_threads: Callable[[int], None]
+    full: int
+    give: int = 1
+    hold_s: float = 30.0
+    max_hold_s: float = 600.0
+    reduced: bool = False
+    last_constrained_s: float = -math.inf
+    restored_s: float = -math.inf
+    hold_now_s: float = -1.0  # the hold in force; set from hold_s on the first update
+
+    def update(self, constrained: bool, serving: bool, now: float) -> None:
+        if self.hold_now_s < 0 or not serving:
+            self.hold_now_s = self.hold_s
+        if constrained:
+            if not self.reduced and now - self.restored_s < self.hold_now_s:
+                self.hold_now_s = min(2 * self.hold_now_s, self.max_hold_s)
+            self.last_constrained_s = now
+        want = serving and (constrained or (
+            self.reduced and now - self.last_constrained_s < self.hold_now_s))
+        if want != self.reduced and self.full > 1:
+            self.set_threads(max(1, self.full - self.give) if want else self.full)
+            self.reduced = want
+            if not want:
+                self.restored_s = now
 
 
 class GovernorHook:
@@ -57,9 +99,12 @@ class GovernorHook:
         record_every_s: float = 1.0,
         power_mode: PowerModeSwitcher | None = None,
         latency: Callable[[], AppLatency | None] | None = None,
+        threads: ThreadYield | None = None,
     ) -> None:
         self.controller = controller
         self.latency = latency
+        self.threads = threads
+        self._serving = False
         self.sensors = sensors
         self.clock: Clock = clock or MonotonicClock()
         self.on_pause = on_pause
@@ -87,6 +132,10 @@ class GovernorHook:
         reading = self.sensors.read()
         decision = self.last = self.controller.update(reading, now, "active", self._latency())
         self._account(reading.total_power_mw, step_s)
+        if self.threads is not None:
+            if self.threads.reduced:
+                self.record.fewer_threads_s += step_s
+            self.threads.update(decision.limit == "latency", self._serving, now)
         self._record_metrics(now, step, metrics)
         if decision.state == GovernorState.PAUSED and self.on_pause == "stop":
             trainer.request_stop(f"governor paused: {self._last_reason()}")
@@ -133,6 +182,7 @@ class GovernorHook:
         if self.latency is None:
             return None
         report = self.latency()
+        self._serving = report is not None
         if report is not None and (self.record.worst_p99_ms is None
                                    or report.p99_ms > self.record.worst_p99_ms):
             self.record.worst_p99_ms = report.p99_ms

@@ -100,6 +100,8 @@ def build_report(
             # Training time given to the application (its p99 over the SLO set the duty): the
             # fine-tune's cost of yielding, against compute_s.
             "yielded_s": rec.yielded_s,
+            # Training that ran on fewer threads, the application's cores handed back.
+            "fewer_threads_s": rec.fewer_threads_s,
             "worst_app_p99_ms": rec.worst_p99_ms,
             "mean_duty": rec.compute_s / elapsed if elapsed > 0 else None,
             "events": len(hook.controller.events),

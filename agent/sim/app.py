@@ -2,10 +2,11 @@
 
 The application serves inference on the cores training uses. Its p99 grows with the share of
 the last ``window_s`` seconds that training spent computing: ``p99 = base * (1 + slowdown *
-share) + bursts``. That is the first-order picture of CPU and memory-bandwidth contention (on a
-2-core x86 box, ``benchmarks/runtime.py``'s co-running section measures the real curve);
-a burst stands for load the governor cannot remove (the application's own), and times are
-simulated seconds, so a burst ends while training waits.
+share) + bursts``, where a step that left the application's cores alone (training on fewer
+threads, ``contention`` < 1) counts for that share of its time. That is the first-order picture
+of CPU and memory-bandwidth contention (on a 2-core x86 box, ``benchmarks/runtime.py``'s
+co-running section measures the real curve); a burst stands for load the governor cannot remove
+(the application's own), and times are simulated seconds, so a burst ends while training waits.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ class ContendedApp:
     def burst(self, start_s: float, end_s: float, extra_ms: float) -> None:
         self.bursts.append((start_s, end_s, extra_ms))
 
-    def trained(self, end_s: float, seconds: float) -> None:
-        """Training computed for ``seconds`` up to ``end_s``."""
-        self._busy.append((end_s, seconds))
+    def trained(self, end_s: float, seconds: float, contention: float = 1.0) -> None:
+        """Training computed for ``seconds`` up to ``end_s``, taking ``contention`` of the
+        application's cores (1: all of them)."""
+        self._busy.append((end_s, seconds * contention))
         self.now_s = max(self.now_s, end_s)
 
     def share(self, now_s: float) -> float:

@@ -10,7 +10,7 @@ import pytest
 
 from agent.pacing.controller import AppLatency, Decision, GovernorEvent, GovernorState, PIController
 from agent.pacing.governor import Governor, GovernorConfig
-from agent.pacing.hook import GovernorHook
+from agent.pacing.hook import GovernorHook, ThreadYield
 from agent.sensors.reading import Reading
 from agent.sensors.sim import SimBackend
 from agent.sim.app import ContendedApp
@@ -336,17 +336,22 @@ def test_hook_stops_a_real_trainer_at_the_soft_limit(tmp_path: Path) -> None:
 
 
 def _co_run(app: ContendedApp, *, seconds: float, yield_to_app: bool, ambient_c: float = 20.0,
+            threads: ThreadYield | None = None,
             ) -> tuple[GovernorHook, list[tuple[float, float, float]]]:
     """Train next to ``app`` for ``seconds`` of simulated time; returns the hook and the
-    (time, app p99, duty) trace."""
+    (time, app p99, duty) trace. With ``threads``: a step on its reduced thread count takes
+    a fifth of the application's cores."""
     plant = SimPlant(NANO, ambient_c=ambient_c)
     hook = GovernorHook(Governor(GovernorConfig.from_profile(NANO)), SimBackend(plant),
                         clock=SimClock(plant),
-                        latency=(lambda: app.report(plant.time_s)) if yield_to_app else None)
+                        latency=(lambda: app.report(plant.time_s)) if yield_to_app else None,
+                        threads=threads)
     trainer = _RecordingTrainer()
     trace = []
     while plant.time_s < seconds:
-        app.trained(plant.time_s + plant.params.step_time_s, plant.params.step_time_s)
+        contention = 0.2 if threads is not None and threads.reduced else 1.0
+        app.trained(plant.time_s + plant.params.step_time_s, plant.params.step_time_s,
+                    contention)
         plant.run_step()
         hook.on_step_end(trainer, hook.record.steps + 1, {})
         assert hook.last is not None
@@ -376,6 +381,32 @@ def test_training_yields_to_the_applications_p99_slo() -> None:
     _, trace_off = _co_run(app_off, seconds=600, yield_to_app=False)
     assert min(p99 for t, p99, _ in trace_off if t > 120) > 25.0
     assert all(duty == 1.0 for t, _, duty in trace_off if t > 120)  # cool air: full speed
+
+
+def test_training_gives_up_cores_before_time_and_takes_them_back_when_nobody_serves() -> None:
+    """The same application and SLO as above, with a trainer that can run on fewer threads:
+    it hands the application its cores first, so the SLO holds at a far higher duty, and it
+    takes them back once nobody has reported for the hold time."""
+    app = ContendedApp(base_p99_ms=10.0, slowdown=2.0, slo_ms=20.0)
+    app.stops_serving_s = 600.0
+    calls: list[int] = []
+    threads = ThreadYield(calls.append, full=6, give=5, hold_s=30.0)
+    hook, trace = _co_run(app, seconds=800, yield_to_app=True, threads=threads)
+    settled = [(p99, duty) for t, p99, duty in trace if 120 < t < 600]
+    assert max(p99 for p99, _ in settled) <= 20.0, "p99 over the SLO after settling"
+    # Without the threads the duty settles at 0.4 (the test above); with them at full speed.
+    assert sum(d for _, d in settled) / len(settled) > 0.9
+    assert calls[0] == 1 and calls[-1] == 6  # one thread while constrained, all six after
+    assert not threads.reduced
+    # A steady application needs its cores: the hold doubles each time they were handed back
+    # too soon (30, 60, 120, 240 s...), so a handful of switches, not one every window.
+    assert len(calls) <= 10, calls
+    assert 0 < hook.record.fewer_threads_s < 600
+    # No threads to give: a one-thread trainer is never asked to change.
+    single: list[int] = []
+    _co_run(ContendedApp(base_p99_ms=10.0, slowdown=2.0, slo_ms=20.0), seconds=200,
+            yield_to_app=True, threads=ThreadYield(single.append, full=1))
+    assert single == []
 
 
 def test_training_pauses_while_the_app_is_over_its_slo_at_any_duty_and_resumes() -> None:
