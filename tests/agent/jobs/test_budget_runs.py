@@ -18,7 +18,7 @@ import pytest
 
 from agent.jobs.store import JobState, JobStore
 from tests.agent.jobs.conftest import REPO, Device
-from tests.agent.jobs.test_device_job import _agentctl, submit, tree_digest
+from tests.agent.jobs.test_device_job import _agentctl, submit, tree_digest, worker
 
 
 def _budget_runs(base: Device, budget: int, runs: int, work: Path) -> list[dict[str, Any]]:
@@ -111,9 +111,7 @@ def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
     base = bases[450]
     submit(base, "m250", finetune={"micro_batch": None, "budget_mb": 250, "steps": 6},
            steps={"export": False})
-    done = subprocess.run([sys.executable, "-m", "agent.jobs.worker", "--state-dir",
-                           str(base.state), "--job-id", "m250", "--no-parent-check"],
-                          cwd=REPO, capture_output=True, text=True, timeout=400)
+    done = worker(base.state, "m250", timeout=400)
     assert done.returncode == 0, done.stderr[-2000:]
     rec = JobStore(base.state).get("m250")
     assert rec is not None and rec.state is JobState.FAILED, rec
@@ -130,9 +128,7 @@ def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
     big = min(256 + math.ceil(100 / p["per_sample_mb"]), 1200)  # the data holds 1,258
     submit(base, "mbig", finetune={"micro_batch": big, "effective_batch": big,
                                    "budget_mb": tight, "steps": 6}, steps={"export": False})
-    done = subprocess.run([sys.executable, "-m", "agent.jobs.worker", "--state-dir",
-                           str(base.state), "--job-id", "mbig", "--no-parent-check"],
-                          cwd=REPO, capture_output=True, text=True, timeout=400)
+    done = worker(base.state, "mbig", timeout=400)
     assert done.returncode == 0, done.stderr[-2000:]
     rec = JobStore(base.state).get("mbig")
     assert rec is not None and rec.state is JobState.FAILED, rec
