@@ -79,6 +79,10 @@ class MemoryPlan:
     method: str
     probes_reused: bool = False
 
+    def line(self) -> MemoryFit:
+        """The fitted line this plan was cut from (what a forced micro-batch is judged by)."""
+        return MemoryFit(self.base_mb, self.per_sample_mb, self.margin_mb, self.job_process_mb)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["probes"] = {str(k): [round(v, 1) for v in vs] for k, vs in self.probes.items()}

@@ -59,10 +59,14 @@ class ThreadYield:
     reduced: bool = False
     last_constrained_s: float = -math.inf
     restored_s: float = -math.inf
-    hold_now_s: float = -1.0  # the hold in force; set from hold_s on the first update
+    hold_now_s: float = field(init=False)
+    """The hold in force: ``hold_s``, doubled each time the cores came back too soon."""
+
+    def __post_init__(self) -> None:
+        self.hold_now_s = self.hold_s
 
     def update(self, constrained: bool, serving: bool, now: float) -> None:
-        if self.hold_now_s < 0 or not serving:
+        if not serving:
             self.hold_now_s = self.hold_s
         if constrained:
             if not self.reduced and now - self.restored_s < self.hold_now_s:

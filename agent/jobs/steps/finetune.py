@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.finetune.job import FinetuneJob, FinetuneSetup, too_few_samples
-from agent.finetune.memory_fits import MemoryFit, fit_key, forced_refusal, record_fit
+from agent.finetune.memory_fits import fit_key, forced_refusal, record_fit
 from agent.finetune.memory_plan import BudgetTooSmall, MemoryPlan, plan_micro_batch, probes_over
 from agent.jobs.proctree import rss_mb
 from agent.jobs.protocol import (
@@ -60,12 +60,8 @@ def _plan(ctx: JobContext, setup: FinetuneSetup) -> MemoryPlan:
         raise StepFailed("finetune", str(e)) from None
     # Kept for the next submission of this job: a forced micro-batch is checked there.
     record_fit(ctx.state_dir, fit_key(ctx.spec.model, start, Path(ctx.spec.data),
-                                      ft.model_dump()), plan_fit(plan))
+                                      ft.model_dump()), plan.line())
     return plan
-
-
-def plan_fit(plan: MemoryPlan) -> MemoryFit:
-    return MemoryFit(plan.base_mb, plan.per_sample_mb, plan.margin_mb, plan.job_process_mb)
 
 
 def _training_data(ctx: JobContext) -> dict[str, Any]:
@@ -98,7 +94,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
     if setup is not None and check_forced:  # re-checked on a resume: the probes are cached
         ctx.event("finetune", status="planning", budget_mb=setup.budget_mb)
         plan = _plan(ctx, setup)
-        why = forced_refusal(ft.micro_batch, ft.budget_mb, plan_fit(plan),
+        why = forced_refusal(ft.micro_batch, ft.budget_mb, plan.line(),
                              probes_over(plan.probes, ft.budget_mb, plan.job_process_mb))
         if why is not None:
             raise StepFailed("finetune", why, code="BAD_ARGS")

@@ -46,7 +46,7 @@ def test_a_forced_micro_batch_is_judged_by_the_line_not_by_the_planners_divisor(
     points = {4: [272.0, 272.0], 8: [274.0, 274.0], 16: [278.0, 278.0]}
     plan = fit_plan(450, 256, points, "test", job_process_mb=60)
     assert plan.micro_batch_size == 128  # the line allows 240, the planner takes a divisor
-    line = MemoryFit(plan.base_mb, plan.per_sample_mb, plan.margin_mb, plan.job_process_mb)
+    line = plan.line()
     assert forced_refusal(200, 450, line) is None
     assert forced_refusal(241, 450, line) is not None
 
