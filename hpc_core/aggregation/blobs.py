@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -53,6 +54,9 @@ class LocalBlob:
         """The chunk file :meth:`read_into` read last, kept open: the combine pass reads
         each update a block at a time in blob order, and opening the file for each of those
         reads cost more than the read (19 us an open, 80,000 reads for 100 updates)."""
+        self._lock = threading.Lock()
+        """The measuring pass reads a shared release (the base) from several threads: the one
+        open file is switched and read under it."""
 
     def prefetch(self) -> None:
         """Ask the kernel to start reading this blob's chunk files into the page cache
@@ -141,16 +145,17 @@ class LocalBlob:
         want, pos = len(out), offset
         i = bisect.bisect_right(self.offsets, pos) - 1
         done = 0
-        while done < want:
-            path, start = self.paths[i], self.offsets[i]
-            size = self.manifest.chunks[i].size
-            n = min(want - done, start + size - pos)
-            got = os.preadv(self._chunk_fd(i), [view[done : done + n]], pos - start)
-            if got != n:
-                raise ChunkChangedError(f"chunk file {path} is shorter than when verified")
-            done += n
-            pos += n
-            i += 1
+        with self._lock:
+            while done < want:
+                path, start = self.paths[i], self.offsets[i]
+                size = self.manifest.chunks[i].size
+                n = min(want - done, start + size - pos)
+                got = os.preadv(self._chunk_fd(i), [view[done : done + n]], pos - start)
+                if got != n:
+                    raise ChunkChangedError(f"chunk file {path} is shorter than when verified")
+                done += n
+                pos += n
+                i += 1
 
 
 class ChunkCache:

@@ -1,24 +1,26 @@
 """The passes of one aggregation round over the selected updates.
 
 1. :func:`measure_updates`: per update, hash every chunk and sum its delta's squares in the
-   same read (one update at a time, a piece at a time, the kernel reading the next update
-   meanwhile); an update whose chunks do not verify, or whose weights are not finite, is
-   skipped here.
+   same read (a piece at a time, two updates at a time from a folder registry, the kernel
+   reading the next update meanwhile); an update whose chunks do not verify, or whose weights
+   are not finite, is skipped here.
 2. krum only, :func:`pairwise`: every pairwise distance, block by block across the N updates.
-3. :func:`combine`: tensor by tensor, block by block: stack the N scaled deltas of the block,
-   combine them, accumulate each update's distance to the result, add DP noise, add the base
-   and write the bytes out. The bytes come from the page cache by now (pass 1 read them), so
-   this pass is compute: float32 and BLAS where float64 bought nothing (a distance is a
-   float32 difference and a float32 dot per row, each block's sum kept in float64).
+3. :func:`combine`: tensor by tensor, block by block: stack the N scaled deltas of the block
+   (the next block is stacked in a second thread meanwhile, :func:`stacked`), combine them,
+   accumulate each update's distance to the result, add DP noise, add the base and write the
+   bytes out. The bytes come from the page cache by now (pass 1 read them), so this pass is
+   compute: float32 and BLAS where float64 bought nothing (a distance is a float32 difference
+   and a float32 dot per row, each block's sum kept in float64).
 
-Memory: two N x block float32 arrays (the block, its differences to the result) and a few
-block-sized float64 temporaries at a time.
+Memory: three N x block float32 arrays (the block, the next one, the block's differences to
+the result) and a few block-sized float64 temporaries at a time.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +39,12 @@ from hpc_core.aggregation.deltas import (
 from hpc_core.aggregation.dtypes import COMBINED, encode, item_size
 from hpc_core.aggregation.privacy import GaussianNoise, is_statistic
 from hpc_core.aggregation.select import Release, Selection, Skipped, Update
-from hpc_core.aggregation.strategies import PairwiseDistances, Strategy, combine_block
+from hpc_core.aggregation.strategies import (
+    WORKER_THREADS,
+    PairwiseDistances,
+    Strategy,
+    combine_block,
+)
 from registry.errors import RegistryError
 from registry.manifest import TensorEntry
 from registry.stores import LocalStore, RegistryStore
@@ -45,6 +52,10 @@ from registry.transfer import TransferConfig
 
 COPY_PIECE = 1 << 20
 """Bytes of a kept (non-floating) base tensor copied at a time."""
+MEASURE_THREADS = min(2, WORKER_THREADS)
+"""Updates hashed and measured at a time: two keep a disk busy while the second core hashes
+(sha256 runs at ~1.5 GB/s a core, about what a fast disk delivers); more would only contend
+for the disk and its readahead."""
 
 
 @dataclass
@@ -90,34 +101,66 @@ def measure_updates(selection: Selection, store: RegistryStore, cache: ChunkCach
 
     out = Blobs(release_blob(selection.lineage[0]))
     updates = selection.updates
-    # A folder registry's chunk files are read where they lie: while one update is hashed and
-    # measured, the kernel reads the next one (remote chunks are fetched, and checked, first).
+    # A folder registry's chunk files are read where they lie: while updates are hashed and
+    # measured, the kernel reads the next one (remote chunks are fetched, and checked, first,
+    # here in this thread). Hashing and measuring are compute that releases the GIL (sha256,
+    # numpy, reads), so a folder registry's updates are measured MEASURE_THREADS at a time.
     ahead = isinstance(store, LocalStore)
+    threads = MEASURE_THREADS if ahead else 1
     if ahead and updates:
         local_blob(store, updates[0].manifest, cache, cfg, verified).prefetch()
-    for k, update in enumerate(updates):
-        if ahead and k + 1 < len(updates):
-            local_blob(store, updates[k + 1].manifest, cache, cfg, verified).prefetch()
+    results: list[Measured | Skipped | tuple[Update, UpdateBlob, Future[float]]] = []
+    with ThreadPoolExecutor(threads, thread_name_prefix="aggregate-measure") as pool:
         try:
-            reference = release_blob(update.release)
-        except (RegistryError, OSError) as e:
-            out.skipped.append(Skipped(update.version, f"its release {update.release.manifest.ref}"
-                                       f" does not verify ({_why(e)})"))
+            for k, update in enumerate(updates):
+                # At most ``threads`` updates in flight: the one prefetched is read next.
+                _settle(results, k - threads)
+                if ahead and k + 1 < len(updates):
+                    local_blob(store, updates[k + 1].manifest, cache, cfg, verified).prefetch()
+                try:
+                    reference = release_blob(update.release)
+                except (RegistryError, OSError) as e:
+                    results.append(Skipped(update.version, f"its release "
+                                           f"{update.release.manifest.ref} does not verify "
+                                           f"({_why(e)})"))
+                    continue
+                try:
+                    data = UpdateBlob(update.version, local_blob(
+                        store, update.manifest, cache, cfg, verified), reference,
+                        keep_base=keep_base)
+                except (RegistryError, OSError) as e:
+                    results.append(Skipped(update.version, _why(e)))
+                    continue
+                results.append((update, data, pool.submit(measure, data)))
+            _settle(results, len(results) - 1)
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+    for r in results:
+        if isinstance(r, Measured):
+            out.measured.append(r)
+        elif isinstance(r, Skipped):
+            out.skipped.append(r)
+    return out
+
+
+def _settle(results: list[Measured | Skipped | tuple[Update, UpdateBlob, Future[float]]],
+            last: int) -> None:
+    """Wait for the measurements of ``results[:last + 1]`` and put their outcome in place."""
+    for i in range(max(0, last + 1)):
+        r = results[i]
+        if not isinstance(r, tuple):
             continue
+        update, data, future = r
         try:
-            data = UpdateBlob(update.version, local_blob(store, update.manifest, cache, cfg,
-                                                         verified), reference, keep_base=keep_base)
-            norm = measure(data)
+            norm = future.result()
         except ChunkChangedError:
             raise  # a release changed under us: the whole run is in doubt
         except (RegistryError, OSError) as e:
-            out.skipped.append(Skipped(update.version, _why(e)))
+            results[i] = Skipped(update.version, _why(e))
             continue
-        if not math.isfinite(norm):
-            out.skipped.append(Skipped(update.version, "its weights hold NaN or infinity"))
-            continue
-        out.measured.append(Measured(update, data, norm))
-    return out
+        results[i] = (Measured(update, data, norm) if math.isfinite(norm)
+                      else Skipped(update.version, "its weights hold NaN or infinity"))
 
 
 def per_row(block_bytes: int, rows: int) -> int:
@@ -134,10 +177,27 @@ def pairwise(deltas: Deltas, base: LocalBlob, block_bytes: int) -> np.ndarray:
     """Pass 2 (krum): N x N squared distances between the scaled deltas."""
     distances = PairwiseDistances(len(deltas.updates))
     step = per_row(block_bytes, len(deltas.updates))
-    for entry in combined_tensors(base):
-        for start, stop in element_blocks(numel(entry), step):
-            distances.add(deltas.stack(entry.name, start, stop))
+    ranges = [(entry.name, start, stop) for entry in combined_tensors(base)
+              for start, stop in element_blocks(numel(entry), step)]
+    for block in stacked(deltas, ranges):
+        distances.add(block)
     return distances.squared()
+
+
+def stacked(deltas: Deltas, ranges: list[tuple[str, int, int]]) -> Iterator[np.ndarray]:
+    """``deltas.stack`` of each (tensor, start, stop) in turn, the next one read in a second
+    thread while the caller combines this one: reading N updates' ranges (page cache copies,
+    a subtraction) is about half the pass, and preadv and numpy release the GIL. Two blocks
+    are alive at a time."""
+    if not ranges:
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="aggregate-read") as reader:
+        ahead = reader.submit(deltas.stack, *ranges[0])
+        for nxt in ranges[1:]:
+            block = ahead.result()
+            ahead = reader.submit(deltas.stack, *nxt)
+            yield block
+        yield ahead.result()
 
 
 @dataclass
@@ -169,40 +229,48 @@ def combine(deltas: Deltas, base: LocalBlob, strategy: Strategy, *, weights: np.
     kept: list[str] = []
     step = per_row(block_bytes, n)
     diff = np.empty((0, 0), dtype=np.float32)
-    for entry in sorted(base.manifest.tensors, key=lambda t: t.offset):
-        # A tensor no update changed keeps the base's bytes; not under DP, where every
-        # coordinate is noised (which tensors the devices left alone is theirs to hide),
-        # except the running statistics DP keeps at the base's values.
-        untouched = (noise is None or is_statistic(entry.name)) and all(
-            u.unchanged(entry.name) for u in deltas.updates)
-        if entry.dtype not in COMBINED or untouched:
-            if entry.dtype not in COMBINED:
-                kept.append(entry.name)
-            for start in range(0, entry.nbytes, COPY_PIECE):
-                raw = np.empty(min(COPY_PIECE, entry.nbytes - start), dtype=np.uint8)
-                base.read_into(raw, entry.offset + start)
-                write(raw.tobytes())
-            continue
-        # Running statistics (BatchNorm's mean and variance) are averages of what the devices
-        # saw, not a direction to step along: a step past their mean can turn a variance
-        # negative. They take the combined value as it is.
-        lr = 1.0 if is_statistic(entry.name) else server_lr
-        for start, stop in element_blocks(numel(entry), step):
-            block = deltas.stack(entry.name, start, stop)
-            combined = combine_block(strategy, block, weights=weights, trim=trim)
-            if measure_distances:
-                if diff.shape != block.shape:
-                    diff = np.empty_like(block)
-                np.subtract(block, combined.astype(np.float32), out=diff)
-                with np.errstate(over="ignore"):  # squared_norm redoes an overflow in float64
-                    for i in range(n):
-                        dist2[i] += squared_norm(diff[i], block[i], combined)
-            delta2 += float(np.dot(combined, combined))
-            if noise is not None:
-                noise.add(combined)
-            if lr != 1.0:
-                combined *= lr
-            combined += read_elements(base, entry, start, stop)
-            write(encode(combined, entry.dtype))
+    entries = sorted(base.manifest.tensors, key=lambda t: t.offset)
+    # A tensor no update changed keeps the base's bytes; not under DP, where every
+    # coordinate is noised (which tensors the devices left alone is theirs to hide),
+    # except the running statistics DP keeps at the base's values.
+    combined_names = {e.name for e in entries if e.dtype in COMBINED and not (
+        (noise is None or is_statistic(e.name))
+        and all(u.unchanged(e.name) for u in deltas.updates))}
+    blocks = stacked(deltas, [(e.name, start, stop) for e in entries if e.name in combined_names
+                              for start, stop in element_blocks(numel(e), step)])
+    try:
+        for entry in entries:
+            if entry.name not in combined_names:
+                if entry.dtype not in COMBINED:
+                    kept.append(entry.name)
+                for start in range(0, entry.nbytes, COPY_PIECE):
+                    raw = np.empty(min(COPY_PIECE, entry.nbytes - start), dtype=np.uint8)
+                    base.read_into(raw, entry.offset + start)
+                    write(raw.tobytes())
+                continue
+            # Running statistics (BatchNorm's mean and variance) are averages of what the devices
+            # saw, not a direction to step along: a step past their mean can turn a variance
+            # negative. They take the combined value as it is.
+            lr = 1.0 if is_statistic(entry.name) else server_lr
+            for start, stop in element_blocks(numel(entry), step):
+                block = next(blocks)
+                combined = combine_block(strategy, block, weights=weights, trim=trim)
+                if measure_distances:
+                    if diff.shape != block.shape:
+                        diff = np.empty_like(block)
+                    np.subtract(block, combined.astype(np.float32), out=diff)
+                    with np.errstate(over="ignore"):  # squared_norm redoes an overflow in float64
+                        for i in range(n):
+                            dist2[i] += squared_norm(diff[i], block[i], combined)
+                delta2 += float(np.dot(combined, combined))
+                if noise is not None:
+                    noise.add(combined)
+                if lr != 1.0:
+                    combined *= lr
+                combined += read_elements(base, entry, start, stop)
+                write(encode(combined, entry.dtype))
+    finally:
+        blocks.close()  # an early exit waits for the block being read
     noise_norm = math.sqrt(noise.sum_squares) if noise is not None else 0.0
     return Combined(np.sqrt(dist2), math.sqrt(delta2), noise_norm, kept)
+

@@ -58,8 +58,9 @@ def fedavg(block: np.ndarray, weights: np.ndarray) -> np.ndarray:
 # output: no whole sorted copy of the block is ever held.
 COLUMNS_PER_PIECE = 4096
 """Columns transposed and sorted at a time: N x 4096 float32 is 1.6 MB for N = 100."""
-ORDER_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                           else (os.cpu_count() or 1)))
+WORKER_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                            else (os.cpu_count() or 1)))
+"""Threads the aggregation's compute may use: this process's cores, at most 4."""
 
 
 def _order_statistic(block: np.ndarray, reduce: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
@@ -69,12 +70,13 @@ def _order_statistic(block: np.ndarray, reduce: Callable[[np.ndarray], np.ndarra
 
     def part(lo: int, hi: int) -> None:
         for c in range(lo, hi, COLUMNS_PER_PIECE):
-            rows = np.ascontiguousarray(block[:, c:min(c + COLUMNS_PER_PIECE, hi)].T)
+            # Always a copy, whatever the block's layout: the caller still needs the block.
+            rows = np.array(block[:, c:min(c + COLUMNS_PER_PIECE, hi)].T, order="C")
             rows.sort(axis=1)
             out[c:c + rows.shape[0]] = reduce(rows)
 
     pieces = -(-cols // COLUMNS_PER_PIECE)
-    threads = min(ORDER_THREADS, pieces)
+    threads = min(WORKER_THREADS, pieces)
     if threads <= 1:
         part(0, cols)
         return out

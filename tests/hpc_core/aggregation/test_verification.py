@@ -4,11 +4,13 @@ reason, never combined, and too few usable updates write nothing."""
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 
+from hpc_core.aggregation import combine
 from hpc_core.aggregation.blobs import ChunkChangedError, local_blob
 from hpc_core.aggregation.deltas import verify_release
 from hpc_core.aggregation.select import listed_versions
@@ -171,3 +173,64 @@ def test_a_chunk_changed_after_it_was_verified_stops_the_read(
     with pytest.raises(ChunkChangedError, match="changed after it was verified"):
         blob.read_into(out, w.offset)
     blob.close()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_updates_measured_in_parallel_keep_their_order_norms_and_skips(
+        fleet: FleetRegistry, aggregate: Callable[..., Result],
+        monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    """Several threads hash and measure the updates (reading the shared base under its lock):
+    the report is the one-at-a-time report, in the same order, skips included."""
+    base = fleet.release("1", ZERO)
+    good = fleet.fine_tunes(base, ZERO, GOOD)
+    bad = _bad_updates(fleet, base)
+    nan = fleet.update(fleet.device("nan"), base,
+                       {"w": np.full((2, 3), np.nan, np.float32), "b": ZERO["b"]})
+    more = fleet.fine_tunes(base, ZERO, GOOD[::-1], prefix="more")
+    monkeypatch.setattr(combine, "MEASURE_THREADS", 1)
+    serial = aggregate("--strategy", "median").report
+    monkeypatch.setattr(combine, "MEASURE_THREADS", threads)
+    result = aggregate("--strategy", "median")
+    assert result.code == 0, result.stderr
+    report = result.report
+    assert report["updates"] == serial["updates"]
+    assert report["skipped"] == serial["skipped"]
+    assert report["combined"] == serial["combined"]
+    assert {g.version for g in good + more} <= set(report["combined"])
+    assert "NaN" in result.skipped()[nan.version]
+    assert set(result.skipped()) == {*bad, nan.version}
+    norms = {row["version"]: row["norm"] for row in report["updates"]}
+    for g, d in zip(good, GOOD, strict=True):  # each read against the shared base
+        expected = np.sqrt(sum(float((d[k].astype(np.float64) ** 2).sum()) for k in d))
+        assert norms[g.version] == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_shared_release_read_from_many_threads_reads_what_it_holds(
+        fleet: FleetRegistry) -> None:
+    """The measuring threads all read the base: its one open chunk file is switched and read
+    under a lock, so reads across chunk boundaries from several threads never mix files."""
+    big = {"w": np.arange(48_000, dtype=np.float32).reshape(400, 120)}  # ~12 chunks of 16 KB
+    base = fleet.release("1", big)
+    blob = local_blob(fleet.store, base, None, TransferConfig(), {})
+    verify_release(blob)
+    w = next(t for t in base.tensors if t.name == "w")
+    flat = big["w"].ravel()
+    errors: list[str] = []
+
+    def reader(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(300):
+            lo = int(rng.integers(0, flat.size - 6_000))
+            n = int(rng.integers(1, 6_000))  # up to ~1.5 chunks: crosses boundaries
+            out = np.empty(4 * n, np.uint8)
+            blob.read_into(out, w.offset + 4 * lo)
+            if not np.array_equal(out.view(np.float32), flat[lo:lo + n]):
+                errors.append(f"thread {seed}: [{lo}, {lo + n}) read wrong bytes")
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    blob.close()
+    assert errors == []
