@@ -110,11 +110,12 @@ def measure_updates(selection: Selection, store: RegistryStore, cache: ChunkCach
     if ahead and updates:
         local_blob(store, updates[0].manifest, cache, cfg, verified).prefetch()
     results: list[Measured | Skipped | tuple[Update, UpdateBlob, Future[float]]] = []
+    settled = 0
     with ThreadPoolExecutor(threads, thread_name_prefix="aggregate-measure") as pool:
         try:
             for k, update in enumerate(updates):
                 # At most ``threads`` updates in flight: the one prefetched is read next.
-                _settle(results, k - threads)
+                settled = _settle(results, settled, k - threads)
                 if ahead and k + 1 < len(updates):
                     local_blob(store, updates[k + 1].manifest, cache, cfg, verified).prefetch()
                 try:
@@ -132,7 +133,7 @@ def measure_updates(selection: Selection, store: RegistryStore, cache: ChunkCach
                     results.append(Skipped(update.version, _why(e)))
                     continue
                 results.append((update, data, pool.submit(measure, data)))
-            _settle(results, len(results) - 1)
+            _settle(results, settled, len(results) - 1)
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
             raise
@@ -145,9 +146,10 @@ def measure_updates(selection: Selection, store: RegistryStore, cache: ChunkCach
 
 
 def _settle(results: list[Measured | Skipped | tuple[Update, UpdateBlob, Future[float]]],
-            last: int) -> None:
-    """Wait for the measurements of ``results[:last + 1]`` and put their outcome in place."""
-    for i in range(max(0, last + 1)):
+            first: int, last: int) -> int:
+    """Wait for the measurements of ``results[first:last + 1]``, put their outcome in place,
+    and return the first index not settled."""
+    for i in range(first, last + 1):
         r = results[i]
         if not isinstance(r, tuple):
             continue
@@ -161,6 +163,7 @@ def _settle(results: list[Measured | Skipped | tuple[Update, UpdateBlob, Future[
             continue
         results[i] = (Measured(update, data, norm) if math.isfinite(norm)
                       else Skipped(update.version, "its weights hold NaN or infinity"))
+    return max(first, last + 1)
 
 
 def per_row(block_bytes: int, rows: int) -> int:
