@@ -276,4 +276,3 @@ def combine(deltas: Deltas, base: LocalBlob, strategy: Strategy, *, weights: np.
         blocks.close()  # an early exit waits for the block being read
     noise_norm = math.sqrt(noise.sum_squares) if noise is not None else 0.0
     return Combined(np.sqrt(dist2), math.sqrt(delta2), noise_norm, kept)
-
