@@ -32,6 +32,18 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux, macOS: B
 
 
+def reset_peak_rss() -> bool:
+    """Start this process's VmHWM afresh from its current RSS (Linux >= 4.0: ``5`` written to
+    ``/proc/self/clear_refs``), so a later ``peak_rss_mb`` measures one phase of its life.
+    False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
 def peak_device_mb(device: torch.device) -> float | None:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20

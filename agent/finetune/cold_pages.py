@@ -17,6 +17,10 @@ contents; so are device mappings (a GPU driver's, flagged ``io``/``pf`` in smaps
 huge-page ones. Unlike ``MADV_PAGEOUT`` this does not evict the page cache, so it works the same
 when another torch process maps the same library (the two budgets of a test run side by side).
 
+Each dropped mapping is also switched to one-page faults (``agent.finetune.page_faults``),
+so what comes back is the pages the step touches, not the large folios around them, however
+the library got into the page cache.
+
 The memory probes and the fine-tune call it at the same two points (after the model is
 loaded, after the trainer, and so its optimizer, is built), so the plan predicts the process
 it plans for. Linux only; elsewhere, or if /proc cannot be read, it does nothing.
@@ -29,6 +33,8 @@ import logging
 import re
 import sys
 from dataclasses import dataclass
+
+from agent.finetune.page_faults import single_page_faults
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +92,14 @@ def drop_cold_pages() -> float:
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
-    dropped_kb = 0
+    dropped_kb = registered = 0
     for m in maps:
-        if m.droppable and madvise(m.start, m.end - m.start, MADV_DONTNEED) == 0:
+        if not m.droppable:
+            continue
+        if "uw" not in m.flags:  # "uw": registered at an earlier drop
+            registered += single_page_faults.register(m.start, m.end)
+        if madvise(m.start, m.end - m.start, MADV_DONTNEED) == 0:
             dropped_kb += m.rss_kb
-    log.debug("dropped %.1f MB of cold library pages", dropped_kb / 1024)
+    log.debug("dropped %.1f MB of cold library pages; %d mappings now fault one page at a "
+              "time", dropped_kb / 1024, registered)
     return dropped_kb / 1024

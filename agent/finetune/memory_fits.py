@@ -39,21 +39,33 @@ MEMORY_KNOBS = ("trainable", "activation_checkpointing", "precision", "device", 
 
 @dataclass(frozen=True)
 class MemoryFit:
-    """``peak = job_process_mb + base_mb + per_sample_mb * m``, within ``margin_mb``."""
+    """``peak = job_process_mb + max(startup_mb, base_mb + per_sample_mb * m)``, within
+    ``margin_mb``.
+
+    ``startup_mb`` is the fine-tune process's peak before its first step (imports, the model
+    loaded, its cold library pages not yet dropped: ``agent.finetune.cold_pages``); the line
+    is fitted to the training step's own peaks. Fitted to whole-process peaks instead, a
+    start-up peak above the small probes' steps flattens the line (309, 309, 310 MB at 4, 8,
+    16 samples) and the plan lands on a size whose step goes far past it (459 MB at 64).
+    """
 
     base_mb: float
     per_sample_mb: float
     margin_mb: float
     job_process_mb: float
+    startup_mb: float = 0.0
 
     def peak_mb(self, micro: int) -> float:
-        return self.job_process_mb + self.base_mb + self.per_sample_mb * micro
+        return self.job_process_mb + max(self.startup_mb,
+                                         self.base_mb + self.per_sample_mb * micro)
 
 
 def largest_micro_batch(fit: MemoryFit, budget_mb: float, over: Collection[int] = ()) -> int:
     """The largest micro-batch whose predicted whole-tree peak plus the noise margin stays
     within ``budget_mb``, below every size in ``over`` (a probe that went past it); 0 when
-    not even one sample fits."""
+    not even one sample fits (or the start-up alone does not)."""
+    if fit.job_process_mb + fit.startup_mb + fit.margin_mb > budget_mb:
+        return 0
     micro = int((budget_mb - fit.job_process_mb - fit.margin_mb - fit.base_mb)
                 // fit.per_sample_mb)
     if over:
@@ -132,7 +144,8 @@ def recorded_fit(state_dir: Path, key: str | None) -> MemoryFit | None:
         return None
     try:
         return MemoryFit(**{k: float(entry[k]) for k in
-                            ("base_mb", "per_sample_mb", "margin_mb", "job_process_mb")})
+                            ("base_mb", "per_sample_mb", "margin_mb", "job_process_mb")},
+                         startup_mb=float(entry.get("startup_mb", 0.0)))
     except (KeyError, TypeError, ValueError):
         return None  # a damaged entry: the fine-tune step probes again
 

@@ -15,6 +15,12 @@ peaks bounds their peak sum from above. The budget covers the whole process tree
 that stays alive while the fine-tune runs (the device job's worker) passes its own RSS as
 ``job_process_mb`` and it comes off the budget first.
 
+Start-up: a fine-tune process peaks once before its first step (torch imported, the model
+loaded, its cold library pages not yet dropped) at a height that does not depend on the
+micro-batch but does on how the libraries sit in the page cache. So a probe reports two
+peaks: the start-up's, then the training step's alone (the kernel's high-water mark reset in
+between), and the line is fitted to the steps; the plan keeps both under the budget.
+
 Noise: RSS peaks of identical runs differed by up to 1.5 MB/sample, enough to pick 32 or 64
 at random. Each size is probed twice, the line goes through the worst probe of each size, and
 the spread between repeats plus the worst residual is kept as a margin.
@@ -43,7 +49,7 @@ from collections.abc import Collection
 from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from agent.finetune.memory_fits import MemoryFit, largest_micro_batch
 from hpc_core.atomic import write_json_atomic
@@ -53,12 +59,20 @@ log = logging.getLogger(__name__)
 
 # No headroom beyond the measured noise margin: the probes run the real step and its
 # evaluation, and the whole tree's peak came within 3 MB of the prediction in every run. A
-# torch process's fixed cost is ~270 MB on CPU here once its cold library pages are dropped
-# (agent.finetune.cold_pages; 330-400 MB before, depending on the page cache), so a fixed
-# percentage of headroom would refuse 450 MB budgets that the tree holds.
+# torch process's fixed cost is ~255-270 MB on CPU here once its cold library pages are
+# dropped and fault back one page at a time (agent.finetune.cold_pages, .page_faults; 330-400
+# MB before, depending on the page cache), so a fixed percentage of headroom would refuse
+# 450 MB budgets that the tree holds.
 REPEATS = 2
 CACHE_ENTRIES = 64
 VERIFY_ROUNDS = 3  # one round settled every plan measured here; a cap, not a target
+
+
+class Probe(NamedTuple):
+    """One probe process's peaks (MB; on CUDA the step's includes the memory reserved)."""
+
+    step_mb: float
+    startup_mb: float
 
 
 class BudgetTooSmall(RuntimeError):
@@ -74,6 +88,7 @@ class MemoryPlan:
     per_sample_mb: float
     margin_mb: float
     job_process_mb: float
+    startup_mb: float
     predicted_tree_peak_mb: float
     probes: dict[int, list[float]]
     method: str
@@ -81,7 +96,8 @@ class MemoryPlan:
 
     def line(self) -> MemoryFit:
         """The fitted line this plan was cut from (what a forced micro-batch is judged by)."""
-        return MemoryFit(self.base_mb, self.per_sample_mb, self.margin_mb, self.job_process_mb)
+        return MemoryFit(self.base_mb, self.per_sample_mb, self.margin_mb, self.job_process_mb,
+                         self.startup_mb)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -110,30 +126,37 @@ def fit(points: dict[int, list[float]]) -> tuple[float, float, float]:
 
 
 def probes_over(points: dict[int, list[float]], budget_mb: float, job_process_mb: float,
-                failed: Collection[int] = ()) -> list[int]:
+                failed: Collection[int] = (), startup_mb: float = 0.0) -> list[int]:
     """The sizes whose own probe went past the budget (or did not finish)."""
-    return [m for m, v in points.items() if job_process_mb + max(v) > budget_mb] + [*failed]
+    return [m for m, v in points.items()
+            if job_process_mb + max(startup_mb, *v) > budget_mb] + [*failed]
 
 
 def fit_plan(
     budget_mb: float, effective_batch: int, points: dict[int, list[float]], method: str, *,
-    job_process_mb: float = 0.0, probes_reused: bool = False, failed: Collection[int] = (),
+    job_process_mb: float = 0.0, startup_mb: float = 0.0, probes_reused: bool = False,
+    failed: Collection[int] = (),
 ) -> MemoryPlan:
     """The largest micro-batch (a divisor of the effective batch where one is close) whose
     predicted tree peak, plus the noise margin, stays within ``budget_mb``, below every size
-    in ``failed`` (probes that did not finish: the kernel's OOM killer, say)."""
+    in ``failed`` (probes that did not finish: the kernel's OOM killer, say). ``points`` are
+    the training steps' peaks; ``startup_mb`` the probes' worst peak before their step."""
     base, per_sample, margin = fit(points)
-    line = MemoryFit(base, per_sample, margin, job_process_mb)
+    line = MemoryFit(base, per_sample, margin, job_process_mb, startup_mb)
     # Never at or past a size whose own probe went over: the line is a fit, the probe is a fact.
     micro = largest_micro_batch(line, budget_mb, probes_over(points, budget_mb, job_process_mb,
-                                                             failed))
+                                                             failed, startup_mb))
     if micro < 1:
         parts = (f"{job_process_mb:.0f} MB job process + " if job_process_mb else "")
+        if startup_mb > base + per_sample:
+            parts += f"{startup_mb:.0f} MB start-up peak (torch, the model) + "
+        else:
+            parts += f"{base:.0f} MB fixed + {per_sample:.1f} MB/sample + "
         raise BudgetTooSmall(
             f"finetune.budget_mb={budget_mb:.0f}: the job's tree needs "
-            f"~{job_process_mb + base + margin + per_sample:.0f} MB for one sample "
-            f"({parts}{base:.0f} MB fixed + {per_sample:.1f} MB/sample + {margin:.0f} MB noise "
-            "margin): raise the budget or train fewer layers (--trainable head)"
+            f"~{line.peak_mb(1) + margin:.0f} MB for one sample "
+            f"({parts}{margin:.0f} MB noise margin): raise the budget or train fewer layers "
+            "(--trainable head)"
         )
     micro = min(micro, effective_batch)
     # Prefer a divisor of the effective batch: every micro-step then has the same shape.
@@ -148,7 +171,8 @@ def fit_plan(
         per_sample_mb=round(per_sample, 3),
         margin_mb=round(margin, 1),
         job_process_mb=round(job_process_mb, 1),
-        predicted_tree_peak_mb=round(job_process_mb + base + per_sample * micro, 1),
+        startup_mb=round(startup_mb, 1),
+        predicted_tree_peak_mb=round(line.peak_mb(micro), 1),
         probes=points,
         method=method,
         probes_reused=probes_reused,
@@ -170,16 +194,22 @@ def plan_micro_batch(
     sizes = probe_points(effective)
     cached = _read_cache(cache) if cache is not None else {}
     keys: dict[int, str] = {}
+    probes: dict[int, list[Probe]] = {}
 
     def measure(m: int) -> list[float]:
         keys[m] = probe_key(cfg, init_checkpoint, trainable, m)
-        return cached.get(keys[m]) or [
+        probes[m] = cached.get(keys[m]) or [
             probe_subprocess(cfg, init_checkpoint, trainable, m) for _ in range(REPEATS)]
+        return [p.step_mb for p in probes[m]]
+
+    def startup() -> float:
+        return max(p.startup_mb for ps in probes.values() for p in ps)
     method = ("probe subprocess peak RSS" + (" + CUDA reserved" if device == "cuda" else "")
               + f", {len(sizes)} sizes x {REPEATS}"
               + (", whole-tree budget" if job_process_mb else ""))
     points = {m: measure(m) for m in sizes}
-    plan = fit_plan(budget_mb, effective, points, method, job_process_mb=job_process_mb)
+    plan = fit_plan(budget_mb, effective, points, method, job_process_mb=job_process_mb,
+                    startup_mb=startup())
     failed: list[int] = []
     for _ in range(VERIFY_ROUNDS):
         m = plan.micro_batch_size
@@ -192,10 +222,10 @@ def plan_micro_batch(
                         "%s", m, str(e)[-300:])
             failed.append(m)
         plan = fit_plan(budget_mb, effective, points, method + ", verified at the plan",
-                        job_process_mb=job_process_mb, failed=failed)
+                        job_process_mb=job_process_mb, startup_mb=startup(), failed=failed)
     reused = all(k in cached for k in keys.values())
     if cache is not None and not reused:
-        cached.update({keys[m]: points[m] for m in points})
+        cached.update({keys[m]: probes[m] for m in points})
         cache.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(cache, dict(list(cached.items())[-CACHE_ENTRIES:]))
     plan = replace(plan, probes_reused=reused)
@@ -222,14 +252,19 @@ def probe_key(cfg: TrainConfig, init: Path, trainable: str, micro: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-def _read_cache(path: Path) -> dict[str, list[float]]:
+def _read_cache(path: Path) -> dict[str, list[Probe]]:
+    """Each key's ``REPEATS`` probes as ``[step_mb, startup_mb]`` pairs; anything else (a
+    damaged file, an entry of an older layout) is probed again."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}  # no cache yet, or a damaged one: probe again
-    return {k: v for k, v in data.items()
+    if not isinstance(data, dict):
+        return {}
+    return {k: [Probe(float(x[0]), float(x[1])) for x in v] for k, v in data.items()
             if isinstance(v, list) and len(v) == REPEATS and all(
-                isinstance(x, (int, float)) for x in v)} if isinstance(data, dict) else {}
+                isinstance(x, list) and len(x) == 2
+                and all(isinstance(y, (int, float)) for y in x) for x in v)}
 
 
 def probe_config(cfg: TrainConfig, out: Path, micro: int) -> TrainConfig:
@@ -247,7 +282,7 @@ def probe_config(cfg: TrainConfig, out: Path, micro: int) -> TrainConfig:
     return config_from_dict(tree)
 
 
-def probe_subprocess(cfg: TrainConfig, init_checkpoint: Path, trainable: str, micro: int) -> float:
+def probe_subprocess(cfg: TrainConfig, init_checkpoint: Path, trainable: str, micro: int) -> Probe:
     out = cfg.run.output_dir / "probes" / f"m{micro}"
     out.mkdir(parents=True, exist_ok=True)
     spec = {
@@ -266,13 +301,14 @@ def probe_subprocess(cfg: TrainConfig, init_checkpoint: Path, trainable: str, mi
     )
     if p.returncode != 0:
         raise RuntimeError(f"memory probe at micro-batch {micro} failed:\n{p.stderr[-2000:]}")
-    return float(json.loads(p.stdout.strip().splitlines()[-1])["peak_mb"])
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    return Probe(float(out["peak_mb"]), float(out["startup_mb"]))
 
 
 def _probe_main(spec_path: str) -> None:
     from agent.finetune.cold_pages import drop_cold_pages
     from agent.finetune.model import prepare_model
-    from hpc_core.metrics import peak_rss_mb
+    from hpc_core.metrics import peak_rss_mb, reset_peak_rss
     from hpc_core.trainer import Trainer
 
     spec = json.loads(Path(spec_path).read_text())
@@ -282,13 +318,15 @@ def _probe_main(spec_path: str) -> None:
     drop_cold_pages()
     trainer = Trainer(cfg, model=model)
     drop_cold_pages()
+    startup = peak_rss_mb()
+    reset_peak_rss()  # where it cannot be reset, the step's peak includes the start-up's
     trainer.train()
     peak = peak_rss_mb()
     if trainer.device.type == "cuda":
         import torch
 
         peak += torch.cuda.max_memory_reserved(trainer.device) / 2**20
-    print(json.dumps({"peak_mb": peak}))
+    print(json.dumps({"peak_mb": peak, "startup_mb": startup}))
 
 
 if __name__ == "__main__":

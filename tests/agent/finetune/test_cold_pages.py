@@ -174,3 +174,61 @@ def test_a_torch_process_sheds_its_start_up_code_and_still_trains() -> None:
         cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
     plain = json.loads(ref.stdout.strip().splitlines()[-1])
     assert (r["first"], r["second"]) == (plain["first"], plain["second"])
+
+
+ONE_PAGE = """
+import json, mmap, sys
+from pathlib import Path
+from agent.finetune.cold_pages import drop_cold_pages, parse_smaps
+from agent.finetune.page_faults import single_page_faults
+path = sys.argv[1]
+def kb():
+    with open("/proc/self/smaps") as f:
+        found = [m for m in parse_smaps(f.read()) if m.path == path]
+    assert len(found) == 1, found
+    return found[0].rss_kb, "uw" in found[0].flags
+with open(path, "rb") as f:
+    code = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+code[1 << 20]  # one byte read, as code runs: the kernel maps what it likes around it
+plain = kb()
+drop_cold_pages()
+dropped = kb()
+code[3 << 20]
+after = kb()
+# A private writable mapping registered the same way still takes copy-on-write writes.
+with open(path, "rb") as f:
+    data = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
+import ctypes
+view = ctypes.c_char.from_buffer(data)
+at = ctypes.addressof(view)
+del view
+registered = single_page_faults.register(at, at + len(data))
+data[5:10] = b"XXXXX"
+print(json.dumps({"available": single_page_faults.available, "plain": plain,
+                  "dropped": dropped, "after": after, "registered": registered,
+                  "written": data[:12].hex(), "file": Path(path).read_bytes()[:12].hex()}))
+"""
+
+
+@linux_only
+def test_pages_come_back_one_at_a_time_after_a_drop(tmp_path: Path) -> None:
+    """A file written in one piece, as pip writes a library: the page cache may hold it in
+    large folios, and a read fault maps 64 KB to a whole folio around the page. Once dropped,
+    the mapping faults back exactly the pages that are read."""
+    lib = tmp_path / "libbig.so"
+    lib.write_bytes(os.urandom(4 << 20))
+    out = subprocess.run([sys.executable, "-c", ONE_PAGE, str(lib)], cwd=REPO,
+                         capture_output=True, text=True, timeout=60, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    if not r["available"]:
+        pytest.skip("this kernel has no userfaultfd write-protect-async mode (Linux >= 6.7) or "
+                    "a seccomp filter refuses userfaultfd: faults keep the kernel's fault-around")
+    page_kb = mmap.PAGESIZE // 1024
+    assert r["plain"][0] > page_kb and not r["plain"][1], r  # fault-around at work
+    assert r["dropped"] == [0, True], r
+    assert r["after"] == [page_kb, True], r
+    assert r["registered"], r
+    original = lib.read_bytes()[:12]
+    assert bytes.fromhex(r["written"]) == original[:5] + b"XXXXX" + original[10:12], r
+    assert bytes.fromhex(r["file"]) == original, r

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from agent.finetune import memory_plan
 from agent.finetune.job import FinetuneJob
-from agent.finetune.memory_plan import BudgetTooSmall, fit_plan, plan_micro_batch
+from agent.finetune.memory_plan import BudgetTooSmall, Probe, fit_plan, plan_micro_batch
 from agent.finetune.model import apply_trainable, enable_activation_checkpointing
 from agent.finetune.recipe import run_finetune
 from hpc_core.config import config_from_dict, load_config
@@ -142,9 +142,9 @@ def test_the_plan_is_probed_at_the_size_it_picks(
 
     calls: list[int] = []
 
-    def fake_probe(cfg: object, init: Path, trainable: str, micro: int) -> float:
+    def fake_probe(cfg: object, init: Path, trainable: str, micro: int) -> Probe:
         calls.append(micro)
-        return peak(micro)
+        return Probe(peak(micro), 250.0)
 
     monkeypatch.setattr(memory_plan, "probe_subprocess", fake_probe)
     cfg = config_from_dict({
@@ -167,14 +167,48 @@ def test_the_plan_is_probed_at_the_size_it_picks(
     assert calls == [] and again.probes_reused and again.micro_batch_size == plan.micro_batch_size
 
     # A probe the kernel kills (its size out of the line's reach): the plan stays below it.
-    def killed_past_100(cfg: object, init: Path, trainable: str, micro: int) -> float:
+    def killed_past_100(cfg: object, init: Path, trainable: str, micro: int) -> Probe:
         if micro > 100:
             raise RuntimeError(f"memory probe at micro-batch {micro} failed: killed")
-        return peak(micro)
+        return Probe(peak(micro), 250.0)
 
     monkeypatch.setattr(memory_plan, "probe_subprocess", killed_past_100)
     low = plan_micro_batch(cfg, tmp_path, "all", 10_000.0, cache=tmp_path / "other.json")
     assert low.micro_batch_size <= 100 and low.micro_batch_size in low.probes, low
+
+
+def test_a_start_up_peak_above_the_small_probes_does_not_flatten_the_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A freshly installed host (its libraries cached in large folios): the probe process
+    peaks at 309 MB while torch starts, above the training steps of the probed sizes
+    (267-307 MB), and the step grows 3.3 MB a sample. The line goes through the steps."""
+    def step(m: int) -> float:
+        return 254.0 + 3.3 * m
+
+    monkeypatch.setattr(memory_plan, "probe_subprocess",
+                        lambda cfg, init, trainable, m: Probe(step(m), 309.0))
+    cfg = config_from_dict({
+        "run": {"name": "plan", "output_dir": str(tmp_path / "job")},
+        "data": {"source": "digits"}, "model": {"name": "resnet"},
+        "training": {"global_batch_size": 64, "max_steps": 2},
+    })
+    plan = plan_micro_batch(cfg, tmp_path, "all", 450.0, job_process_mb=70.0)
+    assert plan.per_sample_mb == pytest.approx(3.3) and plan.startup_mb == 309.0
+    assert plan.micro_batch_size == 32 and plan.accumulation_steps == 2  # (450-70-254)/3.3 = 38
+    assert plan.predicted_tree_peak_mb == pytest.approx(70 + step(32))
+    assert 70 + max(309.0, step(plan.micro_batch_size)) <= 450
+    # Whole-process peaks look flat (309, 309, 309): that line sends the job to 64 samples,
+    # whose step alone needs 465 MB.
+    flat = fit_plan(450, 64, {m: [max(309.0, step(m))] * 2 for m in (4, 8, 16)}, "whole",
+                    job_process_mb=70.0)
+    assert flat.per_sample_mb < 0.01 and 70 + step(flat.micro_batch_size) > 450
+    # The start-up alone past what the budget leaves: refused, and the message says so.
+    steps = {m: [step(m)] * 2 for m in (4, 8, 16)}
+    with pytest.raises(BudgetTooSmall, match=r"~379 MB .*309 MB start-up peak"):
+        fit_plan(370, 64, steps, "test", job_process_mb=70.0, startup_mb=309.0)
+    assert fit_plan(380, 64, steps, "test", job_process_mb=70.0, startup_mb=309.0
+                    ).micro_batch_size == 16  # (380-70-254)/3.3 = 16.9
 
 
 def test_trainable_scopes() -> None:

@@ -40,6 +40,15 @@ def test_the_largest_micro_batch_is_where_the_line_plus_margin_meets_the_budget(
     assert largest_micro_batch(FIT, 300) == 0
 
 
+def test_the_start_up_peak_binds_small_micro_batches_and_the_line_large_ones() -> None:
+    fit = MemoryFit(base_mb=250.0, per_sample_mb=2.0, margin_mb=4.0, job_process_mb=60.0,
+                    startup_mb=310.0)
+    assert fit.peak_mb(1) == 60 + 310 and fit.peak_mb(40) == 60 + 330
+    assert largest_micro_batch(fit, 450) == 68  # (450 - 60 - 4 - 250) / 2
+    assert largest_micro_batch(fit, 373) == 0  # 60 + 310 + 4 > 373: not even the start-up fits
+    assert largest_micro_batch(fit, 374) == 30  # the start-up fits; the line allows 30
+
+
 def test_a_forced_micro_batch_is_judged_by_the_line_not_by_the_planners_divisor() -> None:
     """The planner prefers a divisor of the effective batch (every micro-step the same shape);
     a forced micro-batch that fits must not be refused because the plan chose a divisor."""
@@ -102,10 +111,11 @@ def test_records_are_bounded_and_a_damaged_file_checks_nothing(tmp_path: Path) -
     kept = json.loads((state / FITS).read_text())
     assert len(kept) == ENTRIES and "k0" not in kept and f"k{ENTRIES + 4}" in kept
     assert recorded_fit(state, f"k{ENTRIES + 4}") == FIT
-    record_fit(state, "k5", MemoryFit(1, 2, 3, 4))  # re-recorded: the newest, kept longest
+    record_fit(state, "k5", MemoryFit(1, 2, 3, 4, 5))  # re-recorded: the newest, kept longest
     record_fit(state, "k99", FIT)
     kept = json.loads((state / FITS).read_text())
-    assert "k5" in kept and "k6" not in kept and recorded_fit(state, "k5") == MemoryFit(1, 2, 3, 4)
+    assert "k5" in kept and "k6" not in kept
+    assert recorded_fit(state, "k5") == MemoryFit(1, 2, 3, 4, 5)
     (state / FITS).write_text('{"k5": {"base_mb": "x"}}')
     assert recorded_fit(state, "k5") is None
     (state / FITS).write_text("not json")

@@ -23,7 +23,10 @@ BUDGET = 450.0
 """The issue's run. The test ran at 500 MB for a while: on a freshly installed host the probes'
 fixed cost measured ~460 MB then. Since each step's child imports its own module alone (and
 the export children drop their cold start-up pages), a fresh install peaks at ~432 MB (export),
-~395 MB (fine-tune), ~316 MB (health)."""
+~395 MB (fine-tune), ~316 MB (health). On Linux 6.18, whose faults map whole large folios, a
+fresh install was refused (~458 MB for one sample) until dropped pages came back one page at a
+time (agent.finetune.page_faults) and the probes' start-up peak was kept apart from the
+step's: then 394 MB (export), 419 MB (fine-tune), 370 MB (health)."""
 
 
 class OutsideSampler(threading.Thread):
