@@ -95,7 +95,8 @@ def run(ctx: JobContext) -> dict[str, Any]:
         ctx.event("finetune", status="planning", budget_mb=setup.budget_mb)
         plan = _plan(ctx, setup)
         why = forced_refusal(ft.micro_batch, ft.budget_mb, plan.line(),
-                             probes_over(plan.probes, ft.budget_mb, plan.job_process_mb))
+                             probes_over(plan.probes, ft.budget_mb, plan.job_process_mb,
+                                         startup_mb=plan.startup_mb))
         if why is not None:
             raise StepFailed("finetune", why, code="BAD_ARGS")
     if setup is not None and not setup.planned:
