@@ -70,7 +70,7 @@ class SinglePageFaults:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._fd: int | None = None
-        self._tried = False
+        self._pid: int | None = None  # the process that opened it
         self._libc: ctypes.CDLL | None = None
 
     def _open(self) -> int | None:
@@ -99,8 +99,12 @@ class SinglePageFaults:
     @property
     def available(self) -> bool:
         with self._lock:
-            if not self._tried:
-                self._tried, self._fd = True, self._open()
+            if self._pid != os.getpid():
+                # First use, or a forked child: a userfaultfd acts on the address space of the
+                # process that opened it, so a child's registrations would land in its parent.
+                if self._fd is not None:
+                    os.close(self._fd)
+                self._pid, self._fd = os.getpid(), self._open()
             return self._fd is not None
 
     def register(self, start: int, end: int) -> bool:

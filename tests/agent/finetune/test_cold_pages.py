@@ -232,3 +232,25 @@ def test_pages_come_back_one_at_a_time_after_a_drop(tmp_path: Path) -> None:
     original = lib.read_bytes()[:12]
     assert bytes.fromhex(r["written"]) == original[:5] + b"XXXXX" + original[10:12], r
     assert bytes.fromhex(r["file"]) == original, r
+
+
+FORKED = """
+import json, os
+from agent.finetune.page_faults import single_page_faults
+parent = single_page_faults.available
+pid = os.fork()
+if pid == 0:
+    single_page_faults.available  # a child opens its own descriptor
+    os._exit(0 if single_page_faults._pid == os.getpid() else 1)
+_, status = os.waitpid(pid, 0)
+print(json.dumps({"parent": parent, "child_ok": os.waitstatus_to_exitcode(status) == 0,
+                  "parent_kept": single_page_faults._pid == os.getpid()}))
+"""
+
+
+@linux_only
+def test_a_forked_child_opens_its_own_userfaultfd() -> None:
+    out = subprocess.run([sys.executable, "-c", FORKED], cwd=REPO, capture_output=True,
+                         text=True, timeout=60, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["child_ok"] and r["parent_kept"], r
