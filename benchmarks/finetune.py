@@ -94,7 +94,8 @@ def memory_section(budget_mb: float, steps: int) -> None:
         shape = f"{r['micro_batch_size']} x {acc}"
         print(f"{name:22}{shape:>15}{r['rss_mb']:13.0f}{r['samples_per_s']:11.1f}")
     print(
-        f"plan: {plan['base_mb']:.0f} MB fixed + {plan['per_sample_mb']:.2f} MB/sample "
+        f"plan: {plan['base_mb']:.0f} MB fixed + {plan['per_sample_mb']:.2f} MB/sample, "
+        f"start-up peak {plan.get('startup_mb', 0.0):.0f} MB "
         f"(probes {plan['probes']}), predicted peak {plan['predicted_tree_peak_mb']:.0f} MB"
     )
     ratio = bound["samples_per_s"] / free["samples_per_s"]
