@@ -120,11 +120,12 @@ def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
     # A micro-batch forced beside a budget it cannot fit is refused with the numbers, before
     # any training. The sizes, from the 450 MB runs' own probes (this model needs little per
     # sample, so 450 MB holds every batch the data allows): a budget with room for 256
-    # samples (and for the process's start-up peak, where that is higher), and a micro-batch
-    # the line puts 100 MB past it. The small probes are the cached ones; the check probes
-    # the size the line picks, as every plan does.
+    # samples (or, where that is higher, for the process's start-up peak with 30 MB to spare:
+    # the check's own probe at the size the line picks widened the noise margin by 13 MB on a
+    # fresh install), and a micro-batch the line puts 100 MB past it. The small probes are
+    # the cached ones; the check probes the size the line picks, as every plan does.
     p = {s.name: s for s in results[450][1]["steps"]}["finetune"].outputs["memory"]["plan"]
-    room = max(p["startup_mb"], p["base_mb"] + 256 * p["per_sample_mb"])
+    room = max(p["startup_mb"] + 30, p["base_mb"] + 256 * p["per_sample_mb"])
     tight = math.ceil(p["job_process_mb"] + room + p["margin_mb"])
     big = min(math.ceil((room + 100 - p["base_mb"]) / p["per_sample_mb"]),
               1200)  # the data holds 1,258
