@@ -117,8 +117,14 @@ def infer_batch(c: StepContext) -> int:
 def child(c: StepContext) -> dict[str, Any]:
     import numpy as np
 
+    import hpc_core.data  # noqa: F401 - imported before the drop below, not inside its peak
+    from agent.finetune.cold_pages import drop_cold_pages
     from exporters.runtime import batch_of, measure_latency, predict
 
+    # torch's start-up code, out of the resident set before the held-out data is built: on a
+    # fresh install (large page-cache folios) it kept this child's peak ~40 MB above the
+    # fine-tune's, in a spike too short for a 10 ms sampler to see every time.
+    drop_cold_pages()
     opts = c.spec["health"]
     x, y = held_out_data(c, opts["samples"])
     batch = infer_batch(c)
@@ -128,6 +134,7 @@ def child(c: StepContext) -> dict[str, Any]:
     failures = []
     for role in roles:
         runner, runtime = runner_for(Path(paths[role]))  # type: ignore[arg-type]
+        drop_cold_pages()  # and the runtime's (ONNX Runtime's, the first time)
         logits = predict(runner, x, batch=batch)
         acc = float((logits.argmax(1) == y).mean()) if y is not None else None
         lat = measure_latency(runner, batch_of(x, 1), warmup=5, iters=50)
