@@ -120,28 +120,38 @@ def real_agents(
         make_data(tmp_path / "device.npz", subprocess_env)
         provision_states([tmp_path / dev for dev in ids], reg, upstream_key, subprocess_env)
         for dev in ids:
-            state = tmp_path / dev
-            cfg = state / "agent.yaml"
-            cfg.write_text(yaml.safe_dump({
-                "device_id": dev, "groups": groups, "state_dir": str(state),
-                "data_root": str(tmp_path),
-                "mqtt": {"host": broker.host, "port": broker.port, "prefix": broker.prefix,
-                         "username": broker.username,
-                         "password_file": str(broker.password_file)},
-                "sensors": "none", "telemetry_s": 0, "socket_group": None,
-                "profile": "generic-x86",
-            }))
-            log = open(state / "daemon.log", "wb")  # noqa: SIM115
-            proc = subprocess.Popen([sys.executable, "-m", "agent.daemon", "--config", str(cfg)],
-                                    env=subprocess_env, stdout=log, stderr=log)
-            log.close()
-            started.append(RealAgent(dev, state, proc))
+            started.append(start_agent(dev, groups, tmp_path / dev, tmp_path, broker,
+                                       subprocess_env))
         return started
 
     yield start
-    for a in started:
+    stop_agents(started)
+
+
+def start_agent(dev: str, groups: list[str], state: Path, data_root: Path,
+                broker: BrokerConfig, env: dict[str, str],
+                registry: dict[str, str] | None = None) -> RealAgent:
+    """A real ``edge-agent`` daemon on a provisioned ``state`` (its agent.yaml written there,
+    its log in state/daemon.log); ``registry``: the config's registry section, if any."""
+    cfg = state / "agent.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "device_id": dev, "groups": groups, "state_dir": str(state),
+        "data_root": str(data_root), **({"registry": registry} if registry else {}),
+        "mqtt": {"host": broker.host, "port": broker.port, "prefix": broker.prefix,
+                 "username": broker.username, "password_file": str(broker.password_file)},
+        "sensors": "none", "telemetry_s": 0, "socket_group": None, "profile": "generic-x86",
+    }))
+    log = open(state / "daemon.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "agent.daemon", "--config", str(cfg)],
+                            env=env, stdout=log, stderr=log)
+    log.close()
+    return RealAgent(dev, state, proc)
+
+
+def stop_agents(agents: list[RealAgent]) -> None:
+    for a in agents:
         a.proc.terminate()
-    for a in started:
+    for a in agents:
         try:
             a.proc.wait(30)
         except subprocess.TimeoutExpired:

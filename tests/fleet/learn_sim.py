@@ -58,6 +58,8 @@ class Scores:
     by_candidate: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per candidate version, per device gains that replace the above."""
     samples: int = 120
+    spread: float = 0.01
+    """Standard deviation of an honest simulated fine-tune's change to each weight."""
     poisoned: dict[str, float] = field(default_factory=dict)
     """Device -> k: its uploads are ``base + k x`` an honest fine-tune's delta (signed with
     its own, valid key)."""
@@ -72,7 +74,7 @@ class Scores:
             release, tensors = read_tensors(self.registry, base)
             rng = np.random.default_rng(len(self.uploads))
             k = self.poisoned.get(device, 1.0)
-            moved = {name: (v + k * rng.normal(0, 0.01, v.shape)).astype(v.dtype)
+            moved = {name: (v + k * rng.normal(0, self.spread, v.shape)).astype(v.dtype)
                      for name, v in tensors.items()}
             m = self.registry.update(self.registry.device(device), release, moved,
                                      samples=float(self.samples))
