@@ -118,6 +118,20 @@ CAMERAS: dict[str, tuple[str, ...]] = {
     "cam7": ("blur", "noise"),
 }
 POISONED = ("cam6", "cam7")
+DISTORTIONS = ("invert", "rotate", "blur", "noise")
+
+
+def _camera_spec(cameras: dict[str, tuple[str, ...]]) -> str:
+    return ";".join("+".join(c) for c in cameras.values())
+
+
+def _parse_cameras(spec: str, ap: argparse.ArgumentParser) -> dict[str, tuple[str, ...]]:
+    """``--cameras``: eight devices (the poisoned ones are the last two), each a '+' list."""
+    cams = [tuple(d.strip() for d in c.split("+") if d.strip()) for c in spec.split(";")]
+    if len(cams) != 8 or any(not c or not set(c) <= set(DISTORTIONS) for c in cams):
+        ap.error(f"--cameras {spec!r}: give 8 cameras separated by ';', each a '+' list of "
+                 f"{', '.join(DISTORTIONS)}")
+    return {f"cam{i}": c for i, c in enumerate(cams)}
 CLEAN_STRATEGIES: tuple[Strategy, ...] = ("fedavg", "trimmed-mean", "median")
 
 
@@ -573,9 +587,16 @@ def main() -> None:
     ap.add_argument("--dp-delta", type=float, default=1e-5, help="DP: delta")
     ap.add_argument("--prox-mu", type=float, default=0.01, help="FedProx scenario (0: skip)")
     ap.add_argument("--seed", type=int, default=0, help="data split, training and DP noise")
+    ap.add_argument("--cameras", default=None, metavar="SPEC",
+                    help="the eight devices' cameras, ';' between devices, '+' between "
+                         "distortions (default: " + _camera_spec(CAMERAS) + ")")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = ap.parse_args()
+    if args.cameras is not None:
+        cams = _parse_cameras(args.cameras, ap)
+        CAMERAS.clear()  # the module's table: every part of the run reads it
+        CAMERAS.update(cams)
     if not 1 <= args.rounds <= 5:
         ap.error("--rounds: 1 to 5")
     todo = scenarios(args)  # an unknown --scenarios name stops here, before any training
