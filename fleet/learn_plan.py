@@ -65,6 +65,11 @@ class LearnPlan(BaseModel):
     version_prefix: str | None = None
     """Versions published: ``PREFIX-rK-candidate`` (what the devices evaluate) and
     ``PREFIX-rK`` (the release, only once the gates passed). Default: the learn's name."""
+    release_versions: Literal["prefixed", "numbered"] = "prefixed"
+    """How releases are named. ``prefixed``: ``PREFIX-rK``. ``numbered``: the base's number
+    plus K, as upstream numbers its own (base 1: round 1 releases 2, round 2 releases 3; a
+    refused round leaves its number unused); needs a numbered base. Candidates are
+    ``PREFIX-rK-candidate`` either way. A number someone else published stops the learn."""
     work_dir: Path | None = None
     """Aggregates, device-evals files and tool logs, one folder per round (default: beside
     the db, ``DB.learn/NAME``)."""
@@ -214,7 +219,11 @@ class LearnPlan(BaseModel):
                                  "later base is an aggregate, whose folder names no data")
         elif self.base_checkpoint is not None or self.eval_config is not None:
             raise ValueError("base_checkpoint and eval_config go with max_upstream_drop")
+        if self.release_versions == "numbered" and not self.base.isdigit():
+            raise ValueError(f"release_versions numbered: the base must be a number like 1, "
+                             f"got {self.base!r} (or use prefixed)")
         check_version(self.release_version(self.rounds, candidate=True))
+        check_version(self.release_version(self.rounds))
         for phase in ROLLOUT_SUFFIX:  # every rollout a round makes validates now
             self.rollout_plan(phase, self.rounds, "0")  # type: ignore[arg-type]
         return self
@@ -222,6 +231,8 @@ class LearnPlan(BaseModel):
     # --- what a round derives from the plan ---------------------------------------------
 
     def release_version(self, round_: int, *, candidate: bool = False) -> str:
+        if self.release_versions == "numbered" and not candidate:
+            return str(int(self.base) + round_)
         prefix = self.version_prefix or self.name
         return f"{prefix}-r{round_}" + ("-candidate" if candidate else "")
 

@@ -386,6 +386,11 @@ def test_a_bad_plan_is_refused_before_anything_is_sent(
     r = subprocess.run([*argv, "--max-device-drop", "1", "--dp-noise-multiplier", "1"],
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 2 and "dp_noise_multiplier needs strategy fedavg" in r.stderr
+    # Numbered releases count from a numbered base (this one is v1).
+    r = subprocess.run([*argv, "--max-device-drop", "1", "--release-versions", "numbered"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2 and "release_versions numbered: the base must be a number like 1, "\
+        "got 'v1'" in r.stderr, r.stderr
     assert not (tmp_path / "fleet.db").exists()  # refused before the db was opened
 
 

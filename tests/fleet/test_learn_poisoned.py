@@ -160,8 +160,8 @@ def test_median_holds_a_poisoned_device_off_two_rounds_of_real_agents_across_a_s
             "--trusted-keys", str(reg.trusted),
             "--sign-key", str(reg.work / "keys" / "upstream.key.pem"),
             "--hpc-train", f"{sys.executable} -m hpc_core.cli", "--rounds", "2",
-            "--strategy", "median", "--min-updates", "5", "--min-devices", "5",
-            "--max-device-drop", "2", "--timeout-s", "400"],
+            "--strategy", "median", "--release-versions", "numbered", "--min-updates", "5",
+            "--min-devices", "5", "--max-device-drop", "2", "--timeout-s", "400"],
             env=subprocess_env, stdout=log, stderr=log)
         log.close()
         # Round 2's evaluations are out on the devices: kill the controller there.
@@ -186,21 +186,24 @@ def test_median_holds_a_poisoned_device_off_two_rounds_of_real_agents_across_a_s
         fleet.stop()
     assert not fleet.errors, fleet.errors
     s = learn_status(tmp_path, "pz")
-    assert s["state"] == "finished" and s["base"] == "pz-r2", s
+    # Numbered releases, as upstream numbers its own: round 1 released digits@2, round 2 @3.
+    assert s["state"] == "finished" and s["base"] == "3", s
     assert [h["outcome"] for h in s["history"]] == ["published", "published"], s["history"]
     for rnd, h in enumerate(s["history"], start=1):
         # Nothing that finished before the kill ran again: one aggregate, one candidate, one
         # release per round; all five devices' uploads combined, all five evaluated it.
         assert h["tool_runs"] == {"aggregate": 1, "candidate": 1, "publish": 1}, h
         assert h["updates"]["combined"] == 5
-        base_version = "1" if rnd == 1 else "pz-r1"
+        base_version = str(rnd)
+        assert (h["base"], h["release"]) == (base_version, str(rnd + 1)), h
         _, base = read_tensors(reg, base_version)
         sims = [v for _, v in scores.uploads if v.startswith(base_version + "+")]
         reals = [v for v in h["combined"] if any(f"+{d}." in v for d in REAL)]
         assert len(sims) == 2 and len(reals) == 3, h["combined"]
         assert sorted(h["combined"]) == sorted(sims + reals)
         ups = {v: read_tensors(reg, v)[1] for v in sims + reals}
-        _, release = read_tensors(reg, f"pz-r{rnd}")
+        manifest, release = read_tensors(reg, str(rnd + 1))
+        assert manifest.parent == base_version
         honest = [t for v, t in ups.items() if f"+{POISONED}." not in v]
         (bad,) = [t for v, t in ups.items() if f"+{POISONED}." in v]
         for k, got in release.items():
@@ -237,7 +240,7 @@ def test_median_holds_a_poisoned_device_off_two_rounds_of_real_agents_across_a_s
             done = _agentctl_job(a, job)
             ev = done["job"]["result"]["evaluation"]
             assert ev["version"] == f"pz-r{rnd}-candidate"
-            assert ev["baseline"]["version"] == ("1" if rnd == 1 else "pz-r1")
+            assert ev["baseline"]["version"] == str(rnd)
             assert ev["samples"] == e["samples"] > 0
             assert (e["base_accuracy"], e["candidate_accuracy"]) == (
                 ev["baseline"]["accuracy"], ev["candidate"]["accuracy"])
