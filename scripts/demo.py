@@ -8,10 +8,11 @@
 3. broker: a throwaway mosquitto provisioned by ``fleetctl broker-config`` from an inventory:
    one account per device (its client id), an ACL that keeps each device to its own topics and
    its groups' commands, and an account per operator tool on a listener of their own;
-4. devices: three ``edge-agent`` daemons on the simulated board (``sim`` profile and
-   sensors), each provisioned with ``agentctl pull`` and given its own camera's data (the
-   documented distortions of digits, a different one per device), and a p99 latency SLO for
-   its application (``latency_slo_ms`` in agent.yaml);
+4. devices: three ``edge-agent`` daemons in the fleet's group and a fourth in a group of its
+   own, on the simulated board (``sim`` profile and sensors), each provisioned with
+   ``agentctl pull`` and given its own camera's data (the documented distortions of digits, a
+   different one per device), and a p99 latency SLO for its application (``latency_slo_ms``
+   in agent.yaml);
 5. application: on each device ``agentctl serve`` serves the committed model over the Open
    Inference Protocol (loopback HTTP), and a client in this script sends it
    ``POST /v2/models/MODEL/infer`` at a fixed rate (batch 1), counting answers, failures and
@@ -26,9 +27,12 @@
    the devices do not fine-tune again): ``hpc-train aggregate`` verifies and combines the
    three signed deltas (fedavg, weighted by samples), the candidate is published and scored
    on each device's held-out data by an ``evaluate`` job (installing nothing), and, past the
-   device gate, published as the next upstream release, signed, with its lineage. The
-   summary shows the base, the aggregate and each device's own fine-tune on each device's
-   held-out data and on their union.
+   device gate, published as the next upstream release (``digits-cnn@2``), signed, with its
+   lineage; then deployed to a fourth device that joined outside the round (its own group,
+   an inverted + noisy camera like edge-1's, upstream's model installed): health-checked on
+   its own data against that model, committed. The summary shows the base, the aggregate and
+   each device's own fine-tune on each device's held-out data and on their union, and what
+   the release did for the new device.
 
 Everything is driven through the command lines, MQTT and HTTP, as an operator would. The live
 view below follows the devices over MQTT (the fleet's operator account): temperature, the
@@ -77,8 +81,13 @@ DEVICES = {  # device id -> the camera it sees (scripts/make_device_data.py dist
     "edge-3": "blur,noise",
 }
 GROUP = "demo"
+NEW_DEVICE, NEW_CAMERA, NEW_GROUP = "edge-4", "invert,noise", "new"
+"""A device outside the rollout and the learning round (its own group): the same kind of
+camera as edge-1 (another unit, its own images and noise), upstream's model installed. The
+round's release is deployed to it: what the fleet learned is what a new device starts from."""
 LEARN = "fleet"
-"""The learning round's name: it publishes ``fleet-r1-candidate``, then ``fleet-r1``."""
+"""The learning round's name: it publishes ``fleet-r1-candidate``, then, numbered as upstream
+numbers its releases, ``2``."""
 LEARN_MAX_DROP_PTS = 10.0
 """The device gate: the aggregate is released only if no device's held-out accuracy drops
 more than this many points below the base's."""
@@ -356,7 +365,8 @@ class Mission:
         d.mkdir()
         inventory = d / "inventory.yaml"
         inventory.write_text(yaml.safe_dump(
-            {"devices": {dev: {"groups": [GROUP]} for dev in DEVICES}}))
+            {"devices": {**{dev: {"groups": [GROUP]} for dev in DEVICES},
+                         NEW_DEVICE: {"groups": [NEW_GROUP]}}}))
         self.broker_port, self.operator_port = free_port(), free_port()
         summary = yaml.safe_load(self.run("broker", [
             str(BIN / "fleetctl"), "broker-config", "--inventory", str(inventory),
@@ -388,11 +398,13 @@ class Mission:
         with ThreadPoolExecutor(len(DEVICES) + 1) as pool:  # each step is a subprocess
             keys = pool.submit(self.run, "registry", [str(BIN / "hpc-train"), "keygen",
                                                       "--out", str(self.out / "keys")])
-            list(pool.map(self.prepare_device, DEVICES, DEVICES.values()))
+            list(pool.map(self.prepare_device, [*DEVICES, NEW_DEVICE],
+                          [*DEVICES.values(), NEW_CAMERA], [0] * len(DEVICES) + [1]))
             keys.result()
 
-    def prepare_device(self, dev: str, camera: str) -> None:
-        """What needs no registry: the device's key and its camera's data."""
+    def prepare_device(self, dev: str, camera: str, seed: int = 0) -> None:
+        """What needs no registry: the device's key and its camera's data (``seed``: which
+        unit of that kind of camera)."""
         home = self.out / "devices" / dev
         state, data = home / "state", home / "data"
         state.mkdir(parents=True)
@@ -402,9 +414,10 @@ class Mission:
         self.run(dev, [str(BIN / "hpc-train"), "keygen", "--out", str(state), "--name", dev,
                        "--scope", f"{MODEL}@*+{dev}.*"])
         self.run(dev, [sys.executable, str(REPO / "scripts/make_device_data.py"),
-                       "--distortion", camera, "--out", str(data / "camera.npz")])
+                       "--distortion", camera, "--seed", str(seed),
+                       "--out", str(data / "camera.npz")])
 
-    def provision(self, dev: str, camera: str) -> Path:
+    def provision(self, dev: str, camera: str, group: str = GROUP) -> Path:
         home = self.out / "devices" / dev
         state, data = home / "state", home / "data"
         trusted = state / "trusted_keys"
@@ -419,7 +432,7 @@ class Mission:
                        self.registry_url, "--state-dir", str(state), "--no-progress"])
         # data_root: the data sets a command may name ("data": "camera.npz"); commands
         # carry no paths, keys or registries (agent.yaml is the device's only trust source).
-        cfg = {"device_id": dev, "groups": [GROUP], "state_dir": str(state),
+        cfg = {"device_id": dev, "groups": [group], "state_dir": str(state),
                "data_root": str(data), "profile": "sim", "sensors": "sim", "telemetry_s": 2,
                "socket_group": None,
                # The operator's objective for the application: fine-tuning yields to it.
@@ -435,9 +448,11 @@ class Mission:
         return home
 
     def start_agents(self) -> None:
-        with ThreadPoolExecutor(len(DEVICES)) as pool:  # each step is a subprocess
-            homes = dict(zip(DEVICES, pool.map(self.provision, DEVICES, DEVICES.values()),
-                             strict=True))
+        devices = [*DEVICES, NEW_DEVICE]
+        with ThreadPoolExecutor(len(devices)) as pool:  # each step is a subprocess
+            homes = dict(zip(devices, pool.map(
+                self.provision, devices, [*DEVICES.values(), NEW_CAMERA],
+                [GROUP] * len(DEVICES) + [NEW_GROUP]), strict=True))
         for dev, home in homes.items():
             # One rollout's args ("data": "camera.npz") fit every device: each resolves the
             # name under its own data_root.
@@ -593,18 +608,19 @@ class Mission:
 
     def learn(self) -> int:
         """One round of fleet learning on the rollout's uploads: aggregate, evaluate on the
-        devices, publish behind the gate. Not deployed here: each device's own fine-tune
-        beats the aggregate on its own camera, and its deploy health check would roll the
-        aggregate back; the release is the base the next round fine-tunes from, and what a
-        new device starts from."""
+        devices, publish behind the gate as release 2. Not deployed to these three: each
+        one's own fine-tune beats the aggregate on its own camera, and its deploy health
+        check would roll the aggregate back; the release is the base the next round
+        fine-tunes from, and what a new device starts from (:meth:`deploy_new`)."""
         self.say("fleet", f"learning round: the {len(DEVICES)} uploads of rollout 'demo' -> "
                           "hpc-train aggregate (fedavg) -> evaluate on every device -> "
-                          f"publish {LEARN}-r1 if no device loses over {LEARN_MAX_DROP_PTS:g} "
+                          f"publish {MODEL}@2 if no device loses over {LEARN_MAX_DROP_PTS:g} "
                           "points")
         self.finetunes = self._outcomes()  # the evaluate jobs' results replace them
         code = self._stream([
             *self.fleetctl(), "learn", "start", LEARN, "--group", GROUP, "--model", MODEL,
-            "--base", "1", "--rounds", "1", "--data", "camera.npz",
+            "--base", "1", "--rounds", "1", "--release-versions", "numbered",
+            "--data", "camera.npz",
             # Upstream writes the registry's folder; the server serves what it holds.
             "--registry", str(self.out / "registry"),
             "--trusted-keys", str(self.out / "registry-trusted"),
@@ -621,14 +637,41 @@ class Mission:
             code = 1
         return code
 
+    def deploy_new(self) -> int:
+        """The round's release deployed to the new device: pulled and verified, staged,
+        health-checked on its own camera's held-out data against the upstream model it runs
+        (rolled back if worse), committed."""
+        release = self.learn_round["release"]
+        self.say("fleet", f"deploy {MODEL}@{release} to {NEW_DEVICE} (group '{NEW_GROUP}', "
+                          f"camera {NEW_CAMERA}, running {MODEL}@1)")
+        args = {"model": MODEL, "version": release, "data": "camera.npz"}
+        code = self._stream([
+            *self.fleetctl(), "rollout", "create", "--name", "release-2", "--devices",
+            NEW_DEVICE, "--job", "deploy", "--args", json.dumps(args), "--waves", "100%",
+            "--min-completed", "1", "--timeout-s", "300"])
+        o = self._outcomes().get(NEW_DEVICE)
+        if code == 0 and (o is None or o.outcome != "committed"):
+            self.say("fleet", f"{NEW_DEVICE}: {MODEL}@{release} not committed: "
+                              f"{o.reason if o else 'no result'}")
+            code = 1
+        return code
+
+    def deploy_summary(self) -> None:
+        o = self._outcomes()[NEW_DEVICE]
+        before, after = o.metrics_before.get("eval/acc"), o.metrics_after.get("eval/acc")
+        print(f"deployed: {MODEL}@{self.learn_round['release']} on {NEW_DEVICE} (a new "
+              f"device, camera {NEW_CAMERA}): {_pct(before)} -> {_pct(after)} on its own "
+              f"held-out data, against the {MODEL}@1 it had")
+
     def learn_summary(self) -> None:
         """Per device and on the union of their held-out data: the base, the aggregate, and
         the device's own fine-tune (what its rollout committed)."""
         r1, outcomes = self.learn_round, self.finetunes
         evals = {e["device"]: e for e in r1["evaluations"]}
-        print(f"fleet learning ({LEARN}-r1 = fedavg of {r1['updates']['combined']} device "
-              "updates), accuracy on each device's held-out data:")
-        rows = [("device", "camera", "base 1", f"aggregate {LEARN}-r1", "own fine-tune")]
+        release = r1["release"]
+        print(f"fleet learning ({MODEL}@{release} = fedavg of {r1['updates']['combined']} "
+              "device updates), accuracy on each device's held-out data:")
+        rows = [("device", "camera", "base 1", f"aggregate {release}", "own fine-tune")]
         for dev, camera in DEVICES.items():
             e, o = evals.get(dev), outcomes.get(dev)
             own = o.metrics_after.get("eval/acc") if o else None
@@ -643,11 +686,12 @@ class Mission:
             o is not None and dev in evals
             and o.metrics_after.get("eval/acc", 0.0) > evals[dev]["candidate_accuracy"]
             for dev, o in ((d, outcomes.get(d)) for d in DEVICES))
-        print(f"fleet learning: base 1 -> {LEARN}-r1 on the union of the devices' data "
-              f"{ev['base_accuracy']:.1%} -> {ev['candidate_accuracy']:.1%} "
+        print(f"fleet learning: {MODEL}@1 -> {MODEL}@{release} on the union of the devices' "
+              f"data {ev['base_accuracy']:.1%} -> {ev['candidate_accuracy']:.1%} "
               f"({ev['mean_gain_pts']:+.1f} pts); published, signed by upstream, with its "
-              "lineage; not deployed: each device keeps its own fine-tune"
-              + (" (better on its own camera than the aggregate)" if own_better else ""))
+              f"lineage; {', '.join(DEVICES)} keep their own fine-tunes"
+              + (" (better on their own cameras than the aggregate)" if own_better else "")
+              + f", {NEW_DEVICE} starts from it")
 
     def _outcomes(self) -> dict[str, JobOutcome]:
         return {dev: JobOutcome.model_validate(r) for dev, r in self.results.items()}
@@ -761,6 +805,10 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f} ms" if v < 10 else f"{v:.0f} ms"
 
 
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
 def _pair(a: Any, b: Any) -> str:
     if a is None:
         return "-"
@@ -841,8 +889,11 @@ def main(argv: list[str] | None = None) -> int:
                 print()
                 print(mission.learn_status)
                 if code == 0:  # published: every device scored it
+                    code = mission.deploy_new()
                     print()
                     mission.learn_summary()
+                    if code == 0:
+                        mission.deploy_summary()
                 print(f"report: {out / 'reports' / f'learn-{LEARN}.png'}")
         except KeyboardInterrupt:
             view("demo", "interrupted: stopping every process it started")

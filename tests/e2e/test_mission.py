@@ -23,6 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 MODEL = "digits-cnn"
 DEVICES = ("edge-1", "edge-2", "edge-3")
+NEW_DEVICE = "edge-4"
+"""Outside the rollout and the learning round; the round's release is deployed to it."""
 
 pytestmark = [
     pytest.mark.slow,
@@ -66,7 +68,7 @@ def test_every_process_the_demo_started_has_exited(mission: tuple[Path, str]) ->
     out, _ = mission
     pids = [line.split() for line in (out / "pids").read_text().splitlines()]
     # Each device's application runtime (agentctl serve) is one of them.
-    assert {who for _, who in pids} >= {"registry", "broker", *DEVICES,
+    assert {who for _, who in pids} >= {"registry", "broker", *DEVICES, NEW_DEVICE,
                                         *(f"app-{d}" for d in DEVICES)}
     alive = []
     for pid, who in pids:
@@ -222,20 +224,21 @@ def test_the_fleet_learned_from_the_uploads_in_one_round(
 ) -> None:
     """The learning round combined the three uploads of the rollout (no device fine-tuned
     again), each device scored the candidate without installing it, and upstream published
-    the aggregate, signed, with its lineage; it beats the base on the devices' data."""
+    the aggregate as release 2, signed, with its lineage; it beats the base on the devices'
+    data."""
     out, log = mission
     fleet = ["fleetctl", "--db", str(out / "fleet.db"), "--report-dir", str(out / "reports")]
     s = json.loads(_cli(*fleet, "learn", "status", "fleet", "--json").stdout)
     assert s["state"] == "finished", s
     (r1,) = s["history"]
-    assert (r1["outcome"], r1["release"], r1["base"]) == ("published", "fleet-r1", "1"), r1
+    assert (r1["outcome"], r1["release"], r1["base"]) == ("published", "2", "1"), r1
     assert r1["updates"]["combined"] == len(DEVICES) and r1["updates"]["skipped"] == 0, r1
     assert sorted(e["device"] for e in r1["evaluations"]) == sorted(DEVICES)
     assert all(g["passed"] for g in r1["gates"]), r1["gates"]
     assert r1["evaluation"]["mean_gain_pts"] > 0, r1["evaluation"]
     uploaded = sorted(_finetune_job(out / "devices" / d / "state")["result"]["uploaded"]
                       ["version"] for d in DEVICES)  # one fine-tune each: none ran again
-    manifest = json.loads(_get(registry_url, f"/{MODEL}/fleet-r1/manifest.json"))
+    manifest = json.loads(_get(registry_url, f"/{MODEL}/2/manifest.json"))
     assert (manifest["parent"], manifest["signer"]["name"]) == ("1", "upstream")
     assert sorted(manifest["training"]["aggregate"]["combined"]) == uploaded
     for dev in DEVICES:  # scored on the device, installed nowhere
@@ -244,7 +247,7 @@ def test_the_fleet_learned_from_the_uploads_in_one_round(
                                                   str(state)).stdout.splitlines() if line.strip()]
         assert [j["state"] for j in jobs if j["type"] == "evaluate"] == ["SUCCEEDED"], jobs
         models = _cli("agentctl", "models", "--state-dir", str(state)).stdout
-        assert "fleet-r1" not in models, models
+        assert "active 2 " not in models and "standby 2;" not in models, models
     # The summary's table: per device the base, the aggregate (as the device scored it) and
     # the device's own fine-tune (as its job reported it).
     start = next(i for i, line in enumerate(log.splitlines())
@@ -256,6 +259,35 @@ def test_the_fleet_learned_from_the_uploads_in_one_round(
         assert (base, cand, own) == (f"{100 * scored[dev]['base_accuracy']:.1f}%",
                                      f"{100 * scored[dev]['candidate_accuracy']:.1f}%",
                                      f"{100 * after['eval/acc']:.1f}%"), line
-    assert re.search(r"^fleet learning: base 1 -> fleet-r1 on the union of the devices' data "
-                     r"[\d.]+% -> [\d.]+%", log, re.M), log[-3000:]
+    assert re.search(rf"^fleet learning: {MODEL}@1 -> {MODEL}@2 on the union of the devices' "
+                     r"data [\d.]+% -> [\d.]+%", log, re.M), log[-3000:]
     assert (out / "reports/learn-fleet.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_release_was_deployed_to_a_new_device_and_helps_it(
+    mission: tuple[Path, str], registry_url: str
+) -> None:
+    """A device outside the round (its own group, a camera like edge-1's) ran one job, the
+    deploy of release 2: verified, staged, health-checked on its own held-out data against
+    the upstream model it had, committed; the summary's figures are that job's."""
+    out, log = mission
+    state = out / "devices" / NEW_DEVICE / "state"
+    jobs = [json.loads(line) for line in _cli("agentctl", "jobs", "--json", "--state-dir",
+                                              str(state)).stdout.splitlines() if line.strip()]
+    assert [(j["type"], j["state"]) for j in jobs] == [("deploy", "SUCCEEDED")], jobs
+    job = json.loads(_cli("agentctl", "job", jobs[0]["id"], "--json", "--state-dir",
+                          str(state)).stdout)["job"]
+    r = job["result"]
+    assert r["outcome"] == "committed" and r["model"]["version"] == "2", r
+    before, after = r["metrics_before"]["eval/acc"], r["metrics_after"]["eval/acc"]
+    assert after > before, r  # what the fleet learned helps a camera it never saw
+    models = _cli("agentctl", "models", "--state-dir", str(state)).stdout
+    assert f"{MODEL}: active 2 " in models and "standby 1;" in models, models
+    # Installed as released: the weights are the registry's release 2.
+    remote = json.loads(_get(registry_url, f"/{MODEL}/2/manifest.json"))
+    local = json.loads(((state / "models" / MODEL / "current").resolve() / "manifest.json")
+                       .read_bytes())
+    assert _weights_hash(local) == _weights_hash(remote)
+    assert re.search(rf"^deployed: {MODEL}@2 on {NEW_DEVICE} \(a new device, camera "
+                     rf"invert,noise\): {100 * before:.1f}% -> {100 * after:.1f}% on its own "
+                     "held-out data", log, re.M), log[-3000:]
