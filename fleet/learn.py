@@ -383,11 +383,8 @@ class LearnDriver:
             log.info("learn publish found done", extra={"learn": learn.id, "round": rs.round,
                                                         "version": version})
             return True
-        fix = ("start the learn from the newest numbered release, or set release_versions "
-               "prefixed" if version.isdigit() else
-               "set version_prefix to a name no other learn used")
         raise UpstreamError(f"{learn.plan.model}@{version} is in {learn.plan.registry} already "
-                            f"and this learn did not publish it: {fix}")
+                            f"and this learn did not publish it: {learn.plan.name_fix(version)}")
 
     def _base_checkpoint(self, learn: Learn, rs: RoundState) -> Path | None:
         """The checkpoint the round's base was published from (the upstream gate scores it)."""

@@ -236,6 +236,13 @@ class LearnPlan(BaseModel):
         prefix = self.version_prefix or self.name
         return f"{prefix}-r{round_}" + ("-candidate" if candidate else "")
 
+    def name_fix(self, version: str) -> str:
+        """What to change when ``version``, which this learn would publish, is someone else's."""
+        if self.release_versions == "numbered" and version.isdigit():
+            return "start the learn from the newest numbered release, or set release_versions "\
+                "prefixed"
+        return "set version_prefix to a name no other learn used"
+
     def rollout_name(self, phase: Phase, round_: int) -> str:
         return f"{self.name}-r{round_}-{ROLLOUT_SUFFIX[phase]}"
 

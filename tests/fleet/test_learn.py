@@ -411,6 +411,27 @@ def test_dp_options_reach_the_aggregation_accounted_over_the_learns_rounds(
     assert "--clip-norm" in argv
 
 
+def test_numbered_releases_count_from_the_base_and_candidates_keep_their_names(
+        keys: dict[str, Path]) -> None:
+    from fleet.learn_plan import LearnPlan
+
+    fields = {"name": "nightly", "group": "sim", "model": "digits", "base": "7",
+              "data": "cam0", "registry": str(keys["registry"]),
+              "trusted_keys": str(keys["trusted"]), "sign_key": str(keys["key"]),
+              "max_device_drop": 1, "rounds": 3, "deploy": True}
+    plan = LearnPlan.model_validate({**fields, "release_versions": "numbered"})
+    assert [plan.release_version(k) for k in (1, 2, 3)] == ["8", "9", "10"]
+    assert plan.release_version(2, candidate=True) == "nightly-r2-candidate"
+    assert plan.job_args("deploy", 2, "8")["version"] == "9"
+    assert plan.job_args("evaluate", 2, "8")["version"] == "nightly-r2-candidate"
+    # A version someone else published stops the learn; the fix it names fits the name.
+    assert "newest numbered release" in plan.name_fix("8")
+    assert "version_prefix" in plan.name_fix("nightly-r1-candidate")
+    prefixed = LearnPlan.model_validate(fields)
+    assert prefixed.release_version(1) == "nightly-r1"
+    assert "version_prefix" in prefixed.name_fix("nightly-r1")
+
+
 def test_the_server_step_reaches_the_aggregation_and_is_bounded(
         keys: dict[str, Path], tmp_path: Path) -> None:
     from pydantic import ValidationError
