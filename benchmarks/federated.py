@@ -118,6 +118,7 @@ CAMERAS: dict[str, tuple[str, ...]] = {
     "cam7": ("blur", "noise"),
 }
 POISONED = ("cam6", "cam7")
+CLEAN_STRATEGIES: tuple[Strategy, ...] = ("fedavg", "trimmed-mean", "median")
 DISTORTIONS = ("invert", "rotate", "blur", "noise")
 
 
@@ -132,7 +133,6 @@ def _parse_cameras(spec: str, ap: argparse.ArgumentParser) -> dict[str, tuple[st
         ap.error(f"--cameras {spec!r}: give 8 cameras separated by ';', each a '+' list of "
                  f"{', '.join(DISTORTIONS)}")
     return {f"cam{i}": c for i, c in enumerate(cams)}
-CLEAN_STRATEGIES: tuple[Strategy, ...] = ("fedavg", "trimmed-mean", "median")
 
 
 @dataclass(frozen=True)

@@ -646,7 +646,7 @@ class Mission:
                           f"camera {NEW_CAMERA}, running {MODEL}@1)")
         args = {"model": MODEL, "version": release, "data": "camera.npz"}
         code = self._stream([
-            *self.fleetctl(), "rollout", "create", "--name", "release-2", "--devices",
+            *self.fleetctl(), "rollout", "create", "--name", f"release-{release}", "--devices",
             NEW_DEVICE, "--job", "deploy", "--args", json.dumps(args), "--waves", "100%",
             "--min-completed", "1", "--timeout-s", "300"])
         o = self._outcomes().get(NEW_DEVICE)
