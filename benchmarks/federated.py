@@ -337,7 +337,7 @@ class Fleet:
         opts = Options(registry=str(self.root), model=MODEL, base=base.version,
                        strategy=s.strategy, trusted_keys=self.trusted, out=out,
                        updates=updates, trim=self.args.trim,
-                       clip_norm=dp.clip_norm if dp else None, dp=dp,
+                       clip_norm=dp.clip_norm if dp else self.args.robust_clip, dp=dp,
                        server_lr=self.args.server_lr, min_updates=len(CAMERAS))
         report = run_round(opts, rng=np.random.default_rng(self.args.seed + rnd))
         release = self.publish(out, f"{s.name}.r{rnd}", base.version,
@@ -574,6 +574,9 @@ def main() -> None:
     ap.add_argument("--server-lr", type=float, default=1.0,
                     help="every round's aggregate is base + this x the combined delta "
                     "(hpc-train aggregate --server-lr; 1: plain averaging)")
+    ap.add_argument("--robust-clip", choices=("median",), default=None,
+                    help="every scenario but DP clips each update to the round's median "
+                    "update norm (hpc-train aggregate --clip-norm median); default: no clip")
     ap.add_argument("--attack-scale", type=float, default=50.0,
                     help="poisoned uploads: base + k (w - base), k = +scale and -scale")
     ap.add_argument("--no-attacks", action="store_true", help="skip the poisoning scenarios")

@@ -9,6 +9,7 @@ the three rollout plans a round creates are built once from the plan at validati
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -86,8 +87,9 @@ class LearnPlan(BaseModel):
     """trimmed-mean: fraction dropped at each end."""
     krum_f: int | None = Field(default=None, ge=0)
     """krum: Byzantine updates tolerated."""
-    clip_norm: float | None = Field(default=None, gt=0)
-    """Clip each update's delta to this L2 norm."""
+    clip_norm: float | Literal["median"] | None = None
+    """Clip each update's delta to this L2 norm, or to the round's median update norm
+    ("median": an update scaled up counts as an ordinary one; no number to guess)."""
     server_lr: float = Field(default=1.0, gt=0, le=100)
     """Each aggregate is the base + this x the combined delta (1: plain averaging; at most
     100, as `hpc-train aggregate --server-lr` takes)."""
@@ -169,6 +171,20 @@ class LearnPlan(BaseModel):
     def _data(cls, v: str) -> str:
         return check_id(v, "data set name")
 
+    @field_validator("clip_norm", mode="before")
+    @classmethod
+    def _clip_norm(cls, v: Any) -> Any:
+        if v is None or v == "median":
+            return v
+        try:
+            x = math.nan if isinstance(v, bool) else float(v)
+        except (TypeError, ValueError):
+            x = math.nan
+        if not (math.isfinite(x) and x > 0):
+            raise ValueError(f"{v!r}: a positive L2 norm such as 4, or median (the round's "
+                             "median update norm)")
+        return x
+
     @field_validator("first_updates")
     @classmethod
     def _first_updates(cls, v: str | None) -> str | None:
@@ -205,9 +221,11 @@ class LearnPlan(BaseModel):
         if self.krum_f is not None and self.strategy != "krum":
             raise ValueError("krum_f applies to strategy krum only")
         if self.dp_noise_multiplier is not None:
-            if self.strategy != "fedavg" or self.clip_norm is None or self.dp_delta is None:
-                raise ValueError("dp_noise_multiplier needs strategy fedavg, clip_norm (the "
-                                 "sensitivity) and dp_delta (e.g. 1e-5)")
+            if self.strategy != "fedavg" or not isinstance(self.clip_norm, float) \
+                    or self.dp_delta is None:
+                raise ValueError("dp_noise_multiplier needs strategy fedavg, a numeric "
+                                 "clip_norm (the sensitivity; not median) and dp_delta (e.g. "
+                                 "1e-5)")
         elif self.dp_delta is not None:
             raise ValueError("dp_delta goes with dp_noise_multiplier")
         if self.max_upstream_drop is not None:

@@ -80,7 +80,8 @@ def aggregate_argv(plan: LearnPlan, base: str, updates: list[str], out: Path) ->
     if plan.krum_f is not None:
         argv += ["--krum-f", str(plan.krum_f)]
     if plan.clip_norm is not None:
-        argv += ["--clip-norm", f"{plan.clip_norm:g}"]
+        clip = plan.clip_norm
+        argv += ["--clip-norm", clip if isinstance(clip, str) else f"{clip:g}"]
     if plan.server_lr != 1.0:
         argv += ["--server-lr", f"{plan.server_lr:g}"]
     if plan.dp_noise_multiplier is not None:

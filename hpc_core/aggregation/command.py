@@ -10,6 +10,7 @@ from hpc_core.aggregation.options import (
     DEFAULT_KRUM_F,
     DEFAULT_MIN_UPDATES,
     DEFAULT_TRIM,
+    MEDIAN_CLIP,
     Options,
 )
 from hpc_core.aggregation.output import REPORT_FILE
@@ -36,7 +37,9 @@ covers NAME@VERSION, the base's model spec and exactly its tensor names, dtypes 
 every chunk's sha256. A version that fails any check is skipped, with the reason, never
 combined.
 
-strategies, on each update's delta, first clipped to --clip-norm (L2 over the whole update):
+strategies, on each update's delta, first clipped to --clip-norm (L2 over the whole update;
+median: to the median of the round's update norms, so an update scaled up counts as an
+ordinary one; README "Fleet learning" has what it costs and holds on the benchmark):
   fedavg        weighted mean: weights from training.metrics["{SAMPLES_METRIC}"] when every
                 update carries it, else equal
   trimmed-mean  per coordinate, drop the --trim fraction at each end and average the rest
@@ -44,7 +47,7 @@ strategies, on each update's delta, first clipped to --clip-norm (L2 over the wh
   krum          the update with the smallest summed squared distance to its N - f - 2
                 nearest others (Blanchard et al. 2017; needs N >= 2f + 3)
 
-differential privacy (fedavg; needs --clip-norm C): --dp-noise-multiplier Z adds Gaussian
+differential privacy (fedavg; needs a fixed --clip-norm C): --dp-noise-multiplier Z adds Gaussian
 noise of std Z * C * max(weight) (Z * C / N with equal weights) to the mean delta, and the
 report gives (epsilon, --dp-delta) over --dp-rounds rounds from dp-accounting's RDP
 accountant (pip install -e '.[learn]').
@@ -82,8 +85,8 @@ def _options(args: argparse.Namespace) -> Options:
         if args.dp_delta is None:
             raise UsageError("--dp-noise-multiplier needs --dp-delta (e.g. 1e-5, below 1 / the "
                              "number of devices)")
-        dp = DpSettings(args.dp_noise_multiplier, args.dp_delta, args.dp_rounds or 1,
-                        args.clip_norm if args.clip_norm is not None else 0.0)
+        clip = args.clip_norm if isinstance(args.clip_norm, float) else 0.0
+        dp = DpSettings(args.dp_noise_multiplier, args.dp_delta, args.dp_rounds or 1, clip)
     elif args.dp_delta is not None or args.dp_rounds is not None:
         raise UsageError("--dp-delta and --dp-rounds go with --dp-noise-multiplier")
     try:
@@ -99,6 +102,17 @@ def _options(args: argparse.Namespace) -> Options:
         max_staleness=args.max_staleness, block_mb=args.block_mb,
         work_dir=Path(args.work_dir) if args.work_dir else None,
     )
+
+
+def clip_norm(text: str) -> float | str:
+    """``--clip-norm``: a number, or ``median`` (checked with the other options)."""
+    if text == MEDIAN_CLIP:
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a positive L2 norm such as 5, or {MEDIAN_CLIP}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,8 +154,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                    help=f"trimmed-mean: fraction dropped at each end (default: {DEFAULT_TRIM})")
     p.add_argument("--krum-f", type=int, metavar="F",
                    help=f"krum: Byzantine updates tolerated (default: {DEFAULT_KRUM_F})")
-    p.add_argument("--clip-norm", type=float, metavar="X",
-                   help="clip each update's delta to this L2 norm (default: no clipping)")
+    p.add_argument("--clip-norm", type=clip_norm, metavar="X|median",
+                   help="clip each update's delta to this L2 norm, or to the round's median "
+                   "update norm (default: no clipping)")
     p.add_argument("--server-lr", type=float, default=1.0, metavar="ETA",
                    help="the aggregate is base + ETA x the combined delta (running "
                    "statistics: x 1): 1 averages; > 1 steps further along the devices' mean "

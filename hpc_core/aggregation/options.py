@@ -6,7 +6,7 @@ import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hpc_core.aggregation.privacy import DpSettings
 from hpc_core.aggregation.strategies import STRATEGIES, Strategy
@@ -15,6 +15,8 @@ from registry.errors import UsageError
 DEFAULT_TRIM = 0.2
 DEFAULT_KRUM_F = 1
 DEFAULT_MIN_UPDATES = 2
+MEDIAN_CLIP = "median"
+"""``--clip-norm median``: the bound is the round's median update norm."""
 MAX_SERVER_LR = 100.0
 """A server step beyond this is a typo, not a method: nothing published should move a model
 a hundred times further than its devices did."""
@@ -34,8 +36,10 @@ class Options:
     """trimmed-mean: fraction of values dropped at each end of each coordinate."""
     krum_f: int = DEFAULT_KRUM_F
     """krum: Byzantine updates tolerated."""
-    clip_norm: float | None = None
-    """Clip each update's delta to this L2 norm (over the whole update)."""
+    clip_norm: float | Literal["median"] | None = None
+    """Clip each update's delta to this L2 norm (over the whole update); "median": to the
+    median of this round's update norms (norm bounding without a number to guess: with fewer
+    than half the updates bad, the bound is an honest update's norm)."""
     server_lr: float = 1.0
     """The aggregate is base + server_lr x the combined delta (FedAvg with a server learning
     rate, Reddi et al. 2021): 1 is plain averaging."""
@@ -57,8 +61,12 @@ class Options:
         if self.krum_f < 0:
             raise UsageError(f"--krum-f {self.krum_f}: the number of bad updates, >= 0")
         clip = self.clip_norm
-        if clip is not None and not (math.isfinite(clip) and clip > 0):
-            raise UsageError(f"--clip-norm {self.clip_norm}: a positive L2 norm")
+        if isinstance(clip, str):
+            if clip != MEDIAN_CLIP:
+                raise UsageError(f"--clip-norm {clip}: a positive L2 norm or {MEDIAN_CLIP!r}")
+        elif clip is not None and not (math.isfinite(clip) and clip > 0):
+            raise UsageError(f"--clip-norm {self.clip_norm}: a positive L2 norm or "
+                             f"{MEDIAN_CLIP!r}")
         if not (math.isfinite(self.server_lr) and 0 < self.server_lr <= MAX_SERVER_LR):
             raise UsageError(f"--server-lr {self.server_lr}: a step in (0, {MAX_SERVER_LR:g}] "
                              "(1: plain averaging)")
@@ -75,6 +83,11 @@ class Options:
         if self.clip_norm is None:
             raise UsageError("--dp-noise-multiplier needs --clip-norm: the noise is scaled to "
                              "the clipped updates' sensitivity")
+        if isinstance(self.clip_norm, str):
+            raise UsageError(f"--dp-noise-multiplier needs a fixed --clip-norm C, not "
+                             f"{self.clip_norm}: a bound taken from the updates themselves "
+                             "bounds no device's influence in advance, so no noise is "
+                             "calibrated to it")
         if self.strategy != "fedavg":
             raise UsageError(f"--dp-noise-multiplier works with --strategy fedavg only: "
                              f"{self.strategy} has no simple sensitivity bound to calibrate "

@@ -27,6 +27,9 @@ FORMAT = "edgetrain.aggregate/1"
 class Scales:
     clip: list[float]
     staleness: list[float]
+    clip_bound: float | None = None
+    """The L2 bound every update was clipped to (``--clip-norm median``: that round's median
+    norm); None: no clipping."""
 
     def total(self, i: int) -> float:
         return self.clip[i] * self.staleness[i]
@@ -89,6 +92,7 @@ def build(opts: Options, selection: Selection, blobs: Blobs, *, weighting: str |
                      "staleness": r.staleness} for r in selection.lineage],
         "lineage_note": selection.lineage_note,
         "combined": [m.update.version for m in blobs.measured],
+        "clip_bound": None if scales.clip_bound is None else _round(scales.clip_bound),
         "updates": _update_rows(blobs, scales, weights, combined, krum),
         "skipped": skipped_rows(selection, blobs),
         "ignored": selection.ignored,

@@ -21,7 +21,7 @@ from hpc_core.aggregation.combine import (
     pairwise,
 )
 from hpc_core.aggregation.deltas import Deltas
-from hpc_core.aggregation.options import Options
+from hpc_core.aggregation.options import MEDIAN_CLIP, Options
 from hpc_core.aggregation.output import CheckpointWriter
 from hpc_core.aggregation.privacy import GaussianNoise, Privacy, epsilon, is_statistic, noise_std
 from hpc_core.aggregation.report import Krum, Scales, build, too_few
@@ -43,10 +43,14 @@ class TooFewUpdates(Exception):
 
 
 def _scales(opts: Options, blobs: Blobs) -> Scales:
-    clip = [1.0 if opts.clip_norm is None or m.norm <= opts.clip_norm
-            else opts.clip_norm / m.norm for m in blobs.measured]
+    bound = opts.clip_norm
+    if bound == MEDIAN_CLIP:
+        bound = float(np.median([m.norm for m in blobs.measured]))
+    assert not isinstance(bound, str)
+    clip = [1.0 if bound is None or m.norm <= bound else bound / m.norm
+            for m in blobs.measured]
     stale = [staleness_scale(m.update.release.staleness) for m in blobs.measured]
-    return Scales(clip, stale)
+    return Scales(clip, stale, bound)
 
 
 def _select(opts: Options, store: Any, trusted: Any, cfg: TransferConfig) -> Selection:

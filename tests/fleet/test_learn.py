@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -409,6 +410,27 @@ def test_dp_options_reach_the_aggregation_accounted_over_the_learns_rounds(
     assert argv[i:i + 6] == ["--dp-noise-multiplier", "1.1", "--dp-delta", "1e-05",
                              "--dp-rounds", "4"]
     assert "--clip-norm" in argv
+
+
+def test_a_median_clip_reaches_the_aggregation_and_is_no_dp_sensitivity(
+        keys: dict[str, Path], tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    from fleet.learn_plan import LearnPlan
+    from fleet.learn_upstream import aggregate_argv
+
+    fields = {"name": "robust", "group": "sim", "model": "digits", "base": "v1", "data": "cam0",
+              "registry": str(keys["registry"]), "trusted_keys": str(keys["trusted"]),
+              "sign_key": str(keys["key"]), "max_device_drop": 1, "rounds": 2}
+    for given, passed in (("median", "median"), ("2.5", "2.5")):  # flags arrive as text
+        plan = LearnPlan.model_validate({**fields, "clip_norm": given})
+        argv = aggregate_argv(plan, "v1", ["dev-0-up"], tmp_path / "agg")
+        assert argv[argv.index("--clip-norm") + 1] == passed
+    for bad, words in (({"clip_norm": "mean"}, "clip_norm"), ({"clip_norm": 0}, "clip_norm"),
+                       ({"clip_norm": "median", "dp_noise_multiplier": 1, "dp_delta": 1e-5},
+                        "a numeric clip_norm (the sensitivity; not median)")):
+        with pytest.raises(ValidationError, match=re.escape(words)):
+            LearnPlan.model_validate({**fields, **bad})
 
 
 def test_numbered_releases_count_from_the_base_and_candidates_keep_their_names(

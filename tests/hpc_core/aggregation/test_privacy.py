@@ -66,6 +66,8 @@ def test_dp_needs_clipping_fedavg_and_a_delta(ten_updates: dict,
           "--strategy", "median"], "fedavg only"),
         (["--dp-noise-multiplier", "0", "--dp-delta", "1e-5", "--clip-norm", "1"], "> 0"),
         (["--dp-noise-multiplier", "1", "--dp-delta", "2", "--clip-norm", "1"], "(0, 1)"),
+        (["--dp-noise-multiplier", "1", "--dp-delta", "1e-5", "--clip-norm", "median"],
+         "needs a fixed --clip-norm C"),
     ):
         result = aggregate(*options)
         assert result.code == 2 and words in result.stderr, (options, result.stderr)

@@ -12,8 +12,9 @@ from tests.hpc_core.aggregation.conftest import Result
 from tests.support.fleet_registry import FleetRegistry
 
 
-@pytest.fixture
-def poisoned(fleet: FleetRegistry) -> tuple[dict, np.ndarray]:
+@pytest.fixture(params=[-50.0])
+def poisoned(fleet: FleetRegistry, request: pytest.FixtureRequest) -> tuple[dict, np.ndarray]:
+    """Six honest updates near one direction, two at ``request.param`` x that direction."""
     rng = np.random.default_rng(7)
     base = {"w": rng.normal(size=(64, 32)).astype(np.float32),
             "b": rng.normal(size=32).astype(np.float32)}
@@ -21,7 +22,7 @@ def poisoned(fleet: FleetRegistry) -> tuple[dict, np.ndarray]:
     truth = {k: rng.normal(size=v.shape).astype(np.float32) * 0.01 for k, v in base.items()}
     clean = [{k: t + rng.normal(size=t.shape).astype(np.float32) * 0.002
               for k, t in truth.items()} for _ in range(6)]
-    bad = [{k: -50 * t for k, t in truth.items()} for _ in range(2)]
+    bad = [{k: request.param * t for k, t in truth.items()} for _ in range(2)]
     fleet.fine_tunes(release, base, clean + bad)
     clean_mean = np.concatenate([np.mean([c[k] for c in clean], axis=0).ravel()
                                  for k in ("w", "b")])
@@ -60,3 +61,26 @@ def test_clipping_bounds_what_a_poisoned_update_can_do_to_fedavg(
     rows = result.report["updates"]
     assert max(r["clipped_norm"] for r in rows) == pytest.approx(scale * 1.05, rel=1e-5)
     assert sorted(r["norm"] > 40 * scale for r in rows) == [False] * 6 + [True] * 2
+
+
+@pytest.mark.parametrize(("poisoned", "low", "high"), [(50.0, 0.0, 0.05), (-50.0, 0.4, 0.6)],
+                         indirect=["poisoned"], ids=["scaled", "flipped"])
+def test_a_median_clip_bounds_each_update_by_an_honest_norm(
+        poisoned: tuple[dict, np.ndarray], low: float, high: float,
+        aggregate: Callable[..., Result]) -> None:
+    # No number to guess: the bound is the median of the round's norms, with two bad updates
+    # of eight an honest update's norm. A scaled-up update then counts as an honest one
+    # (error ~0); a flipped one takes back one honest update's worth: (6 - 2) / 8 of the
+    # clean mean's length, so the error is ~0.5, the direction kept.
+    base, clean_mean = poisoned
+    scale = np.linalg.norm(clean_mean)
+    result = aggregate("--clip-norm", "median")
+    rows = result.report["updates"]
+    bound = float(np.median([r["norm"] for r in rows]))
+    assert result.report["params"]["clip_norm"] == "median"
+    assert result.report["clip_bound"] == pytest.approx(bound, rel=1e-6)
+    assert bound < 1.2 * scale  # an honest norm, not the attackers' 50x
+    assert max(r["clipped_norm"] for r in rows) == pytest.approx(bound, rel=1e-5)
+    delta = _delta(result, base)
+    assert low <= np.linalg.norm(delta - clean_mean) / scale < high
+    assert np.dot(delta, clean_mean) > 0

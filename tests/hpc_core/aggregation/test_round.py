@@ -230,6 +230,7 @@ def test_bad_arguments_exit_2_before_reading_anything(tmp_path: Path,
                                                       aggregate: Callable[..., Result]) -> None:
     for options in (["--strategy", "mean"], ["--trim", "0.6", "--strategy", "trimmed-mean"],
                     ["--trim", "0.1"], ["--krum-f", "1"], ["--clip-norm", "-1"],
+                    ["--clip-norm", "mean"], ["--clip-norm", "0"],
                     ["--updates", "../x"], ["--dp-delta", "1e-5"], ["--server-lr", "0"],
                     ["--server-lr", "nan"], ["--server-lr", "1000"]):
         result = aggregate(*options)
