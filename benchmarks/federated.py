@@ -35,7 +35,10 @@ Everything lives in a temporary folder; nothing is downloaded (sklearn's bundled
 * **Poisoning.** Two devices (cam6, cam7) fine-tune honestly to ``w``, then upload
   ``base + k (w - base)`` signed with their own, valid keys: ``scale`` runs use ``k =
   --attack-scale``, ``flip`` runs ``k = -(--attack-scale)``. ``--trim 0.25`` drops two of
-  eight values at each end, as many as there are attackers. A device whose fine-tune diverges
+  eight values at each end, as many as there are attackers. ``--robust-clip median`` clips
+  every update to the round's median update norm before any strategy combines it (every
+  scenario but DP; fedavg under attack is then judged as the robust strategies are, not
+  expected to collapse). A device whose fine-tune diverges
   from a wrecked aggregate uploads nothing; a round left with fewer than eight uploads stops
   that scenario (its last aggregate is what it scores).
 * **DP.** fedavg with ``--clip-norm`` and the smallest noise multiplier whose epsilon after
@@ -473,7 +476,8 @@ def _row(label: str, acc: float, central: float, locals_: list[float], extra: st
             f"{acc - max(locals_):+9.4f}  {extra}")
 
 
-def summarize(base: dict[str, Any], outcomes: list[Outcome]) -> tuple[list[str], dict[str, Any]]:
+def summarize(base: dict[str, Any], outcomes: list[Outcome],
+              clip: str | None) -> tuple[list[str], dict[str, Any]]:
     central = union(base["centralized"])
     locals_ = [union(v) for v in base["local"].values()]
     lines = [f"{'model (union acc)':<22} {'acc':>9} {'/central':>9} {'>=loc':>7} "
@@ -493,15 +497,17 @@ def summarize(base: dict[str, Any], outcomes: list[Outcome]) -> tuple[list[str],
                       f"{o.dp['noise_multiplier']:.3f}, clip {o.dp['clip_norm']:g}, noise "
                       f"|{o.dp['noise_norm']:.3g}|")
         lines.append(_row(o.scenario.name, acc, central, locals_, extra))
-    return lines, targets(base, outcomes)
+    return lines, targets(base, outcomes, clip)
 
 
-def targets(base: dict[str, Any], outcomes: list[Outcome]) -> dict[str, Any]:
+def targets(base: dict[str, Any], outcomes: list[Outcome], clip: str | None) -> dict[str, Any]:
+    """``clip``: --robust-clip; a clipped fedavg is judged as the robust strategies are."""
     central = union(base["centralized"])
     locals_ = {d: union(v) for d, v in base["local"].items()}
     final = {o.scenario.name: (o.union_by_round[-1] if o.union_by_round else float("nan"))
              for o in outcomes}
-    out: dict[str, Any] = {"federated_over_centralized": {}, "federated_ge_every_local": {}}
+    out: dict[str, Any] = {"federated_over_centralized": {}, "federated_ge_every_local": {},
+                           "robust_clip": clip}
     for o in outcomes:
         s = o.scenario
         if s.attack != 1.0 or s.dp or s.iid:
@@ -514,12 +520,13 @@ def targets(base: dict[str, Any], outcomes: list[Outcome]) -> dict[str, Any]:
     clean = final.get("fedavg")
     attacked = [o.scenario for o in outcomes if o.scenario.attack != 1.0]
     if clean is not None and attacked:
-        # Robust: at most 1 point below clean fedavg (above it counts as met); fedavg: > 10 down.
+        # Robust: at most 1 point below clean fedavg (above it counts as met); plain fedavg:
+        # > 10 down (clipped: judged as the robust ones).
         out["poisoning_vs_clean_fedavg_points"] = {
             s.name: {"points": 100 * (final[s.name] - clean),
                      "vs_same_strategy_clean_points": 100 * (
                          final[s.name] - final.get(s.strategy, float("nan"))),
-                     "met": (final[s.name] >= clean - 0.01 if s.strategy != "fedavg"
+                     "met": (final[s.name] >= clean - 0.01 if s.strategy != "fedavg" or clip
                              else final[s.name] < clean - 0.10)}
             for s in attacked}
     if clean is not None and "dp-fedavg" in final:
@@ -536,9 +543,10 @@ def print_targets(t: dict[str, Any]) -> None:
         print(f"  {name:<22} >= every local model on the union: "
               f"{'met' if v['met'] else 'NOT met'} (margin over the best local "
               f"{100 * v['margin_over_best_local']:+.1f} points)")
+    clip = f" ({t['robust_clip']} clip)" if t.get("robust_clip") else ""
     for name, v in t.get("poisoning_vs_clean_fedavg_points", {}).items():
-        want = ("collapses (> 10 points down)" if name.startswith("fedavg")
-                else ">= clean fedavg - 1 point")
+        want = ("collapses (> 10 points down)" if name.startswith("fedavg") and not clip
+                else f">= clean fedavg - 1 point{clip}")
         print(f"  {name:<22} {v['points']:+6.1f} points vs clean fedavg "
               f"({v['vs_same_strategy_clean_points']:+.1f} vs its own clean run); {want}: "
               f"{'met' if v['met'] else 'NOT met'}")
@@ -617,7 +625,7 @@ def main() -> None:
         else:
             shutil.rmtree(work, ignore_errors=True)
     wall = time.perf_counter() - start
-    lines, t = summarize(result["baselines"], result["outcomes"])
+    lines, t = summarize(result["baselines"], result["outcomes"], args.robust_clip)
     print(f"\nwall time {wall:.0f} s ({args.rounds} rounds, {len(CAMERAS)} devices, "
           f"{args.epochs} epochs per round)\n")
     print("\n".join(lines))
