@@ -47,9 +47,9 @@ ordinary one; README "Fleet learning" has what it costs and holds on the benchma
   krum          the update with the smallest summed squared distance to its N - f - 2
                 nearest others (Blanchard et al. 2017; needs N >= 2f + 3)
 
-differential privacy (fedavg; needs a fixed --clip-norm C): --dp-noise-multiplier Z adds Gaussian
-noise of std Z * C * max(weight) (Z * C / N with equal weights) to the mean delta, and the
-report gives (epsilon, --dp-delta) over --dp-rounds rounds from dp-accounting's RDP
+differential privacy (fedavg; needs a fixed --clip-norm C): --dp-noise-multiplier Z adds
+Gaussian noise of std Z * C * max(weight) (Z * C / N with equal weights) to the mean delta,
+and the report gives (epsilon, --dp-delta) over --dp-rounds rounds from dp-accounting's RDP
 accountant (pip install -e '.[learn]').
 
 memory: one N x block array at a time (--block-mb), never N models. Output, a new folder:
