@@ -61,12 +61,9 @@ class Options:
         if self.krum_f < 0:
             raise UsageError(f"--krum-f {self.krum_f}: the number of bad updates, >= 0")
         clip = self.clip_norm
-        if isinstance(clip, str):
-            if clip != MEDIAN_CLIP:
-                raise UsageError(f"--clip-norm {clip}: a positive L2 norm or {MEDIAN_CLIP!r}")
-        elif clip is not None and not (math.isfinite(clip) and clip > 0):
-            raise UsageError(f"--clip-norm {self.clip_norm}: a positive L2 norm or "
-                             f"{MEDIAN_CLIP!r}")
+        if clip not in (None, MEDIAN_CLIP) and not (
+                isinstance(clip, (int, float)) and math.isfinite(clip) and clip > 0):
+            raise UsageError(f"--clip-norm {clip}: a positive L2 norm or {MEDIAN_CLIP!r}")
         if not (math.isfinite(self.server_lr) and 0 < self.server_lr <= MAX_SERVER_LR):
             raise UsageError(f"--server-lr {self.server_lr}: a step in (0, {MAX_SERVER_LR:g}] "
                              "(1: plain averaging)")
