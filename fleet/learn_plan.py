@@ -87,6 +87,8 @@ class LearnPlan(BaseModel):
     """trimmed-mean: fraction dropped at each end."""
     krum_f: int | None = Field(default=None, ge=0)
     """krum: Byzantine updates tolerated."""
+    krum_keep: int | None = Field(default=None, ge=1)
+    """krum: average the M best-scored updates (Multi-Krum; null: Krum's single pick)."""
     clip_norm: float | Literal["median"] | None = None
     """Clip each update's delta to this L2 norm, or to the round's median update norm
     ("median": an update scaled up counts as an ordinary one; no number to guess)."""
@@ -218,8 +220,8 @@ class LearnPlan(BaseModel):
             raise ValueError("gain_mean goes with min_mean_gain")
         if self.trim is not None and self.strategy != "trimmed-mean":
             raise ValueError("trim applies to strategy trimmed-mean only")
-        if self.krum_f is not None and self.strategy != "krum":
-            raise ValueError("krum_f applies to strategy krum only")
+        if (self.krum_f is not None or self.krum_keep is not None) and self.strategy != "krum":
+            raise ValueError("krum_f and krum_keep apply to strategy krum only")
         if self.dp_noise_multiplier is not None:
             if self.strategy != "fedavg" or not isinstance(self.clip_norm, float) \
                     or self.dp_delta is None:

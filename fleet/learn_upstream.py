@@ -79,6 +79,8 @@ def aggregate_argv(plan: LearnPlan, base: str, updates: list[str], out: Path) ->
         argv += ["--trim", f"{plan.trim:g}"]
     if plan.krum_f is not None:
         argv += ["--krum-f", str(plan.krum_f)]
+    if plan.krum_keep is not None:
+        argv += ["--krum-keep", str(plan.krum_keep)]
     if plan.clip_norm is not None:
         clip = plan.clip_norm
         argv += ["--clip-norm", clip if isinstance(clip, str) else f"{clip:g}"]

@@ -45,7 +45,8 @@ ordinary one; README "Fleet learning" has what it costs and holds on the benchma
   trimmed-mean  per coordinate, drop the --trim fraction at each end and average the rest
   median        per coordinate median
   krum          the update with the smallest summed squared distance to its N - f - 2
-                nearest others (Blanchard et al. 2017; needs N >= 2f + 3)
+                nearest others (Blanchard et al. 2017; needs N >= 2f + 3); --krum-keep M:
+                Multi-Krum, the M best-scored averaged like fedavg (needs N >= M + f)
 
 differential privacy (fedavg; needs a fixed --clip-norm C): --dp-noise-multiplier Z adds
 Gaussian noise of std Z * C * max(weight) (Z * C / N with equal weights) to the mean delta,
@@ -78,8 +79,8 @@ def _options(args: argparse.Namespace) -> Options:
     strategy = args.strategy
     if args.trim is not None and strategy != "trimmed-mean":
         raise UsageError("--trim applies to --strategy trimmed-mean only")
-    if args.krum_f is not None and strategy != "krum":
-        raise UsageError("--krum-f applies to --strategy krum only")
+    if (args.krum_f is not None or args.krum_keep is not None) and strategy != "krum":
+        raise UsageError("--krum-f and --krum-keep apply to --strategy krum only")
     dp = None
     if args.dp_noise_multiplier is not None:
         if args.dp_delta is None:
@@ -98,6 +99,7 @@ def _options(args: argparse.Namespace) -> Options:
         trusted_keys=Path(args.trusted_keys), out=Path(args.out), updates=updates,
         trim=DEFAULT_TRIM if args.trim is None else args.trim,
         krum_f=DEFAULT_KRUM_F if args.krum_f is None else args.krum_f,
+        krum_keep=1 if args.krum_keep is None else args.krum_keep,
         clip_norm=args.clip_norm, server_lr=args.server_lr, dp=dp, min_updates=args.min_updates,
         max_staleness=args.max_staleness, block_mb=args.block_mb,
         work_dir=Path(args.work_dir) if args.work_dir else None,
@@ -154,6 +156,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                    help=f"trimmed-mean: fraction dropped at each end (default: {DEFAULT_TRIM})")
     p.add_argument("--krum-f", type=int, metavar="F",
                    help=f"krum: Byzantine updates tolerated (default: {DEFAULT_KRUM_F})")
+    p.add_argument("--krum-keep", type=int, metavar="M",
+                   help="krum: average the M best-scored updates, Multi-Krum (default: 1, "
+                   "Krum's single pick; at most N - f)")
     p.add_argument("--clip-norm", type=clip_norm, metavar="X|median",
                    help="clip each update's delta to this L2 norm, or to the round's median "
                    "update norm (default: no clipping)")

@@ -36,6 +36,8 @@ class Options:
     """trimmed-mean: fraction of values dropped at each end of each coordinate."""
     krum_f: int = DEFAULT_KRUM_F
     """krum: Byzantine updates tolerated."""
+    krum_keep: int = 1
+    """krum: the best-scored updates averaged (1: Krum; more: Multi-Krum)."""
     clip_norm: float | Literal["median"] | None = None
     """Clip each update's delta to this L2 norm (over the whole update); "median": to the
     median of this round's update norms (norm bounding without a number to guess: with fewer
@@ -60,6 +62,9 @@ class Options:
             raise UsageError(f"--trim {self.trim}: a fraction in [0, 0.5) dropped at each end")
         if self.krum_f < 0:
             raise UsageError(f"--krum-f {self.krum_f}: the number of bad updates, >= 0")
+        if self.krum_keep < 1:
+            raise UsageError(f"--krum-keep {self.krum_keep}: the updates averaged, >= 1 (1: "
+                             "Krum's single pick)")
         clip = self.clip_norm
         if clip not in (None, MEDIAN_CLIP) and not (
                 isinstance(clip, (int, float)) and math.isfinite(clip) and clip > 0):
@@ -117,4 +122,5 @@ class Options:
             out["trim"] = self.trim
         if self.strategy == "krum":
             out["krum_f"] = self.krum_f
+            out["krum_keep"] = self.krum_keep
         return out

@@ -38,7 +38,10 @@ class Scales:
 @dataclass(frozen=True)
 class Krum:
     chosen: int
+    """Krum's pick: the best score."""
     scores: np.ndarray
+    kept: np.ndarray
+    """The indices combined, best first: ``[chosen]`` for Krum, M of them for Multi-Krum."""
 
 
 def _round(x: float) -> float:
@@ -67,7 +70,7 @@ def _update_rows(blobs: Blobs, scales: Scales, weights: np.ndarray | None,
         }
         if krum is not None:
             row["krum_score"] = _round(float(krum.scores[i]))
-            row["chosen"] = i == krum.chosen
+            row["chosen"] = bool(i in krum.kept)
         rows.append(row)
     return rows
 
@@ -97,7 +100,9 @@ def build(opts: Options, selection: Selection, blobs: Blobs, *, weighting: str |
         "skipped": skipped_rows(selection, blobs),
         "ignored": selection.ignored,
         "krum": None if krum is None else {
-            "f": opts.krum_f, "chosen": blobs.measured[krum.chosen].update.version},
+            "f": opts.krum_f, "keep": opts.krum_keep,
+            "chosen": blobs.measured[krum.chosen].update.version,
+            "kept": [blobs.measured[int(i)].update.version for i in krum.kept]},
         "aggregate_delta_norm": _round(combined.delta_norm),
         "kept_from_base": combined.kept_from_base,
         "dp": None if privacy is None else {

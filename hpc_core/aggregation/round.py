@@ -27,8 +27,10 @@ from hpc_core.aggregation.privacy import GaussianNoise, Privacy, epsilon, is_sta
 from hpc_core.aggregation.report import Krum, Scales, build, too_few
 from hpc_core.aggregation.select import Selection, lineage, load_base, select
 from hpc_core.aggregation.strategies import (
+    distances_to_mean,
     fedavg_weights,
     krum_choice,
+    krum_kept,
     min_updates,
     staleness_scale,
 )
@@ -66,7 +68,8 @@ def run_round(opts: Options, rng: np.random.Generator | None = None) -> dict[str
     trusted = load_trusted_keys(opts.trusted_keys)
     cfg = TransferConfig()
     store = open_store(opts.registry, cfg, credential_from_env())
-    need = max(opts.min_updates, min_updates(opts.strategy, opts.trim, opts.krum_f))
+    need = max(opts.min_updates, min_updates(opts.strategy, opts.trim, opts.krum_f,
+                                                  opts.krum_keep))
     work: Path | None = None
     try:
         selection = _select(opts, store, trusted, cfg)
@@ -111,14 +114,19 @@ def _combine_and_write(opts: Options, selection: Selection, blobs: Blobs,
         if opts.strategy == "krum":
             d2 = pairwise(deltas, blobs.base, block_bytes)
             chosen, scores = krum_choice(d2, opts.krum_f)
-            krum = Krum(chosen, scores)
-            weights = np.eye(len(blobs.measured))[chosen]
-            weighting = "krum: the chosen update only"
-            result = combine(Deltas([blobs.measured[chosen].data]), blobs.base, "fedavg",
-                             weights=np.ones(1), trim=0.0, block_bytes=block_bytes,
+            kept = krum_kept(scores, opts.krum_keep)
+            krum = Krum(chosen, scores, kept)
+            # Multi-Krum averages what it keeps as fedavg would (Flower's to_keep does too).
+            kept_w, by = fedavg_weights([blobs.measured[int(i)].update.samples for i in kept])
+            weights = np.zeros(len(blobs.measured))
+            weights[kept] = kept_w
+            weighting = ("krum: the chosen update only" if len(kept) == 1 else
+                         f"multi-krum: the {len(kept)} best-scored updates, weighted by {by}")
+            result = combine(Deltas([blobs.measured[int(i)].data for i in kept]), blobs.base,
+                             "fedavg", weights=kept_w, trim=0.0, block_bytes=block_bytes,
                              write=writer.write, measure_distances=False,
                              server_lr=opts.server_lr)
-            result = replace(result, distances=np.sqrt(d2[:, chosen]))
+            result = replace(result, distances=distances_to_mean(d2, kept, kept_w))
         else:
             result = combine(deltas, blobs.base, opts.strategy,
                              weights=weights if weights is not None else np.empty(0),

@@ -8,7 +8,10 @@
 * ``krum`` (Blanchard et al. 2017): the one update whose summed squared distance to its
   N - f - 2 nearest others is smallest. It needs every pairwise distance first, accumulated
   block by block as a Gram matrix (:class:`PairwiseDistances`); the chosen update's delta is
-  then the aggregate.
+  then the aggregate. Multi-Krum (``keep`` M > 1, Blanchard et al. 2017 section 5, Flower's
+  ``to_keep``) averages the M best-scored updates, weighted like fedavg: an update pointing
+  away from the honest crowd - sign-flipped, say - scores far worse than any honest one, so
+  the mean of the rest stays a mean of many honest updates, not one update's noise.
 
 Every function here is coordinate-wise over a block, so the streaming combination over row
 blocks equals the same function on the whole stacked models.
@@ -27,10 +30,11 @@ Strategy = Literal["fedavg", "trimmed-mean", "median", "krum"]
 STRATEGIES: tuple[Strategy, ...] = ("fedavg", "trimmed-mean", "median", "krum")
 
 
-def min_updates(strategy: Strategy, trim: float, krum_f: int) -> int:
+def min_updates(strategy: Strategy, trim: float, krum_f: int, krum_keep: int) -> int:
     """The fewest updates the strategy is defined for."""
     if strategy == "krum":
-        return 2 * krum_f + 3  # Krum's guarantee needs N > 2f + 2
+        # Krum's guarantee needs N > 2f + 2; Multi-Krum keeps at most N - f.
+        return max(2 * krum_f + 3, krum_keep + krum_f)
     return 1  # trim < 0.5 always leaves a value per coordinate
 
 
@@ -148,6 +152,20 @@ def krum_choice(d2: np.ndarray, f: int) -> tuple[int, np.ndarray]:
     """The index Krum picks (the first on a tie) and every update's score."""
     scores = krum_scores(d2, f)
     return int(np.argmin(scores)), scores
+
+
+def krum_kept(scores: np.ndarray, keep: int) -> np.ndarray:
+    """Multi-Krum: the ``keep`` best-scored indices, best first (the lower index on a tie)."""
+    return np.argsort(scores, kind="stable")[:keep]
+
+
+def distances_to_mean(d2: np.ndarray, members: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Each update's L2 distance to sum_j weights[j] x update[members[j]] (weights summing to
+    1), from the squared pairwise distances alone: |x_i - m|^2 = sum_j w_j |x_i - x_j|^2
+    - 1/2 sum_jk w_j w_k |x_j - x_k|^2."""
+    within = d2[np.ix_(members, members)]
+    spread = 0.5 * float(weights @ within @ weights)
+    return np.sqrt(np.maximum(d2[:, members] @ weights - spread, 0.0))
 
 
 STALENESS_EXPONENT = 0.5

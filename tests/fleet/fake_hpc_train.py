@@ -33,7 +33,7 @@ def _log(argv: list[str]) -> None:
 def aggregate(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     for flag in ("--registry", "--model", "--base", "--strategy", "--trusted-keys", "--out",
-                 "--updates", "--trim", "--krum-f", "--clip-norm"):
+                 "--updates", "--trim", "--krum-f", "--krum-keep", "--clip-norm"):
         ap.add_argument(flag)
     ap.add_argument("--min-updates", type=int, default=2)
     ap.add_argument("--max-staleness", type=int, default=0)

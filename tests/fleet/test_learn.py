@@ -431,6 +431,15 @@ def test_a_median_clip_reaches_the_aggregation_and_is_no_dp_sensitivity(
                         "a numeric clip_norm (the sensitivity; not median)")):
         with pytest.raises(ValidationError, match=re.escape(words)):
             LearnPlan.model_validate({**fields, **bad})
+    # Multi-Krum behind the median clip, the pair that held best against sign-flipped updates.
+    plan = LearnPlan.model_validate({**fields, "clip_norm": "median", "strategy": "krum",
+                                     "krum_f": "2", "krum_keep": "6"})
+    argv = aggregate_argv(plan, "v1", ["dev-0-up"], tmp_path / "agg")
+    assert argv[argv.index("--krum-f"):argv.index("--krum-f") + 4] == [
+        "--krum-f", "2", "--krum-keep", "6"]
+    for bad in ({"krum_keep": 6}, {"strategy": "krum", "krum_keep": 0}):
+        with pytest.raises(ValidationError, match="krum_keep"):
+            LearnPlan.model_validate({**fields, **bad})
 
 
 def test_numbered_releases_count_from_the_base_and_candidates_keep_their_names(

@@ -36,15 +36,29 @@ HAND_EXPECTED = {
 }
 
 
-def reference_krum(updates: np.ndarray, f: int) -> int:
-    """Blanchard et al. 2017, straight from the definition, on whole (flattened) updates."""
+def reference_krum_scores(updates: np.ndarray, f: int) -> list[float]:
+    """Blanchard et al. 2017, straight from the definition, on whole (flattened) updates:
+    each one's summed squared distance to its N - f - 2 nearest others."""
     n = len(updates)
     scores = []
     for i in range(n):
         d = sorted(float(np.sum((updates[i].astype(np.float64) - updates[j]) ** 2))
                    for j in range(n) if j != i)
         scores.append(sum(d[: n - f - 2]))
-    return int(np.argmin(scores))
+    return scores
+
+
+def reference_krum(updates: np.ndarray, f: int) -> int:
+    return int(np.argmin(reference_krum_scores(updates, f)))
+
+
+def reference_multi_krum(updates: np.ndarray, f: int, keep: int,
+                         samples: list[float]) -> np.ndarray:
+    """Multi-Krum from the definition: the ``keep`` best Krum scores, averaged by samples."""
+    scores = reference_krum_scores(updates, f)
+    kept = sorted(range(len(updates)), key=lambda i: (scores[i], i))[:keep]
+    w = np.array([samples[i] for i in kept]) / sum(samples[i] for i in kept)
+    return w @ updates[kept].astype(np.float64)
 
 
 def hand_deltas() -> list[dict[str, np.ndarray]]:

@@ -86,3 +86,25 @@ def test_krum_chooses_the_device_flower_chooses(f: int, fleet: FleetRegistry,
     _compare(result, want)
     rows = {r["version"]: r for r in result.report["updates"]}
     assert rows[result.report["krum"]["chosen"]]["distance_to_aggregate"] == 0
+
+
+@pytest.mark.parametrize(("f", "keep"), [(1, 5), (2, 7), (3, 4)])
+def test_multi_krum_equals_flowers(f: int, keep: int, fleet: FleetRegistry,
+                                   aggregate: Callable[..., Result]) -> None:
+    models = _fleet(fleet)
+    # Flower averages the kept models by their example counts, as fedavg does.
+    want = flower.aggregate_krum([(m, int(s)) for m, s in zip(models, SAMPLES, strict=True)],
+                                 num_malicious=f, to_keep=keep)
+    result = aggregate("--strategy", "krum", "--krum-f", str(f), "--krum-keep", str(keep),
+                       "--block-mb", "0.001")
+    _compare(result, want)
+    kept = result.report["krum"]["kept"]
+    rows = {r["version"]: r for r in result.report["updates"]}
+    assert len(kept) == keep and kept[0] == result.report["krum"]["chosen"]
+    assert sorted(r["chosen"] for r in rows.values()) == [False] * (N - keep) + [True] * keep
+    # The x 30 one is never kept (the flipped one is just another random delta here).
+    assert not [r for r in rows.values() if r["samples"] == SAMPLES[0] and r["chosen"]]
+    kept_w = [rows[v]["weight"] for v in kept]
+    assert sum(kept_w) == pytest.approx(1.0)
+    assert kept_w == pytest.approx([s / sum(rows[v]["samples"] for v in kept)
+                                    for s in (rows[v]["samples"] for v in kept)])

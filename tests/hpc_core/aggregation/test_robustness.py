@@ -39,28 +39,42 @@ def test_trimmed_mean_and_median_resist_what_moves_fedavg_far(
     base, clean_mean = poisoned
     scale = np.linalg.norm(clean_mean)
     errors = {
-        strategy: np.linalg.norm(_delta(aggregate("--strategy", strategy, *extra), base)
-                                 - clean_mean) / scale
-        for strategy, extra in (("fedavg", []), ("median", []),
-                                ("trimmed-mean", ["--trim", "0.25"]),
-                                ("krum", ["--krum-f", "2"]))
+        name: np.linalg.norm(_delta(aggregate("--strategy", strategy, *extra), base)
+                             - clean_mean) / scale
+        for name, strategy, extra in (
+            ("fedavg", "fedavg", []), ("median", "median", []),
+            ("trimmed-mean", "trimmed-mean", ["--trim", "0.25"]),
+            ("krum", "krum", ["--krum-f", "2"]),
+            ("multi-krum", "krum", ["--krum-f", "2", "--krum-keep", "6"]))
     }
     assert errors["fedavg"] > 10  # (6 - 100) / 8: the mean is dragged 12x the signal away
     assert errors["median"] < 0.25
     assert errors["trimmed-mean"] < 0.25
     assert errors["krum"] < 0.5  # one clean update: its own noise, no poison
+    assert errors["multi-krum"] < 1e-5  # the six honest ones kept: the clean mean itself
 
 
-def test_clipping_bounds_what_a_poisoned_update_can_do_to_fedavg(
-        poisoned: tuple[dict, np.ndarray], aggregate: Callable[..., Result]) -> None:
+@pytest.mark.parametrize(("poisoned", "honest_only"), [(50.0, False), (-50.0, True)],
+                         indirect=["poisoned"], ids=["scaled", "flipped"])
+def test_multi_krum_behind_a_median_clip_lands_on_the_clean_mean(
+        poisoned: tuple[dict, np.ndarray], honest_only: bool,
+        aggregate: Callable[..., Result]) -> None:
+    # Clipped to an honest norm a scaled update lies on the honest direction and may be kept
+    # (it is then one honest update's worth); a flipped one lies opposite every honest update,
+    # scores worst and is never kept. Either way: the clean mean, not (6 - 2) / 8 of it as a
+    # median-clipped fedavg gives against the flip.
     base, clean_mean = poisoned
     scale = np.linalg.norm(clean_mean)
-    result = aggregate("--clip-norm", f"{scale * 1.05:.6f}")
-    error = np.linalg.norm(_delta(result, base) - clean_mean) / scale
-    assert 0.3 < error < 1.0  # two bounded pulls against six: moved, not overturned
+    result = aggregate("--strategy", "krum", "--krum-f", "2", "--krum-keep", "6",
+                       "--clip-norm", "median")
+    assert result.report["params"]["krum_keep"] == 6
     rows = result.report["updates"]
-    assert max(r["clipped_norm"] for r in rows) == pytest.approx(scale * 1.05, rel=1e-5)
-    assert sorted(r["norm"] > 40 * scale for r in rows) == [False] * 6 + [True] * 2
+    assert sum(r["chosen"] for r in rows) == 6
+    assert np.linalg.norm(_delta(result, base) - clean_mean) / scale < 0.05
+    bad = [r["norm"] > 40 * scale for r in rows]
+    assert sum(bad) == 2
+    if honest_only:
+        assert [r["chosen"] for r in rows] == [not b for b in bad]
 
 
 @pytest.mark.parametrize(("poisoned", "low", "high"), [(50.0, 0.0, 0.05), (-50.0, 0.4, 0.6)],

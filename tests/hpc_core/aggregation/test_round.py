@@ -229,7 +229,8 @@ def test_help_teaches_and_hpc_train_has_the_command(capsys: pytest.CaptureFixtur
 def test_bad_arguments_exit_2_before_reading_anything(tmp_path: Path,
                                                       aggregate: Callable[..., Result]) -> None:
     for options in (["--strategy", "mean"], ["--trim", "0.6", "--strategy", "trimmed-mean"],
-                    ["--trim", "0.1"], ["--krum-f", "1"], ["--clip-norm", "-1"],
+                    ["--trim", "0.1"], ["--krum-f", "1"], ["--krum-keep", "2"],
+                    ["--strategy", "krum", "--krum-keep", "0"], ["--clip-norm", "-1"],
                     ["--clip-norm", "mean"], ["--clip-norm", "0"],
                     ["--updates", "../x"], ["--dp-delta", "1e-5"], ["--server-lr", "0"],
                     ["--server-lr", "nan"], ["--server-lr", "1000"]):

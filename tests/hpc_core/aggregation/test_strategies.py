@@ -13,11 +13,18 @@ from hpc_core.aggregation.deltas import squared_norm
 from hpc_core.aggregation.strategies import (
     PairwiseDistances,
     combine_block,
+    distances_to_mean,
     fedavg_weights,
     krum_choice,
+    krum_kept,
     staleness_scale,
 )
-from tests.hpc_core.aggregation.conftest import HAND_DELTAS, HAND_EXPECTED, reference_krum
+from tests.hpc_core.aggregation.conftest import (
+    HAND_DELTAS,
+    HAND_EXPECTED,
+    reference_krum,
+    reference_multi_krum,
+)
 
 
 def _flat(d: dict) -> np.ndarray:
@@ -45,6 +52,24 @@ def test_krum_on_the_worked_example_picks_update_3() -> None:
     assert chosen == reference_krum(HAND, 1)
 
 
+def test_multi_krum_on_the_worked_example_keeps_the_four_without_the_outlier() -> None:
+    distances = PairwiseDistances(5)
+    distances.add(HAND)
+    d2 = distances.squared()
+    _, scores = krum_choice(d2, f=1)
+    # Scores with f = 1 (two nearest others each): update 3 76 + 109, update 2 76 + 119,
+    # update 1 119 + 149, update 0 109 + 193; the outlier's nearest are ~2e4 away.
+    assert scores.tolist()[:4] == [302, 268, 195, 185] and scores[4] > 40_000
+    kept = krum_kept(scores, 4)
+    assert kept.tolist() == [3, 2, 1, 0]
+    w = np.full(4, 0.25)
+    mean = w @ HAND[kept].astype(np.float64)
+    np.testing.assert_allclose(mean, reference_multi_krum(HAND, 1, 4, [1.0] * 5))
+    # Distances to the mean from the pairwise ones alone equal the direct ones.
+    direct = np.linalg.norm(HAND.astype(np.float64) - mean, axis=1)
+    np.testing.assert_allclose(distances_to_mean(d2, kept, w), direct, rtol=1e-9)
+
+
 @pytest.mark.parametrize("n", [3, 7, 10])
 def test_blockwise_equals_the_whole_array_references(n: int) -> None:
     rng = np.random.default_rng(n)
@@ -69,6 +94,15 @@ def test_blockwise_equals_the_whole_array_references(n: int) -> None:
         distances.add(updates[:, a:b])
     for f in range(0, (n - 3) // 2 + 1):
         assert krum_choice(distances.squared(), f)[0] == reference_krum(updates, f)
+        d2 = distances.squared()
+        kept = krum_kept(krum_choice(d2, f)[1], n - f)
+        samples = rng.uniform(1, 100, n).tolist()
+        kw = np.array([samples[i] for i in kept]) / sum(samples[i] for i in kept)
+        mean = kw @ updates[kept].astype(np.float64)
+        np.testing.assert_allclose(mean, reference_multi_krum(updates, f, n - f, samples),
+                                   rtol=1e-9)
+        np.testing.assert_allclose(distances_to_mean(d2, kept, kw),
+                                   np.linalg.norm(updates - mean, axis=1), rtol=1e-5)
 
 
 @pytest.mark.parametrize(("threads", "piece"), [(1, 4096), (2, 7), (3, 50), (4, 1)])

@@ -100,6 +100,10 @@ def test_too_few_usable_updates_exit_1_naming_every_reason(
     assert aggregate("--strategy", "krum", "--krum-f", "1").code == 0  # 5 >= 5
     result = aggregate("--strategy", "krum", "--krum-f", "2")
     assert result.code == 1 and "7 needed" in result.stderr
+    # Multi-Krum keeps at most N - f: keeping 5 of 5 with f = 1 needs 6.
+    assert aggregate("--strategy", "krum", "--krum-f", "1", "--krum-keep", "4").code == 0
+    result = aggregate("--strategy", "krum", "--krum-f", "1", "--krum-keep", "5")
+    assert result.code == 1 and "6 needed" in result.stderr
 
 
 def test_an_explicit_list_skips_what_it_names_but_cannot_use(
