@@ -9,9 +9,10 @@
   N - f - 2 nearest others is smallest. It needs every pairwise distance first, accumulated
   block by block as a Gram matrix (:class:`PairwiseDistances`); the chosen update's delta is
   then the aggregate. Multi-Krum (``keep`` M > 1, Blanchard et al. 2017 section 5, Flower's
-  ``to_keep``) averages the M best-scored updates, weighted like fedavg: an update pointing
-  away from the honest crowd - sign-flipped, say - scores far worse than any honest one, so
-  the mean of the rest stays a mean of many honest updates, not one update's noise.
+  ``to_keep``) averages the M best-scored updates, weighted like fedavg: while the honest
+  updates point more alike than apart, one pointing away from them - sign-flipped, say -
+  scores worse than any honest one, and the mean of the rest is a mean of many honest
+  updates, not one update's noise.
 
 Every function here is coordinate-wise over a block, so the streaming combination over row
 blocks equals the same function on the whole stacked models.
