@@ -118,7 +118,7 @@ from registry.upload import upload  # noqa: E402
 
 MODEL = "digits-cnn"
 IMAGE_SIZE = 16
-CAMERAS: dict[str, tuple[str, ...]] = {
+DEFAULT_CAMERAS: dict[str, tuple[str, ...]] = {
     "cam0": ("invert",), "cam1": ("rotate",), "cam2": ("blur",), "cam3": ("noise",),
     "cam4": ("invert", "noise"), "cam5": ("rotate", "blur"), "cam6": ("invert", "rotate"),
     "cam7": ("blur", "noise"),
@@ -196,6 +196,8 @@ Tests = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass
 class FleetData:
+    cameras: dict[str, tuple[str, ...]]
+    """Device name -> its camera's distortions (``--cameras``)."""
     upstream: Path
     devices: dict[str, Path]
     iid_devices: dict[str, Path]
@@ -205,7 +207,8 @@ class FleetData:
     """Per device: its camera's view of the shared test images."""
 
 
-def make_data(where: Path, test_fraction: float, seed: int) -> FleetData:
+def make_data(where: Path, cameras: dict[str, tuple[str, ...]], test_fraction: float,
+              seed: int) -> FleetData:
     where.mkdir(parents=True)
     x, y = load_digits_tensors(IMAGE_SIZE)
     perm = np.random.default_rng(seed).permutation(len(y))
@@ -213,8 +216,8 @@ def make_data(where: Path, test_fraction: float, seed: int) -> FleetData:
     test, pool = perm[:n_test], perm[n_test:]
     upstream = _save(where / "upstream.npz", _quantized(x[pool]), y[pool].numpy())
     devices, tests, xs, ys = {}, {}, [], []
-    shards = np.array_split(pool, len(CAMERAS))
-    for i, ((name, cam), shard) in enumerate(zip(CAMERAS.items(), shards, strict=True)):
+    shards = np.array_split(pool, len(cameras))
+    for i, ((name, cam), shard) in enumerate(zip(cameras.items(), shards, strict=True)):
         xd = _quantized(distort(x[shard], list(cam), seed=seed + 100 + i))
         devices[name] = _save(where / f"{name}.npz", xd, y[shard].numpy())
         xs.append(xd)
@@ -223,10 +226,10 @@ def make_data(where: Path, test_fraction: float, seed: int) -> FleetData:
         tests[name] = (torch.from_numpy(xt.astype(np.float32) / 255.0), y[test])
     px, py = np.concatenate(xs), np.concatenate(ys)
     pooled = _save(where / "pooled.npz", px, py)
-    deal = np.array_split(np.random.default_rng(seed + 1).permutation(len(py)), len(CAMERAS))
+    deal = np.array_split(np.random.default_rng(seed + 1).permutation(len(py)), len(cameras))
     iid = {name: _save(where / f"{name}.iid.npz", px[idx], py[idx])
-           for name, idx in zip(CAMERAS, deal, strict=True)}
-    return FleetData(upstream, devices, iid, pooled, tests)
+           for name, idx in zip(cameras, deal, strict=True)}
+    return FleetData(cameras, upstream, devices, iid, pooled, tests)
 
 
 def scores(checkpoint: Path, tests: Tests) -> tuple[dict[str, float], float]:
@@ -264,7 +267,8 @@ class Fleet:
         priv, pub = generate_keypair(work / "keys", "upstream")
         shutil.copy(pub, self.trusted / pub.name)
         self.upstream_key = load_signing_key(priv)
-        self.keys = {name: self._device_key(name) for name in CAMERAS}
+        self.cameras = data.cameras
+        self.keys = {name: self._device_key(name) for name in self.cameras}
         self._finetunes: dict[tuple[str, Path, float], FinetuneResult | None] = {}
         self._uploads: dict[tuple[str, Path, float, float], str] = {}
 
@@ -312,7 +316,7 @@ class Fleet:
         """Fine-tune, then upload ``base + k (w - base)`` signed by the device's key."""
         data = (self.data.iid_devices if s.iid else self.data.devices)[device]
         mu, k = s.mu, s.attack if device in POISONED else 1.0
-        result = self.finetune(base, data, self.args.epochs, mu, list(CAMERAS).index(device))
+        result = self.finetune(base, data, self.args.epochs, mu, list(self.cameras).index(device))
         if result is None or result.checkpoint_dir is None:
             return None
         key = (base.version, data, mu, k)
@@ -349,8 +353,8 @@ class Fleet:
                        strategy=s.strategy, trusted_keys=self.trusted, out=out,
                        updates=updates, trim=self.args.trim,
                        clip_norm=dp.clip_norm if dp else self.args.robust_clip, dp=dp,
-                       server_lr=self.args.server_lr, min_updates=len(CAMERAS),
-                       krum_f=len(POISONED), krum_keep=len(CAMERAS) - len(POISONED))
+                       server_lr=self.args.server_lr, min_updates=len(self.cameras),
+                       krum_f=len(POISONED), krum_keep=len(self.cameras) - len(POISONED))
         report = run_round(opts, rng=np.random.default_rng(self.args.seed + rnd))
         release = self.publish(out, f"{s.name}.r{rnd}", base.version,
                                artefacts=[out / "aggregate.json"])
@@ -395,13 +399,13 @@ def run_scenario(fleet: Fleet, s: Scenario, upstream: Release, dp: DpSettings | 
     outcome, base = Outcome(s), upstream
     for rnd in range(1, fleet.args.rounds + 1):
         t0 = time.perf_counter()
-        updates = [fleet.device_update(d, base, s) for d in CAMERAS]
+        updates = [fleet.device_update(d, base, s) for d in fleet.cameras]
         usable = [u for u in updates if u is not None]
         t1 = time.perf_counter()
         try:
             base, report = fleet.aggregate(s, base, usable, rnd, dp if s.dp else None)
         except TooFewUpdates:
-            outcome.note = (f"round {rnd}: {len(CAMERAS) - len(usable)} device fine-tunes "
+            outcome.note = (f"round {rnd}: {len(fleet.cameras) - len(usable)} device fine-tunes "
                             "diverged from the previous aggregate; stopped")
             _progress(f"{s.name:<22} round {rnd}: {outcome.note}")
             break
@@ -445,11 +449,11 @@ def baselines(fleet: Fleet, upstream: Release) -> dict[str, Any]:
     """base, each device's local model (round-1 fine-tune) and the centralized upper bound."""
     tests = fleet.data.tests
     out: dict[str, Any] = {"base": accuracy(upstream.checkpoint, tests), "local": {}}
-    for i, device in enumerate(CAMERAS):
+    for i, device in enumerate(fleet.cameras):
         result = fleet.finetune(upstream, fleet.data.devices[device], fleet.args.epochs, 0.0, i)
         assert result is not None and result.checkpoint_dir is not None
         out["local"][device] = accuracy(result.checkpoint_dir, tests)
-        _progress(f"{'local':<22} {device} ({'+'.join(CAMERAS[device])}): own "
+        _progress(f"{'local':<22} {device} ({'+'.join(fleet.cameras[device])}): own "
                   f"{out['local'][device][device]:.4f}, union {union(out['local'][device]):.4f}")
     t0 = time.perf_counter()
     epochs = fleet.args.epochs * fleet.args.rounds
@@ -610,14 +614,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="data split, training and DP noise")
     ap.add_argument("--cameras", default=None, metavar="SPEC",
                     help="the eight devices' cameras, ';' between devices, '+' between "
-                         "distortions (default: " + _camera_spec(CAMERAS) + ")")
+                         "distortions (default: " + _camera_spec(DEFAULT_CAMERAS) + ")")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = ap.parse_args()
-    if args.cameras is not None:
-        cams = _parse_cameras(args.cameras, ap)
-        CAMERAS.clear()  # the module's table: every part of the run reads it
-        CAMERAS.update(cams)
+    cameras = DEFAULT_CAMERAS if args.cameras is None else _parse_cameras(args.cameras, ap)
     if not 1 <= args.rounds <= 5:
         ap.error("--rounds: 1 to 5")
     todo = scenarios(args)  # an unknown --scenarios name stops here, before any training
@@ -628,7 +629,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="federated-bench-"))
     start = time.perf_counter()
     try:
-        result = run(work, args, todo)
+        result = run(work, args, todo, cameras)
     finally:
         if args.keep:
             print(f"kept {work}")
@@ -636,7 +637,7 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     wall = time.perf_counter() - start
     lines, t = summarize(result["baselines"], result["outcomes"], args.robust_clip)
-    print(f"\nwall time {wall:.0f} s ({args.rounds} rounds, {len(CAMERAS)} devices, "
+    print(f"\nwall time {wall:.0f} s ({args.rounds} rounds, {len(cameras)} devices, "
           f"{args.epochs} epochs per round)\n")
     print("\n".join(lines))
     print_targets(t)
@@ -654,9 +655,10 @@ def main() -> None:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
 
 
-def run(work: Path, args: argparse.Namespace, todo: list[Scenario]) -> dict[str, Any]:
+def run(work: Path, args: argparse.Namespace, todo: list[Scenario],
+        cameras: dict[str, tuple[str, ...]]) -> dict[str, Any]:
     t0 = time.perf_counter()
-    data = make_data(work / "data", args.test_fraction, args.seed)
+    data = make_data(work / "data", cameras, args.test_fraction, args.seed)
     fleet = Fleet(work, data, args)
     upstream = fleet.publish(train_upstream(data.upstream, work / "upstream", args), "1", None)
     _progress(f"{'upstream':<22} {args.upstream_epochs} epochs on clean digits "
