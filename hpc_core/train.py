@@ -12,7 +12,7 @@ import logging
 import sys
 
 from hpc_core.config import ConfigError, load_config
-from hpc_core.distributed import shutdown
+from hpc_core.distributed import end_rank, shutdown
 from hpc_core.logs import setup_logging
 
 log = logging.getLogger("hpc_core.train")
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_train_args(p)
-    return run(p.parse_args(argv))
+    return end_rank(run(p.parse_args(argv)))
 
 
 if __name__ == "__main__":

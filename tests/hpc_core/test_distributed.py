@@ -61,3 +61,25 @@ def test_ddp_with_accumulation_and_preemption(tmp_path: Path, subprocess_env) ->
     ddp = load_file(str(tmp_path / "ddp/checkpoints/final/model.safetensors"))
     for k in single:
         torch.testing.assert_close(ddp[k], single[k], atol=1e-5, rtol=1e-4)
+
+
+def test_a_torchrun_rank_ends_with_its_code_and_its_output_flushed(subprocess_env) -> None:
+    # end_rank skips interpreter finalization under torchrun (gloo's threads may still be
+    # freeing the last collective's tensors), so it must flush what the rank printed and
+    # logged itself and keep the exit code; in one process it only returns the code.
+    code = (
+        "import logging, sys\n"
+        "from hpc_core.distributed import end_rank\n"
+        "logging.basicConfig(stream=sys.stderr)\n"
+        "if sys.argv[1] == '1':\n"
+        "    assert end_rank(5) == 5\n"
+        "sys.stdout.write('result line')\n"
+        "logging.getLogger('x').warning('last log line')\n"
+        "end_rank(3)\n"
+        "sys.exit(4)\n"
+    )
+    for world, want in (("2", 3), ("1", 4)):
+        p = subprocess.run([sys.executable, "-c", code, world], capture_output=True, text=True,
+                           env={**subprocess_env, "WORLD_SIZE": world}, timeout=120)
+        assert p.returncode == want, p.stderr
+        assert p.stdout == "result line" and "last log line" in p.stderr
