@@ -53,12 +53,13 @@ Printed: the host's CPU and its AVX2 / AVX-512 VNNI flags, a line per local mode
 scenario round, the wall time and a table, then the targets: federated / centralized >= 0.97;
 federated >= every local model on the union; trimmed-mean, median and multi-krum under
 attack at most 1 point below clean fedavg while plain fedavg collapses (> 10 points down);
-what DP costs. The
-cost of aggregating itself (100 updates of a 25 M-parameter model against reading them from
-disk) is ``benchmarks/aggregate.py``.
+what DP costs. The cost of aggregating itself (100 updates of a 25 M-parameter model against
+reading them from disk) is ``benchmarks/aggregate.py``.
 
     python benchmarks/federated.py                              # 3 rounds: ~5 min on 2 cores
     python benchmarks/federated.py --rounds 5 --json fed.json   # ~8-9 min (~90 s a round)
+    python benchmarks/federated.py --rounds 5 --no-dp --no-iid-control --prox-mu 0 \
+        --robust-clip median                                    # 4 rules x 3 attacks: ~4.5 min
     python benchmarks/federated.py --rounds 5 --scenarios fedavg,fedavg.iid,dp-fedavg \\
         --norm group --upstream-lr 0.01                         # GroupNorm: no running stats
     python benchmarks/federated.py --rounds 1 --epochs 1 --upstream-epochs 2 --no-attacks \\
