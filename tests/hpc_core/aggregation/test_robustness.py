@@ -54,6 +54,18 @@ def test_trimmed_mean_and_median_resist_what_moves_fedavg_far(
     assert errors["multi-krum"] < 1e-5  # the six honest ones kept: the clean mean itself
 
 
+def test_clipping_bounds_what_a_poisoned_update_can_do_to_fedavg(
+        poisoned: tuple[dict, np.ndarray], aggregate: Callable[..., Result]) -> None:
+    base, clean_mean = poisoned
+    scale = np.linalg.norm(clean_mean)
+    result = aggregate("--clip-norm", f"{scale * 1.05:.6f}")
+    error = np.linalg.norm(_delta(result, base) - clean_mean) / scale
+    assert 0.3 < error < 1.0  # two bounded pulls against six: moved, not overturned
+    rows = result.report["updates"]
+    assert max(r["clipped_norm"] for r in rows) == pytest.approx(scale * 1.05, rel=1e-5)
+    assert sorted(r["norm"] > 40 * scale for r in rows) == [False] * 6 + [True] * 2
+
+
 @pytest.mark.parametrize(("poisoned", "honest_only"), [(50.0, False), (-50.0, True)],
                          indirect=["poisoned"], ids=["scaled", "flipped"])
 def test_multi_krum_behind_a_median_clip_lands_on_the_clean_mean(
