@@ -37,11 +37,14 @@ class Scales:
 
 @dataclass(frozen=True)
 class Krum:
-    chosen: int
-    """Krum's pick: the best score."""
     scores: np.ndarray
     kept: np.ndarray
-    """The indices combined, best first: ``[chosen]`` for Krum, M of them for Multi-Krum."""
+    """The indices combined, best first: Krum's pick alone, or M of them for Multi-Krum."""
+
+    @property
+    def chosen(self) -> int:
+        """Krum's pick: the best score."""
+        return int(self.kept[0])
 
 
 def _round(x: float) -> float:

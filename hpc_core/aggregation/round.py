@@ -29,8 +29,8 @@ from hpc_core.aggregation.select import Selection, lineage, load_base, select
 from hpc_core.aggregation.strategies import (
     distances_to_mean,
     fedavg_weights,
-    krum_choice,
     krum_kept,
+    krum_scores,
     min_updates,
     staleness_scale,
 )
@@ -113,9 +113,9 @@ def _combine_and_write(opts: Options, selection: Selection, blobs: Blobs,
         krum = None
         if opts.strategy == "krum":
             d2 = pairwise(deltas, blobs.base, block_bytes)
-            chosen, scores = krum_choice(d2, opts.krum_f)
+            scores = krum_scores(d2, opts.krum_f)
             kept = krum_kept(scores, opts.krum_keep)
-            krum = Krum(chosen, scores, kept)
+            krum = Krum(scores, kept)
             # Multi-Krum averages what it keeps as fedavg would (Flower's to_keep does too).
             kept_w, by = fedavg_weights([blobs.measured[int(i)].update.samples for i in kept])
             weights = np.zeros(len(blobs.measured))

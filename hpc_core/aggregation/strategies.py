@@ -149,14 +149,9 @@ def krum_scores(d2: np.ndarray, f: int) -> np.ndarray:
     return scores
 
 
-def krum_choice(d2: np.ndarray, f: int) -> tuple[int, np.ndarray]:
-    """The index Krum picks (the first on a tie) and every update's score."""
-    scores = krum_scores(d2, f)
-    return int(np.argmin(scores)), scores
-
-
 def krum_kept(scores: np.ndarray, keep: int) -> np.ndarray:
-    """Multi-Krum: the ``keep`` best-scored indices, best first (the lower index on a tie)."""
+    """The ``keep`` best-scored indices, best first (the lower index on a tie): Krum's pick
+    alone for ``keep`` 1, Multi-Krum's set otherwise."""
     return np.argsort(scores, kind="stable")[:keep]
 
 
