@@ -1,8 +1,9 @@
 """Raw tensor bytes in a registry blob <-> float32 numpy arrays, for the dtypes we combine.
 
-Weights are combined in float32 (sums and norms in float64). Floating dtypes are decoded and
-re-encoded; anything else (integer counters such as BatchNorm's ``num_batches_tracked``,
-booleans, float8) is not averaged: the aggregate keeps the base's bytes for it.
+Weights are combined in float32 (norms and distances summed in float64 block by block).
+Floating dtypes are decoded and re-encoded; anything else (integer counters such as
+BatchNorm's ``num_batches_tracked``, booleans, float8) is not averaged: the aggregate keeps
+the base's bytes for it.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from tests.fleet.learn_sim import (
 )
 from tests.support.fleet_registry import FleetRegistry
 from tests.support.registry_fixtures import TEST_MODEL, _build_test_model
+from tests.support.waiting import until
 
 REAL = ("edge-a", "edge-b", "edge-c")
 """The real daemons; the simulated devices are sim-0000 and sim-0001."""
@@ -149,10 +150,9 @@ def test_median_holds_a_poisoned_device_off_two_rounds_of_real_agents_across_a_s
     db = tmp_path / "fleet.db"
     fleetctl = [*fleetctl_argv(broker, tmp_path), "learn"]
     try:
-        deadline = time.monotonic() + 120
-        while not _online(tmp_path, broker, subprocess_env):  # connected, status published
-            assert time.monotonic() < deadline, [a.proc.poll() for a in agents]
-            time.sleep(1)
+        until(lambda: _online(tmp_path, broker, subprocess_env), 120,  # status published
+              lambda: f"the agents online (exit codes {[a.proc.poll() for a in agents]})",
+              poll_s=1)
         log = open(tmp_path / "controller-0.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen([
             *fleetctl, "start", "pz", "--group", "sim", "--model", "digits", "--base", "1",

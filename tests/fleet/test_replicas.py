@@ -23,17 +23,9 @@ from fleet.replicas import INBOX_KEEP_S, Replica
 from fleet.sim_fleet import SimFleet
 from fleet.store import Execution, FleetStore
 from tests.fleet.conftest import BOTH_ENGINES, fleetctl_argv
+from tests.support.waiting import until
 
 PG = pytest.mark.parametrize("fleet_db", ["postgresql"], indirect=True)
-
-
-def _until(pred: Callable[[], bool], timeout_s: float, what: str) -> float:
-    start = deadline = time.monotonic()
-    deadline += timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 @PG
@@ -107,10 +99,10 @@ def test_two_replicas_one_sigkilled_mid_rollout_lose_nothing_and_run_nothing_twi
              for i in range(2)]
     db = Database(fleet_db)
     try:
-        _until(lambda: _lease_owner(db, "ha") is not None, 30, "no replica took the rollout")
+        until(lambda: _lease_owner(db, "ha") is not None, 30, "a replica to take the rollout")
         # Kill the holder in the last wave, with executions in flight on the devices.
-        _until(lambda: db.scalar("SELECT COUNT(*) FROM executions WHERE wave = 2 AND status "
-                                 "IN ('ACCEPTED', 'IN_PROGRESS')") > 10, 60, "no last wave")
+        until(lambda: db.scalar("SELECT COUNT(*) FROM executions WHERE wave = 2 AND status "
+                                "IN ('ACCEPTED', 'IN_PROGRESS')") > 10, 60, "the last wave")
         owner = _lease_owner(db, "ha")
         assert owner is not None
         victim = next(p for p in procs if owner.endswith(f"-{p.pid}"))
@@ -118,11 +110,12 @@ def test_two_replicas_one_sigkilled_mid_rollout_lose_nothing_and_run_nothing_twi
         victim.wait()
         killed_at = time.monotonic()
         survivor = next(p for p in procs if p is not victim)
-        taken = _until(lambda: _lease_owner(db, "ha") == owner.rsplit("-", 1)[0] +
-                       f"-{survivor.pid}", lease_s + 10, "no takeover")
+        until(lambda: _lease_owner(db, "ha") == owner.rsplit("-", 1)[0] + f"-{survivor.pid}",
+              lease_s + 10, "the survivor's takeover")
+        taken = time.monotonic() - killed_at
         assert taken <= lease_s + 5, taken
-        _until(lambda: db.scalar("SELECT state FROM rollouts WHERE id = 'ha'") == "succeeded",
-               60, "the survivor did not finish the rollout")
+        until(lambda: db.scalar("SELECT state FROM rollouts WHERE id = 'ha'") == "succeeded",
+              60, "the survivor to finish the rollout")
         assert time.monotonic() - killed_at < 60
     finally:
         for p in procs:

@@ -21,6 +21,7 @@ from fleet.db import Database, is_url
 from fleet.sim_fleet import SimFleet
 from fleet.store import FleetStore
 from tests.fleet.conftest import BOTH_ENGINES, fleetctl_argv
+from tests.support.waiting import until
 
 Run = Callable[..., subprocess.CompletedProcess[str]]
 
@@ -305,13 +306,6 @@ def _state(db: str, rid: str) -> tuple[str, list[str]]:
         store.close()
 
 
-def _until(pred: Callable[[], bool], timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
-
-
 @BOTH_ENGINES
 def test_operator_pause_resume_abort(sim_fleet: Callable[..., SimFleet], fleetctl: Run,
                                      broker: Any, tmp_path: Path,
@@ -326,15 +320,16 @@ def test_operator_pause_resume_abort(sim_fleet: Callable[..., SimFleet], fleetct
     ctl = subprocess.Popen([*fleetctl_argv(broker, tmp_path, fleet_db), "controller"],
                            env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        _until(lambda: _state(db, "ops")[1][0] == "baking")
+        until(lambda: _state(db, "ops")[1][0] == "baking", 30, "wave 1 baking")
         assert fleetctl("rollout", "pause", "ops").returncode == 0
-        _until(lambda: _state(db, "ops")[0] == "paused")
+        until(lambda: _state(db, "ops")[0] == "paused", 30, "the rollout paused")
         time.sleep(2.5)  # past the bake: a paused rollout starts no wave
         assert _state(db, "ops") == ("paused", ["done", "pending", "pending"])
         st = fleetctl("rollout", "status", "ops")
         assert "rollout ops: paused" in st.stdout and "[####################] 1/1" in st.stdout
         assert fleetctl("rollout", "resume", "ops").returncode == 0
-        _until(lambda: _state(db, "ops")[1][1] in ("baking", "done"))
+        until(lambda: _state(db, "ops")[1][1] in ("baking", "done"), 30,
+              "wave 2 baking or done")
         assert fleetctl("rollout", "abort", "ops").returncode == 0
         _, err = ctl.communicate(timeout=60)
     finally:
@@ -391,8 +386,9 @@ def test_abort_cancels_queued_lets_running_finish_then_rolls_back(
                            env=subprocess_env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE)
     try:
-        _until(lambda: _db_count(db, "kind = 'job' AND status IN ('PLANNED', 'SENT')") == 0
-               and _db_count(db, "device = 'sim-0001' AND status = 'ACCEPTED'") == 1)
+        until(lambda: _db_count(db, "kind = 'job' AND status IN ('PLANNED', 'SENT')") == 0
+              and _db_count(db, "device = 'sim-0001' AND status = 'ACCEPTED'") == 1, 30,
+              "every job sent and sim-0001's accepted")
         assert fleetctl("rollout", "abort", "stop").returncode == 0
         _, err = ctl.communicate(timeout=60)
     finally:
@@ -488,7 +484,8 @@ def test_real_agents_in_a_100_device_rollout(
             "finetune": {"steps": 2, "effective_batch": 16, "micro_batch": 16},
             "steps": {"export": False}}
     # The daemons take a moment to connect and publish their status.
-    _until(lambda: "zreal-2" in fleetctl("devices", "--group", "sim").stdout, 60)
+    until(lambda: "zreal-2" in fleetctl("devices", "--group", "sim").stdout, 60,
+          "zreal-2 listed online")
     r = fleetctl("rollout", "create", "--name", "mixed", "--group", "sim", "--job", "finetune",
                  "--args", json.dumps(args), "--waves", "1,5%,25%,100%", "--bake-s", "0.2",
                  "--max-metric-drop", "0.05", "--timeout-s", "400", timeout=500)

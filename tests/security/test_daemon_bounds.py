@@ -35,6 +35,7 @@ from tests.support.device import ProvisionedDevice
 from tests.support.mosquitto import ACL_FLEET, Broker
 from tests.support.mqtt import Peer, Received
 from tests.support.registry_fixtures import upstream_key  # noqa: F401 (fixture)
+from tests.support.waiting import until
 
 T = Topics()
 
@@ -202,13 +203,13 @@ def test_history_is_pruned_by_count_but_never_a_job_that_has_not_ended(
         a.kill9()
         a.start()
         store = JobStore(device.state)
-        _until(lambda: len(store.list(limit=1000)) <= 12, 30)
+        until(lambda: len(store.list(limit=1000)) <= 12, 30, "the store pruned to 12 jobs")
         ids = {r.id for r in store.list(limit=1000)}
         assert {running["id"], queued["id"]} <= ids
         for cid in (running["id"], queued["id"]):
             end = op.wait_for(_res(cid, *TERMINAL_STATUSES), timeout_s=240)[-1].json()
             assert end["status"] == "SUCCEEDED", end
-        _until(lambda: len(store.list(limit=1000)) <= 10, 30)
+        until(lambda: len(store.list(limit=1000)) <= 10, 30, "the store pruned to 10 jobs")
         assert {running["id"], queued["id"]} <= {r.id for r in store.list(limit=1000)}
         rows = _sql(device.state / "agent.db", "SELECT COUNT(*) FROM commands")[0][0]
         assert rows <= 10, rows
@@ -216,13 +217,6 @@ def test_history_is_pruned_by_count_but_never_a_job_that_has_not_ended(
     finally:
         op.close()
     assert a.stop() == 0
-
-
-def _until(pred: Callable[[], Any], timeout_s: float) -> None:
-    end = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.1)
 
 
 def _sql(db: Path, q: str) -> list[tuple[Any, ...]]:
@@ -284,7 +278,8 @@ def test_control_socket_drops_idle_clients_and_caps_connections(
         s.close()
     # The first 4 were served (then closed at the timeout); the rest turned away at once.
     assert turned_away >= 90, turned_away
-    _until(lambda: _threads(a.proc.pid) <= base, 5)  # type: ignore[union-attr]
+    until(lambda: _threads(a.proc.pid) <= base, 5,  # type: ignore[union-attr]
+          f"the daemon back to {base} threads")
     assert _status(path)["status"]["device"] == "dev-a"  # the honest client is served
     assert_active_verified(device.state, "1")
     assert a.stop() == 0

@@ -16,7 +16,6 @@ import os
 import random
 import time
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
@@ -26,19 +25,10 @@ from tests.agent.daemon.conftest import AgentProc, command
 from tests.support.device import ProvisionedDevice
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import Peer, Received
+from tests.support.waiting import until
 
 T = Topics()
 pytestmark = pytest.mark.slow
-
-
-def _until(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def _res(cid: str) -> Callable[[Received], bool]:
@@ -93,7 +83,8 @@ def test_kill9_at_random_points_of_a_finetune_job(
     pings = []
     for i, (name, reached) in enumerate(points):
         since = time.time()
-        _until(functools.partial(reached, since), 120, f"kill point {name} (seed {seed})")
+        until(functools.partial(reached, since), 120, f"kill point {name} (seed {seed})",
+              poll_s=0.02)
         if name in ("stage", "health"):
             time.sleep(rng.uniform(0.0, 1.0))
         a.kill9()
@@ -148,7 +139,7 @@ def test_broker_down_10s_mid_job_the_result_still_arrives(
     fleet.publish(T.command("dev-a", "finetune"), ft)
     fleet.wait_for(lambda m: _res(ft["id"])(m) and m.json()["status"] == "IN_PROGRESS",
                    timeout_s=30)
-    _until(lambda: _finetune_past(store, ft["id"], 1, 0), 60, "the fine-tune")
+    until(lambda: _finetune_past(store, ft["id"], 1, 0), 60, "the fine-tune", poll_s=0.02)
     fleet.close()
     broker.stop()
     time.sleep(10)
