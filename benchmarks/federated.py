@@ -10,8 +10,9 @@ Everything lives in a temporary folder; nothing is downloaded (sklearn's bundled
   so the devices' data is non-IID by construction (every distortion on three devices). A
   device's held-out data is the test set through its camera; "union" is all eight together.
 * **Upstream.** ``hpc_core.Trainer`` on the clean pool (``configs/digits.yaml``'s recipe:
-  small_cnn width 16, BatchNorm, AdamW), published by the upstream key to a folder registry
-  (``registry.publish.publish_content``) as release ``1``.
+  small_cnn width 16, BatchNorm, AdamW; ``--pool flatten``: its head sees every position of
+  the last feature map instead of their average), published by the upstream key to a folder
+  registry (``registry.publish.publish_content``) as release ``1``.
 * **Devices.** Each fine-tunes with the device recipe itself, ``agent.finetune.recipe
   .run_finetune`` on a ``FinetuneJob`` (all layers, profile generic-x86, fp32 on the CPU).
   The micro-batch is fixed (``micro_batch`` = ``effective_batch`` = ``--batch``), not planned
@@ -62,6 +63,8 @@ reading them from disk) is ``benchmarks/aggregate.py``.
         --robust-clip median                                    # 4 rules x 3 attacks: ~4.5 min
     python benchmarks/federated.py --rounds 5 --scenarios fedavg,fedavg.iid,dp-fedavg \\
         --norm group --upstream-lr 0.01                         # GroupNorm: no running stats
+    python benchmarks/federated.py --rounds 5 --scenarios fedavg --no-attacks --no-dp \\
+        --no-iid-control --prox-mu 0 --pool flatten             # the head that averages: 1 min
     python benchmarks/federated.py --rounds 1 --epochs 1 --upstream-epochs 2 --no-attacks \\
         --no-dp --prox-mu 0                                     # smoke run, < 1 min
 """
@@ -433,7 +436,8 @@ def train_upstream(data: Path, out: Path, args: argparse.Namespace) -> Path:
         "run": {"name": "upstream", "output_dir": str(out), "seed": args.seed},
         "data": {"source": "npz", "path": str(data), "image_size": IMAGE_SIZE,
                  "val_fraction": 0.1},
-        "model": {"name": "small_cnn", "kwargs": {"width": args.width, "norm": args.norm}},
+        "model": {"name": "small_cnn", "kwargs": {"width": args.width, "norm": args.norm,
+                                                  "pool": args.pool}},
         "optimizer": {"name": "adamw", "lr": args.upstream_lr, "weight_decay": 0.01},
         "schedule": {"warmup_steps": 20, "decay": "cosine"},
         "training": {"global_batch_size": 64, "epochs": args.upstream_epochs, "precision": "fp32",
@@ -583,6 +587,9 @@ def main() -> None:
     ap.add_argument("--norm", choices=("batch", "group"), default="batch",
                     help="small_cnn's normalization")
     ap.add_argument("--width", type=int, default=16, help="small_cnn's width")
+    ap.add_argument("--pool", choices=("avg", "flatten"), default="avg",
+                    help="small_cnn's head: global average pooling, or every position of "
+                    "the last feature map")
     ap.add_argument("--trainable", default="all",
                     help="the devices' trainable scope: head | last_n:K | all")
     ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",

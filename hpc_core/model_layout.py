@@ -105,15 +105,22 @@ def mlp(*, num_classes: int, in_channels: int, image_size: int,
 
 
 def small_cnn(*, num_classes: int, in_channels: int, image_size: int, width: int = 32,
-              norm: str = "batch", dropout: float = 0.1) -> Layout:
-    del image_size
+              norm: str = "batch", dropout: float = 0.1, pool: str = "avg") -> Layout:
     w = _dim(width, "small_cnn: width")
+    if pool == "avg":
+        features = 4 * w
+    elif pool == "flatten":
+        if image_size < 4:
+            raise ValueError(f"small_cnn pool flatten needs an image_size >= 4, got {image_size}")
+        features = 4 * w * (image_size // 4) ** 2
+    else:
+        raise ValueError(f"pool must be avg|flatten, got {pool!r}")
     out: Layout = {}
     _conv_block(out, "features.0", in_channels, w, norm)
     _conv_block(out, "features.1", w, 2 * w, norm)
     _conv_block(out, "features.3", 2 * w, 4 * w, norm)  # 2 is the MaxPool
     _dropout(dropout)
-    _linear(out, "head.2", 4 * w, num_classes)
+    _linear(out, "head.2", features, num_classes)
     return out
 
 

@@ -37,6 +37,8 @@ FAMILIES: dict[int, list[tuple[str, dict[str, Any], int, float]]] = {
     8: [
         ("mlp", {"name": "mlp"}, 6, 0.003),
         ("small_cnn", {"name": "small_cnn", "kwargs": {"width": 16}}, 5, 0.01),
+        ("small_cnn-flatten", {"name": "small_cnn", "kwargs": {"width": 16, "pool": "flatten"}},
+         5, 0.01),
         ("resnet-batch", {"name": "resnet", "kwargs": {"width": 16, "norm": "batch"}}, 4, 0.01),
         ("resnet-group", {"name": "resnet", "kwargs": {"width": 16, "norm": "group"}}, 4, 0.01),
         ("mobilenet_v2", {"name": "mobilenet_v2", "kwargs": {"width_mult": 0.35}}, 4, 0.01),

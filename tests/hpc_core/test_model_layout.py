@@ -23,7 +23,8 @@ SIZES = ({"num_classes": 10, "in_channels": 1, "image_size": 8},
 KWARGS: dict[str, list[dict[str, Any]]] = {
     "mlp": [{}, {"hidden": []}, {"hidden": [5]}, {"hidden": [64, 32, 7], "dropout": 0.1}],
     "small_cnn": [{}, {"width": 8, "norm": "group"}, {"width": 5, "norm": "none"},
-                  {"width": 12, "norm": "group", "dropout": 0.0}],
+                  {"width": 12, "norm": "group", "dropout": 0.0}, {"width": 6, "pool": "flatten"},
+                  {"width": 4, "norm": "none", "pool": "avg"}],
     "resnet": [{}, {"width": 8, "blocks": [2, 1]}, {"width": 4, "blocks": [0, 2, 1, 1],
                                                     "norm": "group"},
                {"width": 6, "blocks": [1, 3], "norm": "none"}],
@@ -54,10 +55,30 @@ def test_layout_equals_torchs_state_dict(name: str) -> None:
             assert expected_tensors(spec) == torch_layout(spec), (sizes, kwargs)
 
 
+@pytest.mark.parametrize("image_size", [4, 9, 30])
+def test_a_flattening_small_cnn_sizes_its_head_as_torch_pools(image_size: int) -> None:
+    # Two 2x2 max pools floor each side: 30 -> 15 -> 7, 9 -> 4 -> 2.
+    spec = ModelConfig(name="small_cnn", kwargs={"width": 3, "pool": "flatten"}, num_classes=5,
+                       in_channels=2, image_size=image_size)
+    layout = expected_tensors(spec)
+    assert layout == torch_layout(spec)
+    assert layout["head.2.weight"][1] == (5, 12 * (image_size // 4) ** 2)
+
+
+def test_a_flattening_small_cnn_needs_an_image_of_four_pixels() -> None:
+    spec = ModelConfig(name="small_cnn", kwargs={"pool": "flatten"}, num_classes=10,
+                       in_channels=1, image_size=3)
+    with pytest.raises(SpecMismatchError, match="image_size >= 4"):
+        expected_tensors(spec)
+    with pytest.raises(SpecMismatchError, match="image_size >= 4"):  # torch's build: the same
+        torch_layout(spec)
+
+
 REFUSED = [
     ("mlp", {"hidden": [64, 2.5]}), ("mlp", {"hidden": [64], "dropout": 1.5}),
     ("mlp", {"hidden": 64}), ("mlp", {"width": 3}),
     ("small_cnn", {"norm": "layer"}), ("small_cnn", {"dropout": -0.1}),
+    ("small_cnn", {"pool": "max"}),
     ("resnet", {"blocks": [1, 1.5]}), ("resnet", {"norm": "instance"}),
     ("mobilenet_v2", {"width_mult": 0}), ("mobilenet_v2", {"dropout": 2}),
     ("vit", {"patch": 3}), ("vit", {"dim": 30, "heads": 4}), ("vit", {"depth": 0}),
