@@ -10,7 +10,7 @@ import threading
 import time
 
 from agent.daemon.device import Sensors
-from agent.sensors.sim import BOARD_FILE, BoardState
+from agent.sensors.sim import BOARD_FILE, PERSIST_S, BoardState
 from agent.sim.plant import plant_params
 from device_profiles import load_profile
 from tests.agent.jobs.conftest import Device
@@ -51,12 +51,18 @@ def test_a_sim_finetune_heats_the_board_its_daemon_reads(device: Device) -> None
     assert governor and report["summary"]["max_temp_c"] == max(governor)
     # The governor read the board the job heated; the daemon's telemetry saw that heat, up to
     # the board's peak (which the governor, sampled once a second and gone before the final
-    # evaluation and the report, may miss), within what ~30 simulated seconds between two
-    # readings and the load averaged over a second (agent.sensors.sim.PERSIST_S) make of it
+    # evaluation and the report, may miss), within ~30 simulated seconds between two readings
     # at 300x. A daemon on a board of its own read the idle temperature throughout.
     assert max(governor) > idle_c + 2
     assert max(governor) <= board.max_temp_c + 1
-    assert abs(max(telemetry) - board.max_temp_c) <= 3
+    # Above the peak the file records, by at most one persist window of full load: a read
+    # within PERSIST_S of the last write advances its own copy with the load since then and
+    # writes nothing, and the write after it integrates the whole window at its average load,
+    # so a burst that ends inside the window (the fine-tune's last steps) shows in a reading
+    # and not in the file: at most (full - peak) x (1 - exp(-PERSIST_S x 300 / tau)) from a
+    # persisted temperature no higher than the peak (8.5 C at an 84 C peak; seen: 4.8).
+    burst = (full_c - board.max_temp_c) * (1 - math.exp(-PERSIST_S * SCALE / p.tau_s))
+    assert board.max_temp_c - 3 <= max(telemetry) <= board.max_temp_c + burst + 0.01
     assert min(telemetry) < max(governor) <= max(telemetry) + 3
 
     # After the job, the board as the job left it, run on since for the wall time that
