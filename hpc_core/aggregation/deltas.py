@@ -26,9 +26,16 @@ NATIVE_LITTLE = sys.byteorder == "little"
 """safetensors bytes are little-endian: read as native float32 as they lie (x86, Arm)."""
 
 
-def read_elements(blob: LocalBlob, entry: TensorEntry, start: int, stop: int) -> np.ndarray:
-    """Elements ``[start, stop)`` of a (flattened) tensor of ``blob`` as float32."""
+def read_elements(blob: LocalBlob, entry: TensorEntry, start: int, stop: int,
+                  buffer: np.ndarray | None = None) -> np.ndarray:
+    """Elements ``[start, stop)`` of a (flattened) tensor of ``blob`` as float32. A float32
+    tensor's bytes are read straight into ``buffer`` (float32, ``stop - start``) when one is
+    given, and it is returned: no temporary, a copy less; other dtypes decode into a new
+    array."""
     size = item_size(entry.dtype)
+    if buffer is not None and entry.dtype == "F32" and NATIVE_LITTLE:
+        blob.read_into(buffer.view(np.uint8), entry.offset + start * size)
+        return buffer
     raw = np.empty((stop - start) * size, dtype=np.uint8)
     blob.read_into(raw, entry.offset + start * size)
     return decode(raw, entry.dtype)
@@ -153,12 +160,8 @@ class Deltas:
             if key not in refs:
                 refs[key] = read_elements(u.reference, u.ref_entries[name], start, stop)
             row = out[i]
-            entry = u.entries[name]
-            if entry.dtype == "F32" and NATIVE_LITTLE:  # into its row: no temporary, a copy less
-                u.blob.read_into(row.view(np.uint8), entry.offset + start * 4)
-                row -= refs[key]
-            else:
-                np.subtract(read_elements(u.blob, entry, start, stop), refs[key], out=row)
+            np.subtract(read_elements(u.blob, u.entries[name], start, stop, buffer=row),
+                        refs[key], out=row)
             if u.scale != 1.0:
                 row *= np.float32(u.scale)
         return out
