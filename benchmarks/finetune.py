@@ -6,7 +6,7 @@
 2. Thermal: governor vs bang-bang vs no control on the simulated Orin Nano 8GB in a 35 C
    enclosure (see benchmarks/governor.py), and the plot for the README.
 
-    python benchmarks/finetune.py [--budget-mb 700] [--steps 12] [--plot PNG]
+    python benchmarks/finetune.py [--budget-mb 700] [--steps 12] [--plot PNG] [--quick]
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
+from benchmarks.harness import parse_args, verdict  # noqa: E402
 
-def run_job(up: Path, data: Path, out: Path, steps: int, extra: dict) -> dict:
+
+def run_job(up: Path, data: Path, out: Path, steps: int, batch: int, extra: dict) -> dict:
     kw = {
         "checkpoint": str(up),
         "data": str(data),
@@ -33,7 +35,7 @@ def run_job(up: Path, data: Path, out: Path, steps: int, extra: dict) -> dict:
         "profile": "generic-x86",
         "trainable": "all",
         "steps": steps,
-        "effective_batch": 256,
+        "effective_batch": batch,
         "optimizer": "sgd",
         "lr": 0.05,
         **extra,
@@ -59,7 +61,9 @@ def run_job(up: Path, data: Path, out: Path, steps: int, extra: dict) -> dict:
     return report
 
 
-def memory_section(budget_mb: float, steps: int) -> None:
+def memory_section(budget_mb: float, steps: int, image_size: int = 48,
+                   batch: int = 256) -> tuple[float, float]:
+    """(throughput at the budget / unbounded, peak RSS at the budget / the budget)."""
     from make_device_data import make_device_data
 
     from hpc_core.config import load_config
@@ -71,19 +75,20 @@ def memory_section(budget_mb: float, steps: int) -> None:
             REPO / "configs/digits.yaml",
             [
                 f"run.output_dir={t / 'up'}",
-                "data.image_size=48",
+                f"data.image_size={image_size}",
                 "model.kwargs={width: 16, norm: group}",
                 "training.max_steps=2",
                 "logging.progress=off",
             ],
         )
         Trainer(cfg).train()
-        data = make_device_data(t / "device.npz", ["invert"], image_size=48)
-        free = run_job(t / "up", data, t / "free", steps, {"micro_batch": 256})
-        bound = run_job(t / "up", data, t / "bound", steps, {"budget_mb": budget_mb})
+        data = make_device_data(t / "device.npz", ["invert"], image_size=image_size)
+        free = run_job(t / "up", data, t / "free", steps, batch, {"micro_batch": batch})
+        bound = run_job(t / "up", data, t / "bound", steps, batch, {"budget_mb": budget_mb})
     plan = bound["memory_plan"]
     print(
-        f"memory: small_cnn(GroupNorm) on 48x48 digits, effective batch 256, {steps} steps, "
+        f"memory: small_cnn(GroupNorm) on {image_size}x{image_size} digits, effective batch "
+        f"{batch}, {steps} steps, "
         "1 thread"
     )
     print(f"{'':22}{'micro x accum':>15}{'peak RSS MB':>13}{'samples/s':>11}")
@@ -104,6 +109,7 @@ def memory_section(budget_mb: float, steps: int) -> None:
         f"peak / budget: {free['rss_mb'] / budget_mb:.2f}"
     )
     print(f"throughput at budget / unbounded: {ratio:.3f} (target >= 0.85)")
+    return ratio, bound["rss_mb"] / budget_mb
 
 
 def main() -> None:
@@ -112,18 +118,29 @@ def main() -> None:
     )
     p.add_argument("--budget-mb", type=float, default=700.0)
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--image-size", type=int, default=48)
+    p.add_argument("--effective-batch", type=int, default=256,
+                   help="the planner probes min(16, this) and its half and quarter, twice each")
     p.add_argument("--plot", type=Path, default=REPO / "benchmarks/out/governor.png")
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--skip-thermal", action="store_true")
-    args = p.parse_args()
-    if not args.skip_memory:
-        memory_section(args.budget_mb, args.steps)
+    args = parse_args(
+        p, {"steps": 2, "image_size": 16, "effective_batch": 1,
+            "plot": Path(tempfile.gettempdir()) / "governor-quick.png"}
+    )
+    memory = None if args.skip_memory else memory_section(
+        args.budget_mb, args.steps, args.image_size, args.effective_batch)
     if not args.skip_thermal:
-        print()
+        print(flush=True)
         subprocess.run(
-            [sys.executable, str(REPO / "benchmarks/governor.py"), "--plot", str(args.plot)],
+            [sys.executable, str(REPO / "benchmarks/governor.py"), "--plot", str(args.plot),
+             *(["--quick"] if args.quick else [])],
             check=True,
         )
+    if memory is not None:  # else the governor's verdict was the last line
+        ratio, peak = memory
+        verdict("fine-tune throughput at the budget / unbounded ratio", ratio, ">=", 0.85,
+                also=[("peak RSS / budget <= 1.05", peak <= 1.05)])
 
 
 if __name__ == "__main__":

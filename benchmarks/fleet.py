@@ -37,6 +37,7 @@ Options, for the issue "fleet past one machine" (side by side in one run, with r
     python benchmarks/fleet.py                # 1,000 devices, today's figures
     python benchmarks/fleet.py --devices 10000 --tier --engines sqlite,postgresql,replicas --kill
     python benchmarks/fleet.py --scale 1000,3000,10000 --tier
+    python benchmarks/fleet.py --quick        # 20 devices: it runs, its figures mean nothing
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ from benchmarks.fleet_tier import (  # noqa: E402
     stop_sims,
     wait_topics,
 )
+from benchmarks.harness import parse_args, verdict  # noqa: E402
 from tests.support.postgres import PostgresServer, postgres_server  # noqa: E402
 
 TARGET_WALL_S = 60.0
@@ -392,7 +394,7 @@ def main() -> int:
                     help="simulated device processes per broker (per region in a tier)")
     ap.add_argument("--job-duration-s", type=float, default=0.05)
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per configuration")
-    a = ap.parse_args()
+    a = parse_args(ap, {"devices": 20})
     sizes = [int(x) for x in a.scale.split(",")] if a.scale else [a.devices]
     cfgs = [e.strip() for e in a.engines.split(",") if e.strip()]
     if bad := [e for e in cfgs if e not in ENGINES]:
@@ -434,6 +436,17 @@ def main() -> int:
     else:
         print(json.dumps({"runs": rows, "cost_curve": curve, "lease_s": a.lease_s,
                           "broker": "tier" if a.tier else "single", "targets_met": not missed}))
+    walls = [r for r in rows if "wall_s" in r]
+    slowest = max(walls, key=lambda r: r["wall_s"]) if walls else None
+    also = [(f"{r['config']} at {r['devices']}: {'; '.join(r.get('missed') or ['failed'])}",
+             not r.get("missed", True)) for r in rows]
+    also += [(f"{cfg} CPU per device flat", all(
+        p["ratio"] <= FLAT_RATIO and (p.get("marginal_ratio") or 0) <= FLAT_RATIO for p in pts))
+        for cfg, pts in curve.items()]
+    verdict(f"fleetctl rollout wall time (slowest: "
+            f"{slowest['config'] if slowest else 'none'} at {max(sizes)} devices)",
+            slowest["wall_s"] if slowest else float("nan"), "<=", TARGET_WALL_S, "s",
+            also=also)
     return 1 if missed else 0
 
 

@@ -6,22 +6,23 @@ time-optimal bound (full speed until the target, then hold it), time above the t
 maximum temperature, time in the board's own throttle, mean power, state changes. Prints one
 table and saves a plot.
 
-    python benchmarks/governor.py [--profile NAME] [--minutes 30] [--plot PATH]
+    python benchmarks/governor.py [--profile NAME] [--minutes 30] [--plot PATH] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # first: benchmarks/agent.py would shadow the package
 
 from agent.sim.job import SimJobResult, simulate_job  # noqa: E402
+from benchmarks.harness import parse_args, verdict  # noqa: E402
 from device_profiles import load_profile  # noqa: E402
 from device_profiles.schema import DeviceProfile  # noqa: E402
 
@@ -140,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=30.0, help="simulated job length")
     parser.add_argument("--seed", type=int, default=0, help="sensor noise seed")
     parser.add_argument("--plot", type=Path, default=REPO / "benchmarks/out/governor.png")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, {"minutes": 5.0,
+                               "plot": Path(tempfile.gettempdir()) / "governor-quick.png"},
+                      argv)
     profile = load_profile(args.profile)
     rows = run_comparison(profile, args.minutes, args.seed)
     print(f"profile {profile.name}, {args.minutes:g} simulated minutes per run, target "
@@ -151,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
           "target, then hold it (constant air, no cap)")
     print(format_table(rows))
     print(f"plot: {plot(rows, args.plot, rows[0].scenario)}")
+    gov = [r for r in rows if r.control == "governor"]
+    above = max(r.result.time_above_target_s for r in gov)
+    verdict(f"governor steps/s over the best constant duty ({gov[0].scenario}) ratio",
+            gov[0].result.relative_throughput(), ">=", 1.0,
+            also=[("governor 0 s above the target in every scenario", above == 0)])
     return 0
 
 

@@ -1,6 +1,6 @@
 """The budget binds the whole device job: every step's process tree under 1.05 x budget.
 
-    python benchmarks/job_budget.py [--budget-mb 450] [--image-size 48] [--steps 30]
+    python benchmarks/job_budget.py [--budget-mb 450] [--image-size 48] [--steps 30] [--quick]
 
 An upstream resnet (width 16) trained on digits at 48 px, device data at 48 px, and the whole
 device job (planned fine-tune, INT8 export with its gates, stage, health, commit) at the
@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 from agent.jobs.proctree import tree_pss_mb, tree_rss_mb  # noqa: E402
 from agent.jobs.spec import DeviceJob  # noqa: E402
 from agent.jobs.store import JobState, JobStore  # noqa: E402
+from benchmarks.harness import parse_args, verdict  # noqa: E402
 from tests.agent.jobs.conftest import build_template, make_device, publish_v1  # noqa: E402
 from tests.support.registry_server import RegistryServer  # noqa: E402
 
@@ -62,10 +63,17 @@ def main() -> int:
     ap.add_argument("--budget-mb", type=float, default=450)
     ap.add_argument("--image-size", type=int, default=48)
     ap.add_argument("--steps", type=int, default=30, help="fine-tune steps")
-    a = ap.parse_args()
+    ap.add_argument("--effective-batch", type=int, default=64,
+                    help="the planner probes min(16, this) and its half and quarter, twice each")
+    ap.add_argument("--upstream-epochs", type=int, default=2)
+    ap.add_argument("--max-accuracy-drop-pts", type=float, default=0.0,
+                    help="the health gate (a tiny --quick fine-tune may lose a point)")
+    a = parse_args(ap, {"image_size": 16, "steps": 2, "effective_batch": 1,
+                        "upstream_epochs": 1, "max_accuracy_drop_pts": 100.0})
     work = Path(tempfile.mkdtemp(prefix="job-budget-"))
     t0 = time.perf_counter()
-    template = build_template(work / "template", ["training.epochs=2", "model.name=resnet",
+    template = build_template(work / "template", [f"training.epochs={a.upstream_epochs}",
+                                                  "model.name=resnet",
                                                   "model.kwargs={width: 16, norm: batch}"],
                               image_size=a.image_size)
     publish_v1(template, work / "registry")
@@ -76,7 +84,8 @@ def main() -> int:
         dev.install()
         spec = DeviceJob.model_validate(dev.spec(finetune={
             "micro_batch": None, "budget_mb": a.budget_mb, "steps": a.steps,
-            "effective_batch": 64, "trainable": "all"}))
+            "effective_batch": a.effective_batch, "trainable": "all"},
+            health={"max_accuracy_drop_pts": a.max_accuracy_drop_pts}))
         store = JobStore(dev.state)
         store.submit("budget", "finetune", spec.model_dump(mode="json"))
         store.close()
@@ -107,6 +116,10 @@ def main() -> int:
           f"{reported / outside.pss:.3f} (target 0.95-1.05)")
     print(f"outside sampler, summed RSS (baseline): {outside.rss:.0f} MB = "
           f"{outside.rss / budget:.2f} x budget; PSS / RSS {outside.pss / outside.rss:.2f}")
+    worst = max(mem["steps_peak_mb"].values()) / budget
+    verdict("the job's worst step peak (PSS) / budget ratio", worst, "<=", 1.05, also=[
+        ("report / outside PSS sampler within 0.95-1.05",
+         0.95 <= reported / outside.pss <= 1.05)])
     return 0
 
 

@@ -3,6 +3,7 @@ what a hot swap costs a client under load, and what a device fine-tune on the sa
 the application, yielding or not. One function per section (``--sections``).
 
     python benchmarks/runtime.py [--sections overhead,swap,corun] [--threads 1] [--json PATH]
+    python benchmarks/runtime.py --quick    # every section, tiny: its figures mean nothing
 
 overhead and swap serve a small_cnn (width 32, 32 px, random weights) exported and quantized to
 INT8 Q/DQ by the project's own exporters (this host's recipe), staged and committed through
@@ -58,13 +59,13 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # first: benchmarks/agent.py would shadow the package
 
 import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
 from agent.runtime.active_model import ActiveModel  # noqa: E402
+from benchmarks.harness import meets, parse_args, verdict  # noqa: E402
 from exporters.cpu_isa import detect_isa  # noqa: E402
 from exporters.ort_runner import ort_session  # noqa: E402
 
@@ -299,12 +300,13 @@ def section_swap(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
 
 # -- section: co-running with a device fine-tune ------------------------------------------------
 
-CORUN_UPSTREAM = ["training.epochs=4", "model.kwargs={width: 16, norm: group}"]
-"""The served and fine-tuned model: small_cnn (GroupNorm, width 16) on digits at 16 px."""
+CORUN_UPSTREAM = ["model.kwargs={width: 16, norm: group}"]
+"""The served and fine-tuned model: small_cnn (GroupNorm, width 16) on digits at 16 px, trained
+``--corun-upstream-epochs``."""
 JOB_ID = "corun"
 
 
-def _build_corun(root: str) -> None:
+def _build_corun(root: str, epochs: int = 4) -> None:
     """Child process (torch): the job tests' device (an upstream trained on clean digits, the
     device's distorted digits, keys), the upstream exported by the project's exporters (INT8
     first), and digits@v1 published with that ONNX file as its artefact."""
@@ -317,7 +319,8 @@ def _build_corun(root: str) -> None:
     from tests.agent.jobs.conftest import build_template
 
     base = Path(root)
-    template = build_template(base / "template", upstream=CORUN_UPSTREAM)
+    template = build_template(base / "template",
+                              upstream=[f"training.epochs={epochs}", *CORUN_UPSTREAM])
     report = run_export(ExportJob(checkpoint=template / "up", out_dir=base / "export",
                                   precision="int8", gates={"latency_iters": 5}))
     if report.status != "passed":
@@ -583,7 +586,8 @@ def section_corun(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
     base = setup.root / "corun"
     base.mkdir()
     t0 = time.monotonic()
-    _in_child(_build_corun, str(base), what="building the co-run device")
+    _in_child(_build_corun, str(base), args.corun_upstream_epochs,
+              what="building the co-run device")
     built_s = time.monotonic() - t0
     export = json.loads((base / "export" / "report.json").read_text())
     won = next(a for a in export["attempts"] if a["passed"])
@@ -706,8 +710,14 @@ def main() -> int:
                     help="corun: longest the application serves beside one job")
     ap.add_argument("--corun-max-others-cores", type=float, default=0.15,
                     help="corun: warn when other processes and steal took more cores")
+    ap.add_argument("--corun-upstream-epochs", type=int, default=4,
+                    help="corun: epochs of the served model's upstream training")
     ap.add_argument("--json", type=Path, help="also write the figures here")
-    args = ap.parse_args()
+    args = parse_args(ap, {
+        "iters": 200, "rounds": 2, "rate": 100.0, "steady_s": 0.5, "commits": 2,
+        "commit_interval_s": 0.3, "corun_rate": 100.0, "corun_baseline_s": 1.5,
+        "corun_steps": 10, "corun_lead_s": 0.5, "corun_max_s": 60.0,
+        "corun_upstream_epochs": 1})
     wanted = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(wanted) - set(SECTIONS))
     if unknown:
@@ -718,7 +728,29 @@ def main() -> int:
         results = {name: SECTIONS[name](setup, args) for name in wanted}
     if args.json:
         args.json.write_text(json.dumps({"host": host_lines(args, wanted), **results}, indent=2))
+    print_verdict(results)
     return 0
+
+
+def print_verdict(results: dict[str, dict[str, Any]]) -> None:
+    """corun's (else overhead's, else swap's) headline target; the other sections' counted."""
+    also: list[tuple[str, bool]] = []
+    heads: list[tuple[str, float, str, float, str]] = []
+    if "corun" in results:
+        c = results["corun"]
+        heads.append(("corun: application p99 yielding / SLO ratio",
+                      c["runs"]["yield"]["app"]["p99_ms"] / c["slo_ms"], "<=", 1.0, "x"))
+        also.append(("corun: over the SLO without yielding", c["violated_without"]))
+    if "overhead" in results:
+        heads.append(("ActiveModel overhead over a bare session at p50 (batch 1)",
+                      results["overhead"]["1"]["overhead_p50_pct"], "<=", 3.0, "%"))
+    if "swap" in results:
+        w = results["swap"]
+        heads.append(("hot swap: failed + dropped requests", w["failed"] + w["dropped"], "==",
+                      0.0, ""))
+    (what, value, op, target, unit), rest = heads[0], heads[1:]
+    also += [(name, meets(v, o, t)) for name, v, o, t, _ in rest]
+    verdict(what, value, op, target, unit, also=also)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ process so it does not share a GIL with the client):
 
     python benchmarks/sync.py                 # 256 MB checkpoint
     python benchmarks/sync.py --size-mb 32    # quicker
+    python benchmarks/sync.py --quick         # a few seconds: it runs, its figures mean nothing
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from agent.storage.chunk_store import ChunkStore  # noqa: E402
 from agent.storage.slots import ModelSlots  # noqa: E402
 from agent.storage.spec_check import check_model_spec  # noqa: E402
 from agent.storage.update import pull, update  # noqa: E402
+from benchmarks.harness import parse_args, verdict  # noqa: E402
 from hpc_core.checkpoint import save_checkpoint  # noqa: E402
 from hpc_core.config import config_from_dict  # noqa: E402
 from hpc_core.model_spec import read_checkpoint  # noqa: E402
@@ -256,7 +258,7 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=4, help="pull connections (default: 4)")
     ap.add_argument("--slow-deadline-s", type=float, default=10.0,
                     help="request deadline for the 1 B/s server (default: 10)")
-    args = ap.parse_args()
+    args = parse_args(ap, {"size_mb": 8.0, "repeats": 1, "slow_deadline_s": 1.0})
     if shutil.which("curl") is None:
         sys.exit("curl is missing: apt-get install -y curl")
 
@@ -380,6 +382,12 @@ def main() -> None:
     print(f"  the same pull, custom factory:     {c.peak_rss / MB:.0f} MB, its torch child "
           f"{child(c)}, the tree {c.tree_rss / MB:.0f} MB (--allow-custom-model; every pull's "
           "tree before the check went torch-free)")
+    verdict("pull / curl (1 connection) throughput ratio", ratio, ">=", 1.0, also=[
+        ("delta <= 12% of a full pull", delta <= 0.12 * full),
+        ("re-moved after a cut <= 1 chunk", max(removed.values()) <= DEFAULT_CHUNK_SIZE),
+        ("1 B/s server held <= 1.10x the deadline", held <= 1.10 * d),
+        ("agentctl pull peak RSS <= 128 MB", mem.peak_rss <= 128 * MB),
+        ("its process tree <= 128 MB", mem.tree_rss <= 128 * MB)])
 
 
 if __name__ == "__main__":

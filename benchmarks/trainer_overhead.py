@@ -6,7 +6,7 @@ its own process (so peak RSS is its own), alternating a/b for ``--rounds`` round
 median step-time ratio b/a, the peak-RSS ratio and whether the final fp32 weights are bitwise
 equal. Targets: <= 1.03, <= 1.05, equal.
 
-    python benchmarks/trainer_overhead.py [--epochs 6] [--rounds 3] [--threads 1]
+    python benchmarks/trainer_overhead.py [--epochs 6] [--rounds 3] [--threads 1] [--quick]
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from hpc_core.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # first: this checkout, not another install of the packages
+
+from benchmarks.harness import parse_args, verdict  # noqa: E402
+
 SETS = [
     "model.name=small_cnn",
     "model.kwargs={width: 32, norm: batch, dropout: 0.1}",
@@ -170,7 +174,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--child", choices=["plain", "trainer"], help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = parse_args(p, {"epochs": 1, "rounds": 1})
     if args.child:
         child(args.child, args.out, args.epochs, args.threads)
         return
@@ -204,6 +208,9 @@ def main() -> None:
         f"{rss['trainer'] / rss['plain']:9.3f}{'<= 1.05':>9}"
     )
     print(f"{'final fp32 weights':28}{'':24}{'bitwise equal' if bitwise else 'DIFFERENT':>18}")
+    verdict("Trainer / plain loop median step time ratio", med["trainer"] / med["plain"], "<=",
+            1.03, also=[("peak RSS ratio <= 1.05", rss["trainer"] / rss["plain"] <= 1.05),
+                        ("final weights bitwise equal", bitwise)])
 
 
 if __name__ == "__main__":
