@@ -115,9 +115,15 @@ def tree_peak_run(dev: Device, job_id: str, budget: int, steps: int,
     return peak.peak_mb, {**rec.result["memory"], "plan": (ft.outputs or {})["memory"]["plan"]}
 
 
-def restart_after_kill(dev: Device, steps: int = 60, every: int = 10) -> tuple[float, float]:
-    """kill -9 once the fine-tune is past 1.5 checkpoints (``every`` steps apart)."""
-    submit(dev, "r", finetune={"steps": steps, "checkpoint_every": every},
+RESTART_STEPS = 400
+"""The killed fine-tune's steps. The kill comes once the job's progress (written every 0.5 s)
+shows a step past 1.5 checkpoints: with 60 steps a fast host had trained them all within the
+first 0.5 s, the kill landed after the last step and the resumed run had none left to show.
+The resumed job is cancelled once its first step is seen, so the length costs nothing."""
+
+
+def restart_after_kill(dev: Device) -> tuple[float, float]:
+    submit(dev, "r", finetune={"steps": RESTART_STEPS, "checkpoint_every": 10},
            steps={"export": False})
     env = {**os.environ, CRASH_ENV: "inside:finetune"}
     r = subprocess.run(worker_cmd(dev.state, "r"), cwd=REPO, env=env,
@@ -135,12 +141,19 @@ def restart_after_kill(dev: Device, steps: int = 60, every: int = 10) -> tuple[f
         if running is None and rec is not None and rec.attempt > before.attempt:
             running = time.time() - t0
         prog = (rec.progress or {}) if rec is not None else {}
+        # A step of this run: not the killed run's last progress, which the new attempt's
+        # record carries until the worker resets it.
         if (running is not None and prog.get("stage") == "finetune"
-                and prog.get("step") is not None and rec.updated_at > t0):  # type: ignore[union-attr]
+                and prog.get("step") is not None and prog != before.progress
+                and rec.updated_at > t0):  # type: ignore[union-attr]
             stepping = time.time() - t0
         time.sleep(0.01)
+    if p.poll() is None:  # the figures are taken: the fine-tune stops at its next step
+        store.request_cancel("r")
     p.wait()
-    assert running is not None and stepping is not None
+    assert running is not None and stepping is not None, (
+        f"the resumed run showed no fine-tune step (IN_PROGRESS after {running} s; the killed "
+        f"run had reached {before.progress})")
     return running, stepping
 
 
@@ -162,11 +175,8 @@ def main() -> int:
                     help="effective batch of the budget runs (the planner probes min(16, this) "
                          "and its half and quarter, twice each)")
     ap.add_argument("--warmup", type=int, default=1, help="uncounted whole jobs first")
-    ap.add_argument("--restart-steps", type=int, default=60)
-    ap.add_argument("--restart-checkpoint-every", type=int, default=10)
     a = parse_args(ap, {"runs": 1, "steps": 4, "budget_steps": 2, "budgets": "450",
-                        "budget_batch": 1, "warmup": 0, "restart_steps": 20,
-                        "restart_checkpoint_every": 4})
+                        "budget_batch": 1, "warmup": 0})
     with tempfile.TemporaryDirectory(prefix="device-job-bench-") as tmp:
         work = Path(tmp)
         template = build_template(work / "template")
@@ -232,8 +242,7 @@ def main() -> int:
                 print("4. restart after kill -9 inside the fine-tune")
                 dev = make_device(template, reg, work / "restart")
                 dev.install()
-                running, stepping = restart_after_kill(dev, a.restart_steps,
-                                                       a.restart_checkpoint_every)
+                running, stepping = restart_after_kill(dev)
                 line("worker start -> job IN_PROGRESS again", f"{running:.2f} s", "<= 5 s")
                 line("worker start -> first optimizer step", f"{stepping:.2f} s",
                      "<= 5 s + model load")
