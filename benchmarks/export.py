@@ -24,7 +24,9 @@ INT8 (this host's recipe, no layer excluded) top-1 and p50/p99 at batch 1 and 32
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -141,6 +143,7 @@ def main() -> int:
         return zoo(args)
 
     work = Path(tempfile.mkdtemp(prefix="bench-export-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     ckpt = resolve_checkpoint(args.checkpoint) if args.checkpoint else train(
         work / "run", args.image_size, args.epochs)
     model, cfg = load_model(ckpt)
@@ -206,6 +209,7 @@ def main() -> int:
 def zoo(args: argparse.Namespace) -> int:
     """Per family and size: FP32 vs INT8 (this host's recipe, no layer excluded)."""
     work = Path(tempfile.mkdtemp(prefix="bench-zoo-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     rows: list[dict[str, Any]] = []
     for size in (int(s) for s in args.sizes.split(",")):
         for label, name, kwargs, lr in ZOO:

@@ -15,7 +15,9 @@ PSS / RSS ratio. Before the whole job was bounded, the health child alone reache
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -71,6 +73,7 @@ def main() -> int:
     a = parse_args(ap, {"image_size": 16, "steps": 2, "effective_batch": 1,
                         "upstream_epochs": 1, "max_accuracy_drop_pts": 100.0})
     work = Path(tempfile.mkdtemp(prefix="job-budget-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     t0 = time.perf_counter()
     template = build_template(work / "template", [f"training.epochs={a.upstream_epochs}",
                                                   "model.name=resnet",
