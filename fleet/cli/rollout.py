@@ -29,6 +29,7 @@ from fleet.rollout.plan import RolloutPlan, load_plan, validate_plan
 from fleet.rollout.progress import Progress, status_text
 from fleet.rollout.run import RolloutRun, summarize
 from fleet.rollout.store import ROLLOUT_ACTIVE, ROLLOUT_FINAL, FleetStore
+from fleet.rollout.verdict import ended_as_asked
 
 
 def _plan_overrides(a: argparse.Namespace) -> dict[str, Any]:
@@ -74,10 +75,7 @@ def _exit_code(store: FleetStore, states: dict[str, str]) -> int:
     """0 when every rollout finished its waves with no device failed, or was rolled back
     (on request) with no rollback failed."""
     for rid, state in states.items():
-        s = summarize(reports.load_run(store, rid))
-        done = state == "succeeded" and not any(w["failed"] for w in s["waves"])
-        undone = state == "rolled_back" and s["rollback_failed"] == 0
-        if not (done or undone):
+        if not ended_as_asked(state, summarize(reports.load_run(store, rid))):
             return EXIT_FAILED
     return EXIT_OK
 

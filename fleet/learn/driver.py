@@ -10,11 +10,13 @@ A round, from its base release B (round 1: the plan's base; later: the last rele
 - **finetune**: a rollout ``NAME-rK-ft`` of ``finetune`` (version B, ``steps.upload``) in the
   plan's waves. The round goes on as soon as ``min_updates`` devices' uploads are in (fresh
   ones, and late ones of earlier rounds within ``max_staleness``: FedBuff), or gives up at
-  ``collect_s`` (or when its rollout ended) with fewer: skipped, B kept. It never waits for
-  an offline or slow device: that rollout goes on under the controller, and what it uploads
-  later counts in a later round, with its staleness (``--max-staleness`` is passed through).
+  ``collect_s`` (or when its rollout ended) with fewer: skipped, B kept (``fleet.learn.quorum``
+  decides). It never waits for an offline or slow device: that rollout goes on under the
+  controller, and what it uploads later counts in a later round, with its staleness
+  (``--max-staleness`` is passed through).
 - **aggregate**: ``hpc-train aggregate --updates V1,...`` of exactly the uploads chosen: per
-  device its freshest one not spent by an earlier round (``fleet.learn.results.select``).
+  device its freshest one not spent by an earlier round; wrong ones are refused
+  (``fleet.learn.updates`` decides).
 - **candidate** / **evaluate** / **publish**: see "Where the candidate lives" below.
 - **deploy** (``--deploy``): a rollout ``NAME-rK-dp`` of ``deploy`` of the new release.
 
@@ -23,10 +25,10 @@ key it trusts (a command names no registry, by design), so the candidate is publ
 that registry first, as ``PREFIX-rK-candidate`` (behind the upstream gate, if set), and
 scored by every device beside B (rollout ``NAME-rK-ev``, ``evaluate.baseline`` = B). Then
 the same aggregate is published again as the release ``PREFIX-rK``, by ``hpc-train publish``
-with the device-evals file and the device gates: if one fails, nothing is published (exit 4)
-and the round keeps B, with the gate figures as its reason. Why this and not "publish
-``--dry-run``, then promote the candidate": a release name then exists only for an
-aggregate that passed every gate, with the gates' figures signed into its manifest
+with the device-evals file and the device gates (``fleet.learn.gates``): if one fails, nothing
+is published (exit 4) and the round keeps B, with the gate figures as its reason. Why this
+and not "publish ``--dry-run``, then promote the candidate": a release name then exists only
+for an aggregate that passed every gate, with the gates' figures signed into its manifest
 (``gate/...``); no deploy ever names a candidate (the learn deploys releases only, and a
 candidate is only ever evaluated, which installs nothing); the second publish costs one
 manifest, its chunks are already there. A refused candidate stays in the registry, unused:
@@ -39,9 +41,9 @@ deterministic names and are adopted when found (their executions keep their ids:
 answer DUPLICATE), an aggregate folder is complete or absent, a publish started again is
 refused by the registry when the first one got there ("already exists": taken as done, for a
 version this round had started publishing), and the device-evals file is rewritten from the
-record. So a controller killed at any point resumes the phase it was
-in without running a finished one again; only a tool killed mid-run (it dies with the
-controller: ``fleet.learn.child``) runs again.
+record. So a controller killed at any point resumes the phase it was in without running a
+finished one again; only a tool killed mid-run (it dies with the controller:
+``fleet.learn.child``) runs again.
 
 The driver runs inside the rollout controller's loop (``fleet.learn.loop.drive``): the same
 ``Controller`` drives the learn's rollouts, every other active rollout of the db, and the
@@ -56,15 +58,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from fleet.learn.evaluations import EVALS_FILE, read_evaluations, write_device_evals
+from fleet.learn.gates import PublishVerdict, publish_verdict, refusal_reason
 from fleet.learn.plan import Phase
-from fleet.learn.results import History, collect, evaluations
+from fleet.learn.quorum import aggregate_skip_reason, has_quorum, skip_reason
 from fleet.learn.store import LEARN_ACTIVE, Learn, LearnStore, RoundState
+from fleet.learn.updates import History, collect_updates
 from fleet.learn.upstream import (
-    EXIT_REFUSED_BY_GATES,
     ToolRun,
     UpstreamError,
     aggregate_argv,
-    already_published,
     candidate_argv,
     read_aggregate,
     read_gates,
@@ -74,7 +77,6 @@ from fleet.rollout.controller import Controller
 from fleet.rollout.report import load_run
 from fleet.rollout.run import RolloutRun
 from fleet.rollout.store import ROLLOUT_FINAL
-from hpc_core.atomic import write_json_atomic
 
 log = logging.getLogger("fleet.learn")
 
@@ -92,8 +94,6 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     ("deploy", "skip"): "done",
 }
 """(phase, event) -> next phase: the whole round on one screen."""
-
-EVALS_FILE = "device-evals.json"
 
 
 class LearnDriver:
@@ -317,16 +317,15 @@ class LearnDriver:
             else:
                 self._start_rollout(learn, rs, "finetune")
                 return None
-        chosen, dropped = collect(learn, rs, self.history[learn.id], self._run)
-        if len(chosen) >= plan.min_updates:
+        chosen, dropped = collect_updates(learn, rs, self.history[learn.id], self._run)
+        if has_quorum(plan, chosen):
             rs.updates, rs.dropped = chosen, dropped
             return "collected"
         ended = self._run(rs.rollouts["finetune"]).rollout.state in ROLLOUT_FINAL
-        if ended or now >= (rs.collect_until or now):
-            rs.outcome = "skipped"
-            rs.reason = (f"{len(chosen)} device upload(s) of the {plan.min_updates} needed "
-                         + ("when its fine-tune rollout ended" if ended
-                            else f"within collect_s ({plan.collect_s:g} s)"))
+        reason = skip_reason(plan, chosen, rollout_ended=ended, now=now,
+                             collect_until=rs.collect_until)
+        if reason is not None:
+            rs.outcome, rs.reason = "skipped", reason
             return "too_few"
         return None
 
@@ -344,8 +343,9 @@ class LearnDriver:
             if ended is None:
                 return None
             code, tail = ended
-            if code == 1:  # too few usable updates (each skip and why in its log)
-                rs.outcome, rs.reason = "skipped", f"hpc-train aggregate: {tail}"
+            skipped = aggregate_skip_reason(code, tail)
+            if skipped is not None:
+                rs.outcome, rs.reason = "skipped", skipped
                 return "too_few"
             res = read_aggregate(out, device_of) if code == 0 else None
             if res is None:
@@ -362,29 +362,31 @@ class LearnDriver:
         if ended is None:
             return None
         code, tail = ended
-        if code == 0 or self._published_before(learn, rs, "candidate", code, tail, version):
+        verdict = self._publish_verdict(learn, rs, "candidate", code, tail, version)
+        if verdict == "published":
             rs.candidate, rs.gates = version, read_gates(agg)
             return "published"
-        if code == EXIT_REFUSED_BY_GATES:
+        if verdict == "refused":
             rs.gates = read_gates(agg)
             rs.outcome = "refused"
-            rs.reason = "upstream gate: " + "; ".join(
-                f"{g.flag}: {g.detail}" for g in rs.gates if not g.passed)
+            rs.reason = refusal_reason("upstream gate", rs.gates)
             return "refused"
         raise UpstreamError(f"hpc-train publish of the candidate exit {code}: {tail}")
 
-    def _published_before(self, learn: Learn, rs: RoundState, tool: str, code: int,
-                          tail: str, version: str) -> bool:
-        """A publish this round started before a restart got there: the registry refuses to
-        publish the version again. On a first attempt the name belongs to someone else."""
-        if not already_published(code, tail, learn.plan.model, version):
-            return False
-        if rs.tool_runs.get(tool, 0) > 1:
+    def _publish_verdict(self, learn: Learn, rs: RoundState, tool: str, code: int,
+                         tail: str, version: str) -> PublishVerdict:
+        """``publish_verdict`` of this round's ``tool``; a version someone else published
+        stops the learn (``taken``), and a publish found done after a restart is logged."""
+        verdict = publish_verdict(code, tail, learn.plan.model, version,
+                                  rs.tool_runs.get(tool, 0))
+        if verdict == "taken":
+            raise UpstreamError(f"{learn.plan.model}@{version} is in {learn.plan.registry} "
+                                f"already and this learn did not publish it: "
+                                f"{learn.plan.name_fix(version)}")
+        if verdict == "published" and code != 0:
             log.info("learn publish found done", extra={"learn": learn.id, "round": rs.round,
                                                         "version": version})
-            return True
-        raise UpstreamError(f"{learn.plan.model}@{version} is in {learn.plan.registry} already "
-                            f"and this learn did not publish it: {learn.plan.name_fix(version)}")
+        return verdict
 
     def _base_checkpoint(self, learn: Learn, rs: RoundState) -> Path | None:
         """The checkpoint the round's base was published from (the upstream gate scores it)."""
@@ -401,35 +403,29 @@ class LearnDriver:
         if run.rollout.state not in ROLLOUT_FINAL:
             return None
         assert rs.candidate is not None
-        rs.evaluations, rs.not_evaluated = evaluations(run, rs.candidate, rs.base)
-        self._write_evals(learn, rs)
+        rs.evaluations, rs.not_evaluated = read_evaluations(run, rs.candidate, rs.base)
+        write_device_evals(self.round_dir(learn, rs.round) / EVALS_FILE, rs.evaluations)
         return "done"
-
-    def _write_evals(self, learn: Learn, rs: RoundState) -> Path:
-        """The device-evals file ``hpc-train publish`` reads, from the round's record."""
-        path = self.round_dir(learn, rs.round) / EVALS_FILE
-        write_json_atomic(path, {"evaluations": [e.model_dump() for e in rs.evaluations]})
-        return path
 
     def _publish(self, learn: Learn, rs: RoundState, now: float) -> str | None:
         plan, agg = learn.plan, self._aggregate_dir(learn, rs)
         version = plan.release_version(rs.round)
-        if not self._running(learn, rs, "publish"):
-            self._write_evals(learn, rs)
         evals = self.round_dir(learn, rs.round) / EVALS_FILE
+        if not self._running(learn, rs, "publish"):  # rewritten from the round's record
+            write_device_evals(evals, rs.evaluations)
         ended = self._tool(learn, rs, "publish", lambda: release_argv(plan, agg, version, evals))
         if ended is None:
             return None
         code, tail = ended
         # gates.json now holds the device gates; the upstream one was read at the candidate.
-        if code == 0 or self._published_before(learn, rs, "publish", code, tail, version):
+        verdict = self._publish_verdict(learn, rs, "publish", code, tail, version)
+        if verdict == "published":
             rs.release, rs.gates = version, [*rs.gates, *read_gates(agg)]
             return "published"
-        if code == EXIT_REFUSED_BY_GATES:
+        if verdict == "refused":
             rs.gates = [*rs.gates, *read_gates(agg)]
             rs.outcome = "refused"
-            rs.reason = "device gates: " + "; ".join(
-                f"{g.flag}: {g.detail}" for g in rs.gates if not g.passed)
+            rs.reason = refusal_reason("device gates", rs.gates)
             return "refused"
         raise UpstreamError(f"hpc-train publish of the release exit {code}: {tail}")
 

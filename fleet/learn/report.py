@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from fleet.inventory import render_table
-from fleet.learn.results import History, collect
 from fleet.learn.store import Learn, LearnStore, RoundState
+from fleet.learn.updates import History, collect_updates
 from fleet.rollout import report as rollout_reports
 from fleet.rollout.run import RolloutRun, summarize
 from fleet.rollout.store import FleetStore
@@ -87,7 +87,7 @@ def build(store: FleetStore, learn: Learn, rounds: list[RoundState]) -> dict[str
                                "rollouts": {p: _rollout_line(run_of(rid))
                                             for p, rid in cur.rollouts.items()}}
         if cur.phase == "finetune" and "finetune" in cur.rollouts:
-            chosen, _ = collect(learn, cur, History(learn, rounds, cur.round), run_of)
+            chosen, _ = collect_updates(learn, cur, History(learn, rounds, cur.round), run_of)
             now |= {"uploads": len(chosen), "needed": plan.min_updates,
                     "collect_left_s": max(0.0, round((cur.collect_until or 0) - time.time(), 1))}
         out["current"] = now

@@ -8,7 +8,8 @@ asked every turn. It is tied to the controller (``fleet.learn.child``): a killed
 leaves no tool behind, and each action is idempotent on a restart: an aggregate folder
 appears complete or not at all (the tool renames it into place last); a publish started
 again after a kill either publishes or is refused by the registry because the version is
-there already (``already_published``): versions are immutable, the tool never overwrites.
+there already (``fleet.learn.gates.publish_verdict``): versions are immutable, the tool never
+overwrites. Which gates each publish sets is ``fleet.learn.gates``'s too.
 (The fleet reads no manifest itself: verifying one needs ``registry.pull``, whose imports
 reach into ``hpc_core``, which the import contract keeps out of ``fleet``.)
 
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from fleet.learn.gates import device_gate_args, upstream_gate_args
 from fleet.learn.plan import LearnPlan
 from fleet.learn.store import Dropped, GateLine
 from registry.errors import RegistryError
@@ -35,8 +37,6 @@ from registry.jsonsafe import loads_strict
 HPC_TRAIN_ENV = "FLEETCTL_HPC_TRAIN"
 AGGREGATE_REPORT = "aggregate.json"
 GATES_REPORT = "gates.json"
-EXIT_REFUSED_BY_GATES = 4
-"""``hpc-train publish``: a gate failed, nothing published."""
 MAX_REPORT_BYTES = 16 << 20
 EXIT_CRASHED = 70
 """What ``ToolRun.poll`` reports for a tool that died of an uncaught exception (EX_SOFTWARE):
@@ -96,27 +96,13 @@ def aggregate_argv(plan: LearnPlan, base: str, updates: list[str], out: Path) ->
 def candidate_argv(plan: LearnPlan, agg: Path, version: str,
                    base_checkpoint: Path | None) -> list[str]:
     """Publish the aggregate for the devices to score, behind the upstream gate if set."""
-    argv = _publish(plan, agg, version)
-    if plan.max_upstream_drop is not None:
-        assert base_checkpoint is not None
-        argv += ["--max-upstream-drop", f"{plan.max_upstream_drop:g}",
-                 "--base-checkpoint", str(base_checkpoint)]
-        if plan.eval_config is not None:
-            argv += ["--eval-config", str(plan.eval_config)]
-    return argv
+    return [*_publish(plan, agg, version), *upstream_gate_args(plan, base_checkpoint)]
 
 
 def release_argv(plan: LearnPlan, agg: Path, version: str, evals: Path) -> list[str]:
     """Publish the release behind the device gates (their figures signed into it)."""
-    argv = [*_publish(plan, agg, version), "--device-evals", str(evals),
-            "--min-devices", str(plan.min_devices)]
-    if plan.min_mean_gain is not None:
-        argv += ["--min-mean-gain", f"{plan.min_mean_gain:g}"]
-        if plan.gain_mean is not None:
-            argv += ["--gain-mean", plan.gain_mean]
-    if plan.max_device_drop is not None:
-        argv += ["--max-device-drop", f"{plan.max_device_drop:g}"]
-    return argv
+    return [*_publish(plan, agg, version), "--device-evals", str(evals),
+            *device_gate_args(plan)]
 
 
 def _publish(plan: LearnPlan, agg: Path, version: str) -> list[str]:
@@ -237,9 +223,3 @@ def read_gates(agg: Path) -> list[GateLine]:
     except (ValidationError, RegistryError) as e:
         raise UpstreamError(f"{path}: not a gate report ({e})") from None
     return [GateLine(flag=g.flag, passed=g.passed, detail=g.detail) for g in rep.gates]
-
-
-def already_published(code: int, output: str, model: str, version: str) -> bool:
-    """Did ``hpc-train publish`` refuse because ``model@version`` is in the registry already
-    (exit 2; versions are immutable and never overwritten)?"""
-    return code == 2 and f"{model}@{version} already exists" in output

@@ -12,7 +12,10 @@ finished rollout: rolling_back → rolled_back.
 
 Execution ids, the in-memory ``RolloutRun`` and the summaries read from it are in
 ``fleet.rollout.run``; the command sent for an execution and how a result lands on it, in
-``fleet.rollout.messages``.
+``fleet.rollout.messages``. The decisions this loop acts on are each in a module named for
+them: when a rollout aborts itself and what follows (``fleet.rollout.abort``), when a wave is
+finished and how a rollout ends (``fleet.rollout.verdict``), whether an ended execution runs
+again (``fleet.rollout.retry``).
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from collections.abc import Callable
 
 from contract import Result
 from fleet.mqtt import FleetConnection
+from fleet.rollout.abort import abort_on_failure_rate, abort_on_metric_drop, state_after_abort
 from fleet.rollout.messages import command_for, finish_execution, infer_status
 from fleet.rollout.replicas import Replica
-from fleet.rollout.run import DEVICE_TERMINAL, RolloutRun, exec_id, metric_drop
+from fleet.rollout.run import DEVICE_TERMINAL, RolloutRun, exec_id
 from fleet.rollout.schedule import Schedule
-from fleet.rollout.store import ROLLOUT_ACTIVE, Execution, FleetStore, Wave
+from fleet.rollout.store import ROLLOUT_ACTIVE, Execution, FleetStore
+from fleet.rollout.verdict import rollback_verdict, rollout_verdict, wave_baked, wave_finished
 
 log = logging.getLogger("fleet.controller")
 
@@ -209,7 +214,10 @@ class Controller:
             rid = run.rollout.id
             self._retries(run, [e for e in self.dirty.values()
                                 if e.rollout_id == rid and e.kind == "job"])
-            if not self._health_failure_rate(run, now):
+            reason = abort_on_failure_rate(run.plan, self.sched[rid].census(run, now))
+            if reason is not None:
+                self.abort(run, reason, now)
+            else:
                 self._waves(run, now)
         elif state == "aborting":
             self._aborting(run, now)
@@ -292,19 +300,11 @@ class Controller:
             if latest.get(e.device) is e and not e.open and not run.final(e):
                 self._plan_exec(run, e.device, e.wave, e.attempt + 1)
 
-    def _health_failure_rate(self, run: RolloutRun, now: float) -> bool:
-        p = run.plan
-        c = self.sched[run.rollout.id].census(run, now)
-        if c.done >= p.min_completed and c.failed / c.done > p.abort_failure_rate:
-            self.abort(run, f"failure rate {c.failed}/{c.done} > {p.abort_failure_rate:g}", now)
-            return True
-        return False
-
     def _waves(self, run: RolloutRun, now: float) -> None:
         wave = next((w for w in run.waves if w.state != "done"), None)
         if wave is None:
-            failed = run.census().failed_any  # the verdict: counted now, not from a turn ago
-            self._set_state(run, "completed_with_failures" if failed else "succeeded")
+            # The verdict: counted now, not from a turn ago.
+            self._set_state(run, rollout_verdict(run.census()))
             return
         if wave.state == "pending":
             if run.rollout.state == "paused":
@@ -327,33 +327,24 @@ class Controller:
                             break
                         self._queue_send(run, e, now)
                     sched.planned.popleft()
-            c = sched.census(run, now)
-            if c.devices.get(wave.idx, 0) and not c.unfinished.get(wave.idx, 0):
+            if wave_finished(sched.census(run, now), wave.idx):
                 mine = [e for e in run.latest().values() if e.wave == wave.idx]
-                if self._health_metric(run, wave, mine, now):
+                reason = abort_on_metric_drop(run.plan, wave.idx, mine)
+                if reason is not None:
+                    self.abort(run, reason, now)
                     return
                 wave.state = "baking"
                 wave.bake_until = now + run.plan.bake_s
                 self.store.save_wave(wave)
-        if wave.state == "baking" and now >= (wave.bake_until or 0):
+        if wave_baked(wave, now):
             wave.state, wave.finished_at = "done", now
             self.store.save_wave(wave)
             log.info("wave done", extra={"rollout": run.rollout.id, "wave": wave.idx})
 
-    def _health_metric(self, run: RolloutRun, wave: Wave, mine: list[Execution],
-                       now: float) -> bool:
-        reason = metric_drop(run, wave.idx, mine)
-        if reason is not None:
-            self.abort(run, reason, now)
-        return reason is not None
-
     def _aborting(self, run: RolloutRun, now: float) -> None:
         if self.sched[run.rollout.id].census(run, now).open_jobs:
             return  # running executions finish; their outcome decides their rollback
-        if run.plan.rollback_on_abort:
-            self._set_state(run, "rolling_back")
-        else:
-            self._set_state(run, "aborted")
+        self._set_state(run, state_after_abort(run.plan))
 
     def committed_devices(self, run: RolloutRun) -> list[str]:
         return sorted({e.device for e in run.execs.values()
@@ -367,7 +358,7 @@ class Controller:
                 self._queue_send(run, self._plan_exec(run, dev, w, 1, "rollback"), now)
         if any(e.open for e in run.latest("rollback").values()):
             return
-        self._set_state(run, "aborted" if run.rollout.reason else "rolled_back")
+        self._set_state(run, rollback_verdict(run.rollout))
 
     # --- the loop -----------------------------------------------------------------------
 

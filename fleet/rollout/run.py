@@ -7,17 +7,15 @@ and the report show.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from fleet.rollout.plan import RolloutPlan
+from fleet.rollout.retry import will_retry
 from fleet.rollout.store import Execution, Rollout, Wave
 
-RETRIED = frozenset({"FAILED", "TIMED_OUT", "EXPIRED"})
-"""Terminal statuses a plan's ``retries`` apply to; REJECTED never is (the args are wrong)."""
 DEVICE_TERMINAL = frozenset(
     {"SUCCEEDED", "FAILED", "TIMED_OUT", "EXPIRED", "REJECTED", "CANCELED"}
 )
@@ -117,28 +115,10 @@ class RolloutRun:
         )
 
     def final(self, e: Execution) -> bool:
-        """Terminal and not to be retried."""
+        """Terminal and not to be retried (``fleet.rollout.retry``)."""
         if e.open:
             return False
-        return not (
-            e.status in RETRIED
-            and e.attempt <= self.plan.retries
-            and self.rollout.state in ("running", "paused")
-        )
-
-
-def metric_drop(run: RolloutRun, wave: int, mine: list[Execution]) -> str | None:
-    """Why a finished wave aborts the rollout: the median drop of the plan's abort metric
-    over its devices above ``max_metric_drop`` (None: it does not)."""
-    p = run.plan
-    drops = [e.metric_before - e.metric_after for e in mine
-             if e.metric_before is not None and e.metric_after is not None]
-    if p.max_metric_drop is None or not drops:
-        return None
-    med = statistics.median(drops)
-    if med <= p.max_metric_drop:
-        return None
-    return f"wave {wave}: median {p.abort_metric} drop {med:.4f} > {p.max_metric_drop:g}"
+        return not will_retry(self.plan, self.rollout.state, e)
 
 
 def summarize(run: RolloutRun) -> dict[str, Any]:

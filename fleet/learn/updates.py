@@ -1,11 +1,18 @@
-"""What the devices' results give a learn: the versions their fine-tunes uploaded, which of
-them a round combines, and their evaluations of a candidate.
+"""Which device updates a round combines, and which it refuses.
 
-Device results are input from outside: each is parsed here (a JobOutcome's ``uploaded``, an
-evaluate job's ``evaluation``) and checked against what the round asked for (the release it
-fine-tuned from, the candidate and baseline it scored); anything else is left out with the
-reason, never passed on to ``hpc-train``. The device id is the one the topic proved (the
-controller's execution), never a payload's.
+A device's upload is input from outside: each fine-tune's result is parsed here (its
+JobOutcome's ``uploaded``) and checked against what the round asked for; anything else is
+left out with the reason (a ``Dropped``), never passed on to ``hpc-train``. The device id is
+the one the topic proved (the controller's execution), never a payload's. The rules:
+
+- ``refuse_upload``: an upload whose version is no valid name, or that is not a fine-tune of
+  the model and release the round's command named, is refused.
+- ``choose_updates``: per device, its freshest upload not spent by an earlier round; uploads
+  fine-tuned more than ``max_staleness`` releases back, and a device's older uploads, are
+  dropped for good.
+
+``collect_updates`` applies both to a round's fine-tune rollout and the earlier rounds' (late
+uploads count, FedBuff); whether the round has enough of them is ``fleet.learn.quorum``'s.
 """
 
 from __future__ import annotations
@@ -13,10 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
-from contract import JobOutcome
-from fleet.learn.store import ChosenUpdate, Dropped, Evaluation, Learn, RoundState
+from contract import JobOutcome, UploadInfo
+from fleet.learn.store import ChosenUpdate, Dropped, Learn, RoundState
 from fleet.rollout.run import RolloutRun
 from registry.names import check_version
 
@@ -30,8 +37,24 @@ class Upload:
     finished_at: float
 
 
-def uploads(run: RolloutRun, model: str, release: str) -> tuple[list[Upload], list[Dropped]]:
-    """Every version a fine-tune of ``run`` uploaded (any attempt), and those left out."""
+def refuse_upload(device: str, up: UploadInfo, model: str, release: str) -> Dropped | None:
+    """Why ``device``'s upload ``up`` is refused: its version is no valid version name, or it
+    is not a fine-tune of ``model@release`` (another model, or another parent than the
+    release the round's command named). None: it may be combined."""
+    try:
+        check_version(up.version)
+    except ValueError as err:
+        return Dropped(device=device, reason=f"upload: {err}")
+    if up.name != model or up.parent != release:
+        return Dropped(version=up.version, device=device, reason=(
+            f"uploaded {up.name}@{up.version} with parent {up.parent}; the round asked "
+            f"for a fine-tune of {model}@{release}"))
+    return None
+
+
+def read_uploads(run: RolloutRun, model: str,
+                 release: str) -> tuple[list[Upload], list[Dropped]]:
+    """Every version a fine-tune of ``run`` uploaded (any attempt), and those refused."""
     out: list[Upload] = []
     bad: list[Dropped] = []
     for e in run.execs.values():
@@ -43,22 +66,16 @@ def uploads(run: RolloutRun, model: str, release: str) -> tuple[list[Upload], li
             continue
         if up is None:
             continue  # its own gates rolled it back, or it did not upload
-        try:
-            check_version(up.version)
-        except ValueError as err:
-            bad.append(Dropped(device=e.device, reason=f"upload: {err}"))
-            continue
-        if up.name != model or up.parent != release:
-            bad.append(Dropped(version=up.version, device=e.device, reason=(
-                f"uploaded {up.name}@{up.version} with parent {up.parent}; the round asked "
-                f"for a fine-tune of {model}@{release}")))
+        refused = refuse_upload(e.device, up, model, release)
+        if refused is not None:
+            bad.append(refused)
             continue
         out.append(Upload(up.version, e.device, release, e.finished_at or 0.0))
     return out, bad
 
 
-def select(found: list[Upload], chain: list[str], spent: set[str],
-           max_staleness: int) -> tuple[list[ChosenUpdate], list[Dropped]]:
+def choose_updates(found: list[Upload], chain: list[str], spent: set[str],
+                   max_staleness: int) -> tuple[list[ChosenUpdate], list[Dropped]]:
     """The updates a round on ``chain[-1]`` combines: per device its freshest upload not yet
     spent, fine-tuned from one of the last ``max_staleness + 1`` releases of ``chain``
     (oldest first). Also what is dropped for good: a device's older uploads, and uploads
@@ -88,52 +105,6 @@ def select(found: list[Upload], chain: list[str], spent: set[str],
     return chosen, dropped
 
 
-class _Scores(BaseModel):
-    # The step's output carries more (runtime, finite, the step's memory): only these count.
-    model_config = ConfigDict(extra="ignore")
-    version: str | None = None
-    accuracy: float = Field(ge=0, le=1)
-
-
-class _DeviceEvaluation(BaseModel):
-    """``result.evaluation`` of an evaluate job (``agent/jobs/steps/evaluate.py``)."""
-
-    model_config = ConfigDict(extra="ignore")
-    version: str
-    accuracy: float = Field(ge=0, le=1)
-    samples: int = Field(gt=0)
-    baseline: _Scores
-
-
-def evaluations(run: RolloutRun, candidate: str,
-                base: str) -> tuple[list[Evaluation], list[Dropped]]:
-    """Each device's evaluation of ``candidate`` beside ``base`` (its last attempt), and the
-    devices that gave none, with why."""
-    got: list[Evaluation] = []
-    missing: list[Dropped] = []
-    for device, e in sorted(run.latest().items()):
-        if e.status != "SUCCEEDED":
-            why = f"{e.status}" + (f" {e.error_code}: {e.error_message}" if e.error_code else "")
-            missing.append(Dropped(device=device, reason=why))
-            continue
-        try:
-            ev = _DeviceEvaluation.model_validate((e.result or {}).get("evaluation"))
-        except ValidationError as err:
-            first = err.errors()[0]
-            where = ".".join(str(x) for x in first["loc"]) or "evaluation"
-            missing.append(Dropped(device=device, reason=f"result.evaluation.{where}: "
-                                                         f"{first['msg']}"))
-            continue
-        if ev.version != candidate or ev.baseline.version != base:
-            missing.append(Dropped(device=device, reason=(
-                f"scored {ev.version} beside {ev.baseline.version}, not {candidate} beside "
-                f"{base}")))
-            continue
-        got.append(Evaluation(device=device, samples=ev.samples, base_accuracy=ev.baseline.accuracy,
-                              candidate_accuracy=ev.accuracy))
-    return got, missing
-
-
 class History:
     """What earlier rounds of a learn leave the current one (they no longer change): the
     chain of releases, the uploads spent, the fine-tune rollouts still to read uploads from."""
@@ -152,15 +123,16 @@ class History:
         """release -> the round whose aggregate folder it was published from."""
 
 
-def collect(learn: Learn, rs: RoundState, hist: History,
-            run_of: Callable[[str], RolloutRun]) -> tuple[list[ChosenUpdate], list[Dropped]]:
+def collect_updates(
+    learn: Learn, rs: RoundState, hist: History, run_of: Callable[[str], RolloutRun],
+) -> tuple[list[ChosenUpdate], list[Dropped]]:
     """What round ``rs`` would combine now, and what it would drop for good, from the
     uploads of its own fine-tune rollout and of the earlier rounds' (``run_of``: rollout id
     -> the rollout, from the controller or the store)."""
     found, bad = [], []
     for rid, release in [*hist.finetunes, (rs.rollouts["finetune"], rs.base)]:
-        ups, wrong = uploads(run_of(rid), learn.plan.model, release)
+        ups, wrong = read_uploads(run_of(rid), learn.plan.model, release)
         found += ups
         bad += [d for d in wrong if d.version not in hist.spent]
-    chosen, dropped = select(found, hist.chain, hist.spent, learn.plan.max_staleness)
+    chosen, dropped = choose_updates(found, hist.chain, hist.spent, learn.plan.max_staleness)
     return chosen, dropped + bad
