@@ -74,15 +74,15 @@ class _Job:
 class SimDevice:
     """One device: its MQTT client, its job table (the idempotency record) and its model."""
 
-    def __init__(self, fleet: SimHost, device_id: str, behavior: Behavior) -> None:
-        self.fleet = fleet
+    def __init__(self, host: SimHost, device_id: str, behavior: Behavior) -> None:
+        self.host = host
         self.id = device_id
         self.behavior = behavior
-        self.groups = list(fleet.cfg.groups)
+        self.groups = list(host.cfg.groups)
         self.conn_seq = 0
         self.boot_id = str(uuid.uuid4())
         self.model = ModelInfo(
-            name=fleet.cfg.model_name, version=fleet.cfg.model_version, sequence=1, slot="a"
+            name=host.cfg.model_name, version=host.cfg.model_version, sequence=1, slot="a"
         )
         self.standby: ModelInfo | None = None
         self.jobs: dict[str, _Job] = {}
@@ -107,40 +107,40 @@ class SimDevice:
 
     def connect(self) -> None:
         self.conn_seq += 1
-        t = self.fleet.topics
+        t = self.host.topics
         c = make_client(
-            self.fleet.broker_for(self.id), self.id,
+            self.host.broker_for(self.id), self.id,
             will=(t.status(self.id), self.status("offline").to_payload()),
         )
-        self.fleet.attach(c)
+        self.host.attach(c)
         c.on_connect = self._on_connect
         c.on_message = self._on_message
         c.on_disconnect = self._on_disconnect
         self.client = c
         c.connect(
-            self.fleet.broker.host, self.fleet.broker.port, keepalive=60, clean_start=False,
+            self.host.broker.host, self.host.broker.port, keepalive=60, clean_start=False,
             properties=connect_props(True),
         )
 
     def _on_connect(self, c: mqtt.Client, ud: Any, flags: Any, rc: Any, props: Any) -> None:
         if rc.is_failure:
             return
-        t = self.fleet.topics
+        t = self.host.topics
         subs = [(t.device_commands(self.id), 1)] + [(t.group_commands(g), 1) for g in self.groups]
         c.subscribe(subs)
         self.publish_status()
         self.online = True
-        self.fleet.connected_count += 1
+        self.host.connected_count += 1
 
     def _on_disconnect(self, c: mqtt.Client, ud: Any, flags: Any, rc: Any, p: Any) -> None:
         if self.online:
-            self.fleet.connected_count -= 1
+            self.host.connected_count -= 1
         self.online = False
 
     def publish_status(self) -> None:
         assert self.client is not None
         self.client.publish(
-            self.fleet.topics.status(self.id), self.status("online").to_payload(), 1, True
+            self.host.topics.status(self.id), self.status("online").to_payload(), 1, True
         )
 
     # --- messages out -------------------------------------------------------------------
@@ -148,12 +148,12 @@ class SimDevice:
     def send_result(self, job_id: str, status: str, **kw: Any) -> None:
         r = Result(id=job_id, device=self.id, status=status, seq=next(self.res_seq),
                    ts=utc_now(), **kw)  # type: ignore[arg-type]
-        self.fleet.publish(self, self.fleet.topics.result(self.id), r.to_payload())
+        self.host.publish(self, self.host.topics.result(self.id), r.to_payload())
 
     def send_event(self, kind: str, data: dict[str, Any]) -> None:
         e = Event(device=self.id, kind=kind, seq=next(self.evt_seq), ts=utc_now(),  # type: ignore[arg-type]
                   data=data)
-        self.fleet.publish(self, self.fleet.topics.event(self.id, kind), e.to_payload())
+        self.host.publish(self, self.host.topics.event(self.id, kind), e.to_payload())
 
     def send_telemetry(self) -> None:
         job = None
@@ -162,16 +162,16 @@ class SimDevice:
         tel = Telemetry(ts=utc_now(), seq=next(self.tel_seq), temps_c={"cpu": 45.0},
                         power_mw=5000.0, job=job)
         if self.client is not None and self.online:
-            self.client.publish(self.fleet.topics.telemetry(self.id), tel.to_payload(), 0)
+            self.client.publish(self.host.topics.telemetry(self.id), tel.to_payload(), 0)
 
     # --- commands in --------------------------------------------------------------------
 
     def _on_message(self, c: mqtt.Client, ud: Any, msg: mqtt.MQTTMessage) -> None:
         try:
-            kind, target, type_ = self.fleet.topics.parse(msg.topic)
+            kind, target, type_ = self.host.topics.parse(msg.topic)
             self.handle(kind, target, type_ or "", msg.payload)
         except Exception as e:  # a bug in the simulation must not kill the shared loop
-            self.fleet.errors.append(f"{self.id}: {e!r}")
+            self.host.errors.append(f"{self.id}: {e!r}")
 
     def handle(self, kind: str, target: str, type_: str, payload: bytes) -> None:
         try:
@@ -203,7 +203,7 @@ class SimDevice:
         self.send_result(cmd.id, "ACCEPTED")
         if cmd.type in JOB_TYPES:
             self.queue.append(cmd.id)
-            self.fleet.call_later(0, self._next_job)
+            self.host.call_later(0, self._next_job)
         elif cmd.type == "cancel":
             self._cancel(job, CancelArgs.model_validate(cmd.args).job_id)
         elif cmd.type == "set_power_mode":
@@ -247,7 +247,7 @@ class SimDevice:
             id=job.id, stage=job.type, pct=0.0))
         b = self.behavior
         duration = b.rollback_duration_s if job.type == "rollback" else b.job_duration_s
-        self.fleet.call_later(duration, lambda: self._end_job(job))
+        self.host.call_later(duration, lambda: self._end_job(job))
 
     def _end_job(self, job: _Job) -> None:
         self.running = None
@@ -259,7 +259,7 @@ class SimDevice:
             else:
                 self._train_or_deploy(job)
         finally:
-            self.fleet.call_later(0, self._next_job)
+            self.host.call_later(0, self._next_job)
 
     def _rollback(self, job: _Job) -> None:
         if self.standby is None:
