@@ -113,7 +113,7 @@ def cmd_controller(a: argparse.Namespace) -> int:
     try:
         if a.forever and not a.rollout:
             # The db's controller: its learns' rounds too, not only their rollouts.
-            from fleet.cli.learn import drive_learns  # cli_learn imports this module
+            from fleet.cli.learn import drive_learns  # fleet.cli.learn imports this module
 
             return drive_learns(a, store, session)
         states = _run_controller(a, store, session, a.rollout or None, forever=a.forever)
