@@ -358,6 +358,16 @@ def _principal_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The server's parser; ``add-principal`` has its own (:func:`subcommand_parsers`)."""
+    return _serve_parser()
+
+
+def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Commands :func:`main` dispatches before the server's parser, by name (for the docs)."""
+    return {"add-principal": _principal_parser()}
+
+
 def _add_principal(argv: list[str]) -> int:
     args = _principal_parser().parse_args(argv)
     device_id = args.device_id or (args.name if args.kind == "device" else None)
