@@ -40,9 +40,21 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-# The checkout this page is built from, ahead of any installed copy of the packages.
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+
+
+def checkout_first() -> None:
+    """Import the packages from the checkout this site is built from, ahead of any installed
+    copy (mkdocs restores sys.path after loading a hook, so this runs at build time)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import hpc_core
+
+    where = Path(hpc_core.__file__).resolve()
+    if ROOT not in where.parents:
+        raise RuntimeError(f"hpc_core was imported from {where}, not from {ROOT}")
+
+
+checkout_first()
 
 from pydantic import BaseModel  # noqa: E402
 from pydantic.fields import FieldInfo  # noqa: E402
@@ -163,6 +175,11 @@ def _prose(text: str, raw: bool) -> list[str]:
     return [md_text(para) + "\n" for para in re.split(r"\n\s*\n", text) if para.strip()]
 
 
+def _expand(parser: argparse.ArgumentParser, text: str) -> str:
+    """``%(prog)s`` as argparse itself fills it in."""
+    return text.replace("%(prog)s", parser.prog)
+
+
 def _default(action: argparse.Action) -> str:
     d = action.default
     if d is None or d is argparse.SUPPRESS or isinstance(action, (
@@ -207,7 +224,7 @@ def _command_section(name: str, parser: argparse.ArgumentParser, level: int,
                      summary: str) -> list[str]:
     out = [f"{'#' * min(level, 6)} `{name}`", ""]
     if parser.description:
-        out += _prose(parser.description, _raw(parser))
+        out += _prose(_expand(parser, parser.description), _raw(parser))
     elif summary:
         out += [md_text(summary), ""]
     out += block(parser.format_usage().removeprefix("usage: ").strip())
@@ -219,7 +236,7 @@ def _command_section(name: str, parser: argparse.ArgumentParser, level: int,
         out.append("")
     out += _options(parser)
     if parser.epilog:
-        out += _prose(parser.epilog, _raw(parser))
+        out += _prose(_expand(parser, parser.epilog), _raw(parser))
     for sub_name, sub_help, sub in subs:
         out += _command_section(f"{name} {sub_name}", sub, level + 1, sub_help)
     return out
@@ -332,33 +349,52 @@ def _field_default(field: FieldInfo) -> str:
 
 
 def model_section(model: type[BaseModel], title: str, level: int = 2,
-                  seen: set[type[BaseModel]] | None = None, expand: bool = True) -> list[str]:
-    """``model``'s fields as a table, then (``expand``) each nested model's under its dotted
-    path."""
+                  seen: set[type[BaseModel]] | None = None, expand: bool = True,
+                  path: str = "", suffix: str = "") -> list[str]:
+    """``model``'s fields as a table under ``title``, then (``expand``) each nested model's
+    under its dotted key path (``path`` is the table's own, empty at the top) and ``suffix``
+    (which tells apart tables of one page with the same path)."""
     seen = set() if seen is None else seen
     seen.add(model)
     docs = _attribute_docstrings(model)
-    out = [f"{'#' * min(level, 6)} `{title}`", ""]
+    heading = title if path or " " in title else f"`{title}`"
+    out = [f"{'#' * min(level, 6)} {heading}", ""]
     if model.__doc__ and model.__doc__ is not BaseModel.__doc__:
         out += [md_text(inspect.cleandoc(model.__doc__)), ""]
-    out += ["| key | type | default | meaning |", "|---|---|---|---|"]
     nested: list[tuple[str, type[BaseModel]]] = []
     for name, field in model.model_fields.items():
         key = field.alias or name
-        meaning = field.description or docs.get(name, "")
-        out.append(f"| `{key}` | {type_name(field.annotation)} | {_field_default(field)} | "
-                   f"{md_text(meaning)} |")
         for sub in _models_in(field.annotation):
-            if expand and sub not in seen:
+            if expand and sub not in seen and sub not in (m for _, m in nested):
                 nested.append((key, sub))
-    out.append("")
     many = {k for k, _ in nested if sum(1 for k2, _ in nested if k2 == k) > 1}
+    titles = {}
     for key, sub in nested:
-        if sub in seen:
-            continue
-        sub_title = f"{title}.{key}" + (f" ({sub.__name__})" if key in many else "")
-        out += model_section(sub, sub_title, level + 1, seen)
+        sub_path = f"{path}.{key}" if path else key
+        titles[sub] = (sub_path, f"`{sub_path}`" + (f" ({sub.__name__})" if key in many else "")
+                       + suffix)
+    out += ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for name, field in model.model_fields.items():
+        key = field.alias or name
+        meaning = field.description or docs.get(name, "")
+        default = _field_default(field)
+        below = [titles[m][1] for m in _models_in(field.annotation) if m in titles]
+        if default == "see below" and below:
+            default = f"[see below](#{toc_slug(below[0])})"
+        out.append(f"| `{key}` | {type_name(field.annotation)} | {default} | "
+                   f"{md_text(meaning)} |")
+    out.append("")
+    seen.update(titles)
+    for sub, (sub_path, sub_title) in titles.items():
+        out += model_section(sub, sub_title, level + 1, seen, path=sub_path, suffix=suffix)
     return out
+
+
+def toc_slug(heading: str) -> str:
+    """The anchor Python-Markdown's toc extension gives a heading (mkdocs' default)."""
+    from markdown.extensions.toc import slugify
+
+    return slugify(heading.replace("`", ""), "-")
 
 
 def find_class(package: str, name: str, hint: str | None = None) -> type[BaseModel]:
@@ -375,10 +411,12 @@ def find_class(package: str, name: str, hint: str | None = None) -> type[BaseMod
     raise RuntimeError(f"no class {name} in package {package}")
 
 
-def _config_page(title: str, intro: str, sections: list[tuple[str, type[BaseModel]]]) -> str:
+def _config_page(title: str, intro: str, sections: list[tuple[str, type[BaseModel]]],
+                 path: str = "", suffixes: bool = False) -> str:
     out = [GENERATED_NOTE, "", f"# {title}", "", intro, ""]
     for section_title, model in sections:
-        out += model_section(model, section_title, 2)
+        out += model_section(model, section_title, 2, path=path,
+                             suffix=f" ({section_title.split()[0]})" if suffixes else "")
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -428,13 +466,13 @@ def config_pages() -> dict[str, str]:
         "--args`, `fleetctl rollout create --args`, `agentctl send --args`): an allow-list "
         "per job type, unknown fields refused (`REJECTED BAD_ARGS`). Data sets and caches are "
         "*names* the device resolves under its own folders.",
-        [(f"{t} args", m) for t, m in spec.COMMAND_ARGS.items()])
+        [(f"{t} args", m) for t, m in spec.COMMAND_ARGS.items()], path="args", suffixes=True)
     pages["reference/config/jobs-resolved.md"] = _config_page(
         "Device jobs as the worker runs them",
         "The resolved spec of each job type: the command's args plus what the device's "
         "`agent.yaml` decides (paths, registry, keys). `agentctl finetune` in the foreground "
         "takes the `finetune` spec's fields as flags (`--config FILE --set a.b=c` too).",
-        [(f"{t} job", m) for t, m in spec.SPECS.items()])
+        [(f"{t} job", m) for t, m in spec.SPECS.items()], suffixes=True)
     pages["reference/config/finetune.md"] = _config_page(
         "Fine-tune job (`python -m agent.finetune`)",
         "The fine-tune on its own, outside the device job: `python -m agent.finetune` takes "
@@ -628,6 +666,7 @@ def oip_page() -> str:
 
 def pages() -> dict[str, str]:
     """Every generated page: path under docs/ -> Markdown."""
+    checkout_first()
     old = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "100"  # usage lines wrap the same on every terminal
     try:
