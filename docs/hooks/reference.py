@@ -397,9 +397,10 @@ def toc_slug(heading: str) -> str:
     return slugify(heading.replace("`", ""), "-")
 
 
-def find_class(package: str, name: str, hint: str | None = None) -> type[BaseModel]:
-    """``name`` in ``hint`` or, when a move took it elsewhere, in any module of ``package``."""
-    if hint is not None:
+def find_class(package: str, name: str, *hints: str) -> type[BaseModel]:
+    """``name`` in the first of ``hints`` that has it or, when a move took it elsewhere, in
+    any module of ``package``."""
+    for hint in hints:
         with contextlib.suppress(ModuleNotFoundError, AttributeError):
             return getattr(importlib.import_module(hint), name)  # type: ignore[no-any-return]
     pkg = importlib.import_module(package)
@@ -443,16 +444,17 @@ def config_pages() -> dict[str, str]:
     from agent.jobs import spec
     from device_profiles.schema import DeviceProfile
     from exporters.job import ExportJob
-    from hpc_core.search_space import SearchSpace
     from registry.manifest import Manifest
     from registry.principals import PrincipalsFile
 
+    search_space = find_class("hpc_core", "SearchSpace", "hpc_core.tune.search_space",
+                              "hpc_core.search_space")
     pages = {"reference/config/training.md": training_config_page()}
     pages["reference/config/search-space.md"] = _config_page(
         "Search space (`hpc-train tune --space`)",
         "The space file of a hyperparameter search (`configs/space_digits.yaml` is one): the "
         "study's settings and each parameter, keyed by the config path it sets.",
-        [("space", SearchSpace)])
+        [("space", search_space)])
     pages["reference/config/agent.md"] = _config_page(
         "Device config (`agent.yaml`)",
         "What `edge-agent --config` and `edge-agent validate` read (`systemd/agent.example."
@@ -485,9 +487,10 @@ def config_pages() -> dict[str, str]:
         "with `--set` overrides. Within a device job the same sections are `export`, less "
         "its paths.",
         [("export", ExportJob)])
-    rollout_plan = find_class("fleet", "RolloutPlan", "fleet.plan")
-    learn_plan = find_class("fleet", "LearnPlan", "fleet.learn_plan")
-    inventory = find_class("fleet", "FleetInventory", "fleet.broker_config")
+    rollout_plan = find_class("fleet", "RolloutPlan", "fleet.rollout.plan", "fleet.plan")
+    learn_plan = find_class("fleet", "LearnPlan", "fleet.learn.plan", "fleet.learn_plan")
+    inventory = find_class("fleet", "FleetInventory", "fleet.broker.config",
+                           "fleet.broker_config")
     pages["reference/config/fleet.md"] = _config_page(
         "Fleet files (`fleetctl`)",
         "The rollout plan (`fleetctl rollout create --plan rollout.yaml`; every field is "
