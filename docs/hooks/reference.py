@@ -14,6 +14,7 @@ contract really are:
   ``hpc_core.config.reference_markdown()`` itself (tests/docs checks it).
 - ``reference/mqtt-contract.md``: topics, messages and codes from the ``contract`` package.
 - ``reference/oip.md``: the Open Inference Protocol endpoints ``agentctl serve`` answers.
+- ``reference/job-state-machine.md``: the device job's transitions, from ``agent.jobs.machine``.
 
 Anything the generator cannot place (a script without ``build_parser``, a topic row that no
 ``Topics`` method builds) raises, which fails the build.
@@ -47,6 +48,7 @@ checkout_first()
 
 from refgen.cli import MODULE_COMMANDS, cli_pages, console_scripts  # noqa: E402
 from refgen.contract import contract_page, oip_page  # noqa: E402
+from refgen.jobs import job_machine_page  # noqa: E402
 from refgen.models import CONFIG_END, CONFIG_START, config_pages, training_config_page  # noqa: E402
 from refgen.text import slug  # noqa: E402
 
@@ -69,6 +71,7 @@ def pages() -> dict[str, str]:
     out.update(config_pages())
     out["reference/mqtt-contract.md"] = contract_page()
     out["reference/oip.md"] = oip_page()
+    out["reference/job-state-machine.md"] = job_machine_page()
     return out
 
 

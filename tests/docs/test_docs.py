@@ -88,6 +88,7 @@ def test_site_builds_strictly(tmp_path: Path) -> None:
     html = (site / "reference/cli/fleetctl.html").read_text()
     assert "fleetctl rollout create" in html and "--max-metric-drop" in html
     assert "edge-agent validate" in (site / "reference/cli/edge-agent.html").read_text()
+    assert "rolled_back" in (site / "reference/job-state-machine.html").read_text()
     # the config reference on the site is the code's: a key and its default, as rendered
     training = (site / "reference/config/training.html").read_text()
     assert "global_batch_size" in training and "max_nan_rollbacks" in training

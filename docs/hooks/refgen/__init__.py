@@ -3,6 +3,7 @@
 - :mod:`refgen.cli`: every command line, walked from its argparse parser;
 - :mod:`refgen.models`: configuration files and job models, from their pydantic models;
 - :mod:`refgen.contract`: the MQTT contract and the Open Inference Protocol endpoints;
+- :mod:`refgen.jobs`: the device job's state machine;
 - :mod:`refgen.text`: Markdown helpers they share.
 """
 

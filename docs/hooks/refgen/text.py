@@ -33,7 +33,7 @@ def slug(name: str) -> str:
 
 
 def rst_inline(text: str) -> str:
-    text = re.sub(r":(?:class|mod|func):`~?([^`]+)`", r"`\1`", text)
+    text = re.sub(r":(?:class|mod|func|data|attr|meth):`~?([^`]+)`", r"`\1`", text)
     return text.replace("``", "`")
 
 
