@@ -8,7 +8,7 @@ bearer token. Every write is authorized per object (:mod:`registry.write_rules`)
 overwritten, a chunk must hash to its key, a manifest must be signed by a key its uploader
 owns and a device writes only its own versions. Every connection, request and body has a
 bound (:mod:`registry.bounded_http`). In production put it behind a TLS proxy, or use S3 with
-the bucket policy the README describes.
+the bucket policy the docs describe (Explanation, "The model registry": "The same on S3").
 """
 
 from __future__ import annotations
