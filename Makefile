@@ -10,7 +10,7 @@ NPROC ?= $(shell nproc)
 # 2-core host; more would only contend with the subprocesses the tests start).
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-gpu bench lint setup services clean
+.PHONY: demo test test-gpu bench lint docs setup services clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -80,5 +80,10 @@ bench: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# The documentation site into site/ (mkdocs.yml; the reference pages are generated from the
+# code at build time). tests/docs builds it the same way on every `make test`.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache site
