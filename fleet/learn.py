@@ -74,7 +74,7 @@ from fleet.learn_upstream import (
 from fleet.report import load_run
 from fleet.rollout_run import RolloutRun
 from fleet.store import ROLLOUT_FINAL
-from hpc_core.atomic import write_json_atomic
+from registry.atomic import write_json_atomic
 
 log = logging.getLogger("fleet.learn")
 

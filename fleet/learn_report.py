@@ -19,7 +19,7 @@ from fleet.learn_results import History, collect
 from fleet.learn_store import Learn, LearnStore, RoundState
 from fleet.rollout_run import RolloutRun, summarize
 from fleet.store import FleetStore
-from hpc_core.atomic import write_bytes_atomic
+from registry.atomic import write_bytes_atomic
 
 
 def _evals(rs: RoundState) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from hpc_core.atomic import write_bytes_atomic
+from registry.atomic import write_bytes_atomic
 from registry.errors import (
     BadSignatureError,
     KeyFileError,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from hpc_core.atomic import fsync_dir, write_bytes_atomic
+from registry.atomic import fsync_dir, write_bytes_atomic
 from registry.errors import (
     KeyScopeError,
     MalformedJsonError,

@@ -41,7 +41,7 @@ from agent.storage.chunk_store import ChunkStore
 from agent.storage.lock import StateLock
 from agent.storage.nofollow import is_link, read_bytes, real_dir, real_dirs, regular_file
 from agent.storage.verify import MARKER, verify_slot
-from hpc_core.atomic import fsync_dir, fsync_file, write_json_atomic
+from registry.atomic import fsync_dir, fsync_file, write_json_atomic
 from registry.errors import (
     CorruptSlotError,
     DowngradeError,
