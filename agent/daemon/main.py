@@ -58,7 +58,7 @@ from contract import (
     Telemetry,
     utc_now,
 )
-from hpc_core.atomic import remove_stale_temps
+from registry.atomic import remove_stale_temps
 from registry.errors import KeyFileError
 
 log = logging.getLogger("agent.daemon")

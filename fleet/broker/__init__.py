@@ -2,5 +2,5 @@
 and ACLs for an inventory of devices (``config``), and a bridged tier of regional brokers
 under a core broker (``bridge``). Files only: it connects to no broker.
 
-It imports nothing of the fleet: ``contract`` (the topics) and ``hpc_core.atomic`` only.
+It imports nothing of the fleet: ``contract`` (the topics) and ``registry.atomic`` only.
 """

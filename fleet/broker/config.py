@@ -36,7 +36,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from contract import MAX_PAYLOAD_BYTES, Topics, check_id
-from hpc_core.atomic import atomic_output
+from registry.atomic import atomic_output
 
 MAX_PACKET_BYTES = MAX_PAYLOAD_BYTES + 4096
 """The largest MQTT packet the broker takes: a 64 KiB payload plus its fixed header, topic

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fleet.learn.store import Dropped, Evaluation
 from fleet.rollout.run import RolloutRun
-from hpc_core.atomic import write_json_atomic
+from registry.atomic import write_json_atomic
 
 EVALS_FILE = "device-evals.json"
 

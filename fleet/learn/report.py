@@ -19,7 +19,7 @@ from fleet.learn.updates import History, collect_updates
 from fleet.rollout import report as rollout_reports
 from fleet.rollout.run import RolloutRun, summarize
 from fleet.rollout.store import FleetStore
-from hpc_core.atomic import write_bytes_atomic
+from registry.atomic import write_bytes_atomic
 
 
 def _evals(rs: RoundState) -> dict[str, Any]:

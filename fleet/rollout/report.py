@@ -13,7 +13,7 @@ from fleet.inventory import render_table
 from fleet.rollout.progress import failures_text, headline
 from fleet.rollout.run import RolloutRun, summarize
 from fleet.rollout.store import FleetStore
-from hpc_core.atomic import write_bytes_atomic
+from registry.atomic import write_bytes_atomic
 
 
 def load_run(store: FleetStore, rid: str) -> RolloutRun:

@@ -5,11 +5,8 @@
 from __future__ import annotations
 
 import ast
-import contextlib
-import importlib
 import inspect
 import json
-import pkgutil
 import textwrap
 import types
 import typing
@@ -140,21 +137,6 @@ def model_section(model: type[BaseModel], title: str, level: int = 2,
     return out
 
 
-def find_class(package: str, name: str, *hints: str) -> type[BaseModel]:
-    """``name`` in the first of ``hints`` that has it or, when a move took it elsewhere, in
-    any module of ``package``."""
-    for hint in hints:
-        with contextlib.suppress(ModuleNotFoundError, AttributeError):
-            return getattr(importlib.import_module(hint), name)  # type: ignore[no-any-return]
-    pkg = importlib.import_module(package)
-    for info in pkgutil.walk_packages(pkg.__path__, prefix=f"{package}."):
-        module = importlib.import_module(info.name)
-        cls = getattr(module, name, None)
-        if isinstance(cls, type) and cls.__module__ == info.name:
-            return cls
-    raise RuntimeError(f"no class {name} in package {package}")
-
-
 def _config_page(title: str, intro: str, sections: list[tuple[str, type[BaseModel]]],
                  path: str = "", suffixes: bool = False) -> str:
     out = [GENERATED_NOTE, "", f"# {title}", "", intro, ""]
@@ -187,17 +169,15 @@ def config_pages() -> dict[str, str]:
     from agent.jobs import spec
     from device_profiles.schema import DeviceProfile
     from exporters.job import ExportJob
+    from hpc_core.tune.search_space import SearchSpace
     from registry.manifest import Manifest
     from registry.principals import PrincipalsFile
-
-    search_space = find_class("hpc_core", "SearchSpace", "hpc_core.tune.search_space",
-                              "hpc_core.search_space")
     pages = {"reference/config/training.md": training_config_page()}
     pages["reference/config/search-space.md"] = _config_page(
         "Search space (`hpc-train tune --space`)",
         "The space file of a hyperparameter search (`configs/space_digits.yaml` is one): the "
         "study's settings and each parameter, keyed by the config path it sets.",
-        [("space", search_space)])
+        [("space", SearchSpace)])
     pages["reference/config/agent.md"] = _config_page(
         "Device config (`agent.yaml`)",
         "What `edge-agent --config` and `edge-agent validate` read (`systemd/agent.example."
@@ -230,18 +210,17 @@ def config_pages() -> dict[str, str]:
         "with `--set` overrides. Within a device job the same sections are `export`, less "
         "its paths.",
         [("export", ExportJob)])
-    rollout_plan = find_class("fleet", "RolloutPlan", "fleet.rollout.plan", "fleet.plan")
-    learn_plan = find_class("fleet", "LearnPlan", "fleet.learn.plan", "fleet.learn_plan")
-    inventory = find_class("fleet", "FleetInventory", "fleet.broker.config",
-                           "fleet.broker_config")
+    from fleet.broker.config import FleetInventory
+    from fleet.learn.plan import LearnPlan
+    from fleet.rollout.plan import RolloutPlan
     pages["reference/config/fleet.md"] = _config_page(
         "Fleet files (`fleetctl`)",
         "The rollout plan (`fleetctl rollout create --plan rollout.yaml`; every field is "
         "also a flag, and flags override the file), the fleet-learning plan (`fleetctl learn "
         "start`) and the inventory (`fleetctl broker-config --inventory`, `--inventory` / "
         "`FLEETCTL_INVENTORY` for every command that picks devices by group).",
-        [("rollout plan", rollout_plan), ("learn plan", learn_plan),
-         ("inventory", inventory)])
+        [("rollout plan", RolloutPlan), ("learn plan", LearnPlan),
+         ("inventory", FleetInventory)])
     pages["reference/config/device-profile.md"] = _config_page(
         "Device profile",
         "One YAML per board in `device_profiles/` (`agentctl profiles` lists them): memory "

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from fleet.mqtt import BrokerConfig
-from hpc_core.config import ModelConfig
+from registry.model_config import ModelConfig
 from tests.fleet.conftest import (
     REPO,
     RealAgent,

@@ -1,6 +1,8 @@
 """Crash-safe file writes: temp file + fsync + rename, then fsync the directory.
 
-Torch-free on purpose: the device's sync and slot code use it without importing torch.
+The storage layer's own primitive (a registry folder, a device slot, a checkpoint all rely on
+it); every package imports it from here. Torch-free on purpose: the device's sync and slot code
+use it without importing torch.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def make_storage(
 ) -> Any:
     """An Optuna RDB storage at ``url``; safe when many workers open a fresh one at once.
     ``heartbeat_s``: running trials record a heartbeat this often (see
-    ``hpc_core.tune_trial._heartbeat``)."""
+    ``hpc_core.tune.trial._heartbeat``)."""
     import optuna
     from sqlalchemy import exc
 

@@ -22,7 +22,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hpc_core.config import ConfigError, TrainConfig, format_errors, read_yaml
+from hpc_core.config import ConfigError, TrainConfig, read_yaml
+from registry.validation import format_errors
 
 
 class _Strict(BaseModel):

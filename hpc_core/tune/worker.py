@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hpc_core.config import TrainConfig
-from hpc_core.search_space import SearchSpace
-from hpc_core.tune_storage import make_storage
-from hpc_core.tune_trial import attempt_trial
+from hpc_core.tune.search_space import SearchSpace
+from hpc_core.tune.storage import make_storage
+from hpc_core.tune.trial import attempt_trial
 
 # Not imported: hpc_core.trainer (torch) until a worker runs; optuna until a command needs it.
 
@@ -129,7 +129,7 @@ def run_worker(
         if len(_live(study)) >= trials:
             break
         with warnings.catch_warnings():
-            # Optuna's heartbeat thread runs only in study.optimize; ours is tune_trial._heartbeat.
+            # Optuna's heartbeat thread runs only in study.optimize; ours is trial._heartbeat.
             warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
             trial = study.ask()
         if sum(t.number < trial.number for t in _live(study)) >= trials:

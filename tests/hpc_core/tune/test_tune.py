@@ -15,12 +15,12 @@ optuna = pytest.importorskip("optuna")
 
 from hpc_core.cli import main  # noqa: E402
 from hpc_core.config import load_config  # noqa: E402
-from hpc_core.search_space import SearchSpace, load_space  # noqa: E402
-from hpc_core.tune_report import summary_markdown  # noqa: E402
-from hpc_core.tune_storage import make_storage  # noqa: E402
-from hpc_core.tune_worker import hyperband_max_resource, run_worker  # noqa: E402
+from hpc_core.tune.report import summary_markdown  # noqa: E402
+from hpc_core.tune.search_space import SearchSpace, load_space  # noqa: E402
+from hpc_core.tune.storage import make_storage  # noqa: E402
+from hpc_core.tune.worker import hyperband_max_resource, run_worker  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # Small and short: 60 steps of a narrow CNN on 8x8 digits, evaluated every 10 steps. The LR
 # range spans rates that learn and rates that do not, so the median pruner has work to do.
@@ -141,7 +141,7 @@ import sys
 
 import optuna
 
-from hpc_core.tune_storage import make_storage
+from hpc_core.tune.storage import make_storage
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 print("ready", flush=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_core.atomic import atomic_output, write_json_atomic
+from registry.atomic import atomic_output, write_json_atomic
 
 
 def test_write_json_atomic_replaces_and_leaves_no_temp_file(tmp_path: Path) -> None:
@@ -42,7 +42,7 @@ def test_threads_writing_one_file_at_once_never_collide(tmp_path: Path) -> None:
     temporary file, or one thread renames away another's half-written one."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from hpc_core.atomic import write_bytes_atomic
+    from registry.atomic import write_bytes_atomic
 
     target = tmp_path / "chunk"
     payloads = [bytes([i]) * 65536 for i in range(8)]
@@ -56,7 +56,7 @@ def test_stale_temps_of_dead_writers_are_removed_live_ones_kept(tmp_path: Path) 
     import subprocess
     import sys
 
-    from hpc_core.atomic import remove_stale_temps
+    from registry.atomic import remove_stale_temps
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)

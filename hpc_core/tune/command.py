@@ -19,10 +19,11 @@ Outputs under ``--out``: ``trial_NNNN/`` (each trial's run), and once no trial o
 running any more (the last worker to finish writes them): ``best_config.yaml`` (the best
 trial's resolved config, ready for ``hpc-train train``), ``summary.md`` and ``history.png``.
 
-This module is the command (its flags and ``run_tune``); the parts live beside it:
-``tune_worker`` (joining the study, the trial loop), ``tune_trial`` (one trial, its pruning
-hook and heartbeat), ``tune_storage`` (the shared storage, opened safely by many workers at
-once) and ``tune_report`` (the summary table, best config and history plot).
+This module is the command (its flags and ``run_tune``); the parts live beside it in
+:mod:`hpc_core.tune`: ``worker`` (joining the study, the trial loop), ``trial`` (one trial, its
+pruning hook and heartbeat), ``storage`` (the shared storage, opened safely by many workers at
+once), ``report`` (the summary table, best config and history plot) and ``search_space`` (the
+space file).
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from pathlib import Path
 
 from hpc_core.config import ConfigError, load_config
 from hpc_core.logs import setup_logging
-from hpc_core.search_space import load_space
-from hpc_core.tune_report import summary_markdown, write_reports
-from hpc_core.tune_worker import run_worker
+from hpc_core.tune.report import summary_markdown, write_reports
+from hpc_core.tune.search_space import load_space
+from hpc_core.tune.worker import run_worker
 
 # Not imported: hpc_core.trainer (torch) until a worker runs; optuna until a command needs it.
 

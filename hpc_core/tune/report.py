@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from hpc_core.atomic import write_bytes_atomic
+from registry.atomic import write_bytes_atomic
 
 # Not imported: optuna until a report is written.
 

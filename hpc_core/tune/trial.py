@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_core.config import TrainConfig, config_from_dict
-from hpc_core.search_space import SearchSpace, apply_params, suggest
+from hpc_core.tune.search_space import SearchSpace, apply_params, suggest
 
 # Not imported: hpc_core.trainer (torch) until a trial runs; optuna until a command needs it.
 
