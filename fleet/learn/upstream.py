@@ -1,5 +1,5 @@
 """The upstream half of a round: ``hpc-train aggregate`` and ``hpc-train publish``, run as
-child processes (the fleet imports nothing of ``hpc_core`` but atomic writes and plots), and
+child processes (the fleet imports nothing of ``hpc_core`` but its PNG plots), and
 what the learn reads back from them: ``aggregate.json`` and ``gates.json``, the tools' own
 reports.
 
