@@ -9,8 +9,11 @@ NPROC ?= $(shell nproc)
 # Test processes: two (the suite's own processes run torch on one thread each, so two use a
 # 2-core host; more would only contend with the subprocesses the tests start).
 TEST_WORKERS ?= 2
+# When make started (read once, as the Makefile is parsed): `make test` reports its wall time
+# from here, set-up included.
+MAKE_START := $(shell date +%s)
 
-.PHONY: demo test test-gpu bench bench-quick lint setup services clean
+.PHONY: demo test test-gpu bench bench-quick lint docs setup services clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -56,8 +59,12 @@ test: setup services
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	@# --dist loadfile: a file's tests share one process, so a module's fixture (the demo's
-	@# whole run, say) is set up once; --durations lists the slowest, to keep it under 30 min.
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25
+	@# whole run, say) is set up once; --no-loadscope-reorder: files go out in the order
+	@# tests/conftest.py puts them, the longest first; --durations lists the slowest 25.
+	@rc=0; $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
+	  --no-loadscope-reorder --durations=25 || rc=$$?; \
+	  echo "make test: $$(( $$(date +%s) - $(MAKE_START) )) s wall, set-up included (exit $$rc)"; \
+	  exit $$rc
 
 # On a GPU host: the CUDA paths that `make test` skips without one (fp16/bf16 training, a real
 # out-of-memory, deterministic resume, batch-find and the fine-tune's memory plan on CUDA), then
@@ -85,5 +92,10 @@ bench-quick: setup services
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# The documentation site into site/ (mkdocs.yml; the reference pages are generated from the
+# code at build time). tests/docs builds it the same way on every `make test`.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache site

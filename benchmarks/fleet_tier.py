@@ -19,9 +19,9 @@ from typing import Any
 import paho.mqtt.client as mqtt
 import yaml
 
-from fleet.broker_config import load_inventory
+from fleet.broker.config import load_inventory
 from fleet.db import Database
-from fleet.sim_config import SimConfig
+from fleet.sim.config import SimConfig
 from tests.support.mosquitto import Broker, free_port, start_mosquitto, write_password_file
 
 REPO = Path(__file__).resolve().parents[1]

@@ -31,10 +31,10 @@ from hpc_core.batch_find import find_batch_size, probe
 from hpc_core.config import load_config
 from hpc_core.estimate import DEFAULT_PRICES, estimate, load_prices
 from hpc_core.lr_find import lr_range_test
-from hpc_core.search_space import SearchSpace
 from hpc_core.trainer import Trainer
-from hpc_core.tune_report import counted
-from hpc_core.tune_worker import run_worker
+from hpc_core.tune.report import counted
+from hpc_core.tune.search_space import SearchSpace
+from hpc_core.tune.worker import run_worker
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))

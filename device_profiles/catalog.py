@@ -45,7 +45,7 @@ def load_profile_file(path: Path) -> DeviceProfile:
         return DeviceProfile.model_validate(tree)
     except ValidationError as e:
         # Reuse the training config's formatter: same "path: message (hint)" lines everywhere.
-        from hpc_core.config import format_errors
+        from registry.validation import format_errors
 
         lines = "\n".join(format_errors(e, DeviceProfile))
         raise ProfileError(f"{path}: {e.error_count()} error(s)\n{lines}") from None

@@ -88,6 +88,10 @@ def measure(
 
 
 def judge(m: GateMeasurement, cfg: GateConfig) -> GateResult:
+    """Pass or fail the artefact: it passes when every threshold set in ``cfg`` holds (top-1
+    drop, logit fidelity, latency p50/p99 at batch 1 and at the job's batch, size), each
+    measured value at most its limit; a threshold left at null is not gated. Each failure
+    names the value, the limit and the option."""
     checks = [
         ("top-1 drop", m.top1_drop_pts, cfg.max_top1_drop_pts, "pts", "max_top1_drop_pts"),
         ("max |delta logit|", m.max_abs_logit_delta, cfg.max_abs_logit_delta, "",

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from exporters.report import ExportReport
-from hpc_core.atomic import atomic_output, write_json_atomic
+from registry.atomic import atomic_output, write_json_atomic
 
 ARRAYS = ("inputs", "labels", "reference_logits", "fidelity_logits", "calib")
 

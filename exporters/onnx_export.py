@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from exporters.job import OnnxExportConfig
-from hpc_core.atomic import atomic_output
+from registry.atomic import atomic_output
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"

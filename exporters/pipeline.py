@@ -47,7 +47,7 @@ from exporters.quantize import prepare_for_quantization, quantizable_nodes, quan
 from exporters.report import Attempt, ExportReport, artefact_info, fallback_note, write_report
 from exporters.runtime import Runner, predict
 from exporters.tensorrt_build import TensorRTRunner, build_engine
-from hpc_core.atomic import atomic_output, write_json_atomic
+from registry.atomic import atomic_output, write_json_atomic
 
 
 def _sha256(path: Path) -> str:

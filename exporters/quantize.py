@@ -39,7 +39,7 @@ from exporters.calibration import (
 )
 from exporters.int8_recipe import Int8Recipe
 from exporters.onnx_weights import WEIGHTED_OPS
-from hpc_core.atomic import atomic_output
+from registry.atomic import atomic_output
 
 
 def qdq_options(recipe: Int8Recipe) -> dict[str, object]:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from exporters.gates import GateMeasurement
-from hpc_core.atomic import write_json_atomic
+from registry.atomic import write_json_atomic
 
 FORMAT = "edgetrain.export-report/1"
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from exporters.jetpack import l4t_release
 from exporters.job import Precision, TensorRTConfig
-from hpc_core.atomic import atomic_output, write_json_atomic
+from registry.atomic import atomic_output, write_json_atomic
 
 
 class TensorRTUnavailable(RuntimeError):

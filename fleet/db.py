@@ -71,7 +71,7 @@ class Database:
             isolation_level="AUTOCOMMIT")
         if self.dialect == "sqlite":
             # WAL: readers (fleetctl rollout status) never block the controller's writes.
-            # synchronous=NORMAL: see fleet.store on why a lost last transaction is safe.
+            # synchronous=NORMAL: see fleet.rollout.store on why a lost last transaction is safe.
             for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "busy_timeout=30000"):
                 self.conn.exec_driver_sql(f"PRAGMA {pragma}")
         self._depth = 0

@@ -28,7 +28,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from hpc_core.atomic import TMP_PREFIX, fsync_dir, fsync_file
 from hpc_core.checkpoint_layout import (  # noqa: F401 - the layout, re-exported for ckpt.X
     FORMAT,
     MARKER,
@@ -46,6 +45,7 @@ from hpc_core.checkpoint_layout import (  # noqa: F401 - the layout, re-exported
 )
 from hpc_core.config import TrainConfig, config_from_dict
 from hpc_core.models import build_model
+from registry.atomic import TMP_PREFIX, fsync_dir, fsync_file
 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from hpc_core.atomic import TMP_PREFIX
+from registry.atomic import TMP_PREFIX
 
 FORMAT = "edgetrain.checkpoint/1"
 MARKER = "COMPLETE"

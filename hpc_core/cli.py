@@ -14,7 +14,7 @@ from hpc_core.config import ConfigError, load_config, reference_markdown, summar
 from hpc_core.estimate import add_estimate_args, run_estimate
 from hpc_core.lr_find import add_lr_find_args, run_lr_find
 from hpc_core.train import add_train_args, run
-from hpc_core.tune import add_tune_args, run_tune
+from hpc_core.tune.command import add_tune_args, run_tune
 
 EPILOG = """\
 examples:

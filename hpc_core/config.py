@@ -1,28 +1,24 @@
 """Typed training configuration: pydantic v2 models, YAML on disk, ``--set a.b=c`` overrides.
 
 Unknown keys are errors everywhere (``extra="forbid"``), and every error is reported with its
-dotted field path and a hint (see :func:`format_errors`).
+dotted field path and a hint (:func:`registry.validation.format_errors`). The ``model`` section
+is the registry's model spec (:class:`registry.model_config.ModelConfig`): a manifest carries
+the very same type.
 """
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import re
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
-
-class StrictModel(BaseModel):
-    # Field docstrings become descriptions: they feed `hpc-train config-docs` and the README.
-    model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
-    )
+from registry.model_config import ModelConfig
+from registry.validation import StrictModel, format_errors
 
 
 class RunConfig(StrictModel):
@@ -70,19 +66,6 @@ class DataConfig(StrictModel):
         if self.num_workers == 0 and (self.prefetch_factor is not None or self.persistent_workers):
             raise ValueError("prefetch_factor and persistent_workers need data.num_workers > 0")
         return self
-
-
-class ModelConfig(StrictModel):
-    name: str = "small_cnn"
-    """A registered model (mlp, small_cnn, resnet, mobilenet_v2) or 'package.module:factory'."""
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Passed to the factory, e.g. {width: 32, norm: group} or {width_mult: 0.5}."""
-    num_classes: int | None = Field(default=None, ge=2)
-    """Output classes; filled in from the data set when null."""
-    in_channels: int | None = Field(default=None, ge=1)
-    """Input channels; filled in from the data set when null."""
-    image_size: int | None = Field(default=None, ge=1)
-    """Input height = width in pixels; filled in from the data set when null."""
 
 
 class OptimizerConfig(StrictModel):
@@ -336,52 +319,6 @@ def config_from_dict(tree: dict[str, Any], source: str = "<dict>") -> TrainConfi
         return TrainConfig.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(source, format_errors(e, TrainConfig)) from None
-
-
-def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The pydantic model class that owns the field at ``loc[:-1]``."""
-    model: type[BaseModel] = root
-    for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        ann = _section(getattr(field, "annotation", None))
-        if ann is None:
-            return None
-        model = ann
-    return model
-
-
-def _section(annotation: Any) -> type[BaseModel] | None:
-    """The config model a field holds: ``X`` for ``X`` and for an optional ``X | None``."""
-    for a in (annotation, *typing.get_args(annotation)):
-        if isinstance(a, type) and issubclass(a, BaseModel):
-            return a
-    return None
-
-
-def format_errors(err: ValidationError, root: type[BaseModel]) -> list[str]:
-    lines = []
-    for e in err.errors():
-        loc = tuple(e["loc"])
-        path = ".".join(str(p) for p in loc) or "(top level)"
-        kind = e["type"]
-        msg = e["msg"].removeprefix("Value error, ")
-        hint = ""
-        if kind == "extra_forbidden":
-            owner = _model_at(root, loc)
-            known = list(owner.model_fields) if owner else []
-            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
-            msg = "unknown key"
-        elif kind == "missing":
-            hint = "add this field"
-        elif (
-            kind.endswith("_parsing")
-            or kind.endswith("_type")
-            or kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
-        ):
-            hint = f"got {e.get('input')!r}"
-        lines.append(f"  {path}: {msg}" + (f" ({hint})" if hint else ""))
-    return lines
 
 
 def summarize(cfg: TrainConfig) -> str:

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hpc_core.config import ConfigError, TrainConfig, format_errors, load_config, read_yaml
+from hpc_core.config import ConfigError, TrainConfig, load_config, read_yaml
+from registry.validation import format_errors
 
 DEFAULT_PRICES = Path(__file__).resolve().parents[1] / "configs/gpu_prices.yaml"
 

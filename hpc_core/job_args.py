@@ -20,7 +20,8 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from hpc_core.config import ConfigError, apply_overrides, format_errors, read_yaml
+from hpc_core.config import ConfigError, apply_overrides, read_yaml
+from registry.validation import format_errors
 
 DEST_PREFIX = "job:"
 OFF = ("off", "none", "null")

@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from hpc_core.config import ModelConfig
 from registry.errors import SpecMismatchError
 from registry.manifest import Manifest
+from registry.model_config import ModelConfig
 
 Shape = tuple[int, ...]
 Layout = dict[str, tuple[str, Shape]]

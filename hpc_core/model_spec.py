@@ -24,10 +24,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hpc_core.config import ModelConfig
 from hpc_core.model_layout import compare_tensors, custom_refused, is_custom
 from registry.errors import PublishError, RegistryError, SpecMismatchError
 from registry.manifest import Manifest, TrainingInfo
+from registry.model_config import ModelConfig
 from registry.publish import VersionContent
 from registry.safetensors_io import read_safetensors_index
 

@@ -13,7 +13,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from hpc_core.atomic import write_bytes_atomic
+from registry.atomic import write_bytes_atomic
 
 
 def figure(**kw: Any) -> Any:

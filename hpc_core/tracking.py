@@ -26,8 +26,8 @@ from typing import Any, Literal
 
 import torch
 
-from hpc_core.atomic import write_bytes_atomic
 from hpc_core.config import WandbConfig
+from registry.atomic import write_bytes_atomic
 
 log = logging.getLogger(__name__)
 

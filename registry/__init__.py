@@ -7,6 +7,8 @@ behaviour and the one retry loop (``transfer``), a client's token bound to one r
 (``credentials``), references (``refs``), and the three operations: ``publish``, ``pull``
 (verify + fetch chunks) and ``upload`` (device -> cloud). ``serve`` is the HTTP registry,
 with its principals (``principals``), per-object write rules (``write_rules``) and bounds
-(``bounded_http``).
+(``bounded_http``). What every other package shares from here: crash-safe file writes
+(``atomic``), the model spec (``model_config``) and strict models with their error lines
+(``validation``). It imports no other package of this repository.
 Every error is a ``registry.errors.RegistryError`` carrying its exit code.
 """

@@ -13,8 +13,8 @@ publisher assigns 1, 2, 3, ... and a device refuses a sequence below the highest
 installed (a rollback attack serves an older, validly signed version). Version strings are
 labels and are never compared.
 
-The model spec is :class:`hpc_core.config.ModelConfig`, the very type a training config uses,
-with its sizes required to be resolved.
+The model spec is :class:`registry.model_config.ModelConfig`, the very type a training config
+uses, with its sizes required to be resolved.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from hpc_core.config import ModelConfig, format_errors
 from registry.errors import InvalidManifestError, UnsafeNameError
 from registry.jsonsafe import loads_strict
+from registry.model_config import ModelConfig
 from registry.names import (
     check_artefact_path,
     check_model_name,
@@ -44,6 +44,7 @@ from registry.names import (
     check_tensor_name,
     check_version,
 )
+from registry.validation import format_errors
 
 FORMAT = "edgetrain.manifest/1"
 MAX_MANIFEST_BYTES = 64 << 20

@@ -42,7 +42,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from hpc_core.atomic import write_bytes_atomic
+from registry.atomic import write_bytes_atomic
 from registry.errors import KeyFileError
 from registry.signing import PUBLIC_SUFFIX, TrustedKey, load_trusted_keys
 

@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_core.config import ModelConfig
 from registry.chunks import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_PACK_BELOW,
@@ -49,6 +48,7 @@ from registry.manifest import (
     TrainingInfo,
     utc_now,
 )
+from registry.model_config import ModelConfig
 from registry.names import (
     check_model_name,
     check_version,

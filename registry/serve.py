@@ -8,7 +8,7 @@ bearer token. Every write is authorized per object (:mod:`registry.write_rules`)
 overwritten, a chunk must hash to its key, a manifest must be signed by a key its uploader
 owns and a device writes only its own versions. Every connection, request and body has a
 bound (:mod:`registry.bounded_http`). In production put it behind a TLS proxy, or use S3 with
-the bucket policy the README describes.
+the bucket policy the docs describe (Explanation, "The model registry": "The same on S3").
 """
 
 from __future__ import annotations
@@ -356,6 +356,16 @@ def _principal_parser() -> argparse.ArgumentParser:
     ap.add_argument("--token-out", type=Path, required=True, metavar="FILE",
                     help="where the token goes, for the principal's configuration")
     return ap
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The server's parser; ``add-principal`` has its own (:func:`subcommand_parsers`)."""
+    return _serve_parser()
+
+
+def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Commands :func:`main` dispatches before the server's parser, by name (for the docs)."""
+    return {"add-principal": _principal_parser()}
 
 
 def _add_principal(argv: list[str]) -> int:

@@ -39,7 +39,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from hpc_core.atomic import write_bytes_atomic
+from registry.atomic import write_bytes_atomic
 from registry.errors import (
     BadSignatureError,
     KeyFileError,
@@ -101,6 +101,9 @@ class TrustedKey:
     """Patterns of what this key may sign: ``NAME`` (any version) or ``NAME@VERSION``."""
 
     def may_sign(self, name: str, version: str) -> bool:
+        """Whether this key's scope covers ``name@version``: a pattern ``NAME`` covers every
+        version of the models it matches, ``NAME@VERSION`` only the versions it matches
+        (fnmatch wildcards, case-sensitive)."""
         for pattern in self.scope:
             if "@" in pattern:
                 if fnmatch.fnmatchcase(f"{name}@{version}", pattern):
@@ -236,11 +239,14 @@ def load_trusted_keys(where: Path) -> dict[str, TrustedKey]:
     return keys
 
 
-def verify_manifest(
+def verify_signature(
     manifest_bytes: bytes, signature_bytes: bytes | None, trusted: dict[str, TrustedKey],
     source: str = "manifest",
 ) -> TrustedKey:
-    """Return the trusted key that signed these exact bytes, or raise a SignatureError."""
+    """Return the trusted key that signed these exact bytes, or raise a SignatureError: the
+    signature must be a :data:`SIG_FORMAT` document by a key in ``trusted`` over exactly
+    ``manifest_bytes``. The bytes are not parsed here, nor the key's scope checked: what to
+    install goes through :func:`verify_signed_manifest`, which does both."""
     if signature_bytes is None:
         raise UnsignedManifestError(f"{source} has no manifest.sig: unsigned versions are refused")
     try:
@@ -282,7 +288,7 @@ def verify_signed_manifest(
     Returns the manifest and the key that verified it: that key, not the ``signer`` the
     manifest names, is who vouches for the version.
     """
-    key = verify_manifest(manifest_bytes, signature_bytes, trusted, source)
+    key = verify_signature(manifest_bytes, signature_bytes, trusted, source)
     manifest = Manifest.from_bytes(manifest_bytes, source=source)
     if not key.may_sign(manifest.name, manifest.version):
         raise KeyScopeError(

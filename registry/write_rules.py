@@ -20,6 +20,10 @@ order, the chunks the registry lacks, ``manifest.sig``, ``manifest.json`` and th
 
 Nothing is ever overwritten: an object that exists answers 409, except a byte-identical
 repeat (a retried request whose answer was lost), which answers 200.
+
+Who may write what is decided by three functions, each stating its rule: :func:`owns_key`
+(whose signatures an uploader may send), :func:`check_may_write_version` (whose versions are
+whose) and :func:`check_sequence_moves_on` (the counter only moves on).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from hpc_core.atomic import fsync_dir, write_bytes_atomic
+from registry.atomic import fsync_dir, write_bytes_atomic
 from registry.errors import (
     KeyScopeError,
     MalformedJsonError,
@@ -44,7 +48,7 @@ from registry.errors import (
     UnknownKeyError,
 )
 from registry.jsonsafe import loads_strict
-from registry.manifest import MAX_MANIFEST_BYTES
+from registry.manifest import MAX_MANIFEST_BYTES, Manifest
 from registry.names import (
     CHUNK_PREFIX,
     check_model_name,
@@ -56,7 +60,7 @@ from registry.names import (
     signature_key,
 )
 from registry.principals import Authority, Principal
-from registry.signing import MAX_SIGNATURE_BYTES, verify_signed_manifest
+from registry.signing import MAX_SIGNATURE_BYTES, TrustedKey, verify_signed_manifest
 
 MAX_SEQUENCE_BYTES = 4096
 MAX_PENDING_PER_PRINCIPAL = 32
@@ -74,6 +78,43 @@ class Refused(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+# -- who may write what: the decisions, each on its own
+
+
+def owns_key(who: Principal, authority: Authority, key: TrustedKey) -> bool:
+    """Whether ``who`` may upload what ``key`` signs: a principal uploads signatures only by the
+    keys it owns (``principals.json``); a trusted key no principal owns signs nothing that is
+    uploaded here."""
+    owner = authority.owner_of(key)
+    return owner is not None and owner.name == who.name
+
+
+def check_may_write_version(who: Principal, authority: Authority, name: str,
+                            version: str) -> None:
+    """Whose versions are whose: a device writes only its own, ``NAME@*+DEVICE_ID.*``, and those
+    belong to no one else, upstream included. Refused (403) otherwise."""
+    label = f"{name}@{version}"
+    device = authority.device_owning(version)
+    if who.kind == "device" and (device is None or device.name != who.name):
+        raise Refused(403, f"{label}: device {who.device_id} may write only its own "
+                           f"versions, {name}@*+{who.device_id}.*")
+    if who.kind == "upstream" and device is not None:
+        raise Refused(403, f"{label}: versions *+{device.device_id}.* belong to device "
+                           f"{device.device_id}")
+
+
+def check_sequence_moves_on(who: Principal, manifest: Manifest, highest: int) -> None:
+    """A new version's sequence moves its model's counter (``highest``) on: a device's must be
+    the very next one, upstream's any higher one. Refused (409) otherwise: taken, or out of
+    order, and the loser of a race signs again with the next."""
+    if manifest.sequence <= highest or (
+        who.kind == "device" and manifest.sequence != highest + 1
+    ):
+        raise Refused(409, f"{manifest.name}@{manifest.version}: sequence {manifest.sequence} "
+                           f"is taken or out of order: the next for {manifest.name} is "
+                           f"{highest + 1}; sign again with it")
 
 
 @dataclass(frozen=True)
@@ -171,8 +212,8 @@ class RegistryFolder:
         if key is None:
             raise Refused(403, f"{ok.key}: signed by key {str(kid)[:16]!r}, which this registry "
                                "does not trust")
-        owner = authority.owner_of(key)
-        if owner is None or owner.name != who.name:
+        if not owns_key(who, authority, key):
+            owner = authority.owner_of(key)
             raise Refused(403, f"{ok.key}: key {key.name} belongs to "
                                f"{owner.name if owner else 'no principal'}, not to {who.name}")
         final = self.path(ok)
@@ -220,16 +261,9 @@ class RegistryFolder:
                 raise Refused(400, str(e)) from None
         if (manifest.name, manifest.version) != (ok.name, ok.version):
             raise Refused(400, f"{ok.key}: the signed manifest is {manifest.ref}")
-        owner = authority.owner_of(key)
-        if owner is None or owner.name != who.name:
+        if not owns_key(who, authority, key):
             raise Refused(403, f"{label}: signed by {key.name}, a key {who.name} does not own")
-        device = authority.device_owning(ok.version)
-        if who.kind == "device" and (device is None or device.name != who.name):
-            raise Refused(403, f"{label}: device {who.device_id} may write only its own "
-                               f"versions, {ok.name}@*+{who.device_id}.*")
-        if who.kind == "upstream" and device is not None:
-            raise Refused(403, f"{label}: versions *+{device.device_id}.* belong to device "
-                               f"{device.device_id}")
+        check_may_write_version(who, authority, ok.name, ok.version)
         missing = [c.sha256 for c in manifest.chunks
                    if not (self.root / chunk_key(c.sha256)).is_file()]
         if missing:
@@ -238,13 +272,7 @@ class RegistryFolder:
         with self._model_lock(ok.name):
             if final.exists():  # a twin request won the lock first
                 return self._same(final, data, ok)
-            highest = self.highest_sequence(ok.name)
-            if manifest.sequence <= highest or (
-                who.kind == "device" and manifest.sequence != highest + 1
-            ):
-                raise Refused(409, f"{label}: sequence {manifest.sequence} is taken or out of "
-                                   f"order: the next for {ok.name} is {highest + 1}; sign again "
-                                   "with it")
+            check_sequence_moves_on(who, manifest, self.highest_sequence(ok.name))
             # Counter first: a crash after it leaves a gap in the sequence, never a reuse.
             final.parent.mkdir(parents=True, exist_ok=True)
             write_bytes_atomic(self.root / sequence_key(ok.name), _counter(manifest.sequence,

@@ -22,6 +22,37 @@ torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The files that take longest, longest first (`make test`'s --durations, summed per file). With
+# `--dist loadfile --no-loadscope-reorder` xdist hands files out in collection order, one at a
+# time as a process frees up: starting the long scenarios first keeps both processes busy to
+# the end instead of leaving one running the demo alone for its last five minutes.
+LONGEST_FIRST = (
+    "tests/agent/jobs/test_budget_runs.py",
+    "tests/e2e/test_mission.py",
+    "tests/agent/jobs/test_device_job.py",
+    "tests/agent/jobs/test_job_budget.py",
+    "tests/security/test_daemon_bounds.py",
+    "tests/exporters/test_zoo.py",
+    "tests/hpc_core/test_finders.py",
+    "tests/agent/finetune/test_finetune.py",
+    "tests/fleet/learn/test_poisoned.py",
+    "tests/hpc_core/test_tracking.py",
+    "tests/agent/finetune/test_vit_finetune.py",
+    "tests/agent/jobs/test_yield_to_app.py",
+    "tests/fleet/learn/test_learn.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the longest files first; every other file keeps its place (a stable sort)."""
+    rank = {f: i for i, f in enumerate(LONGEST_FIRST)}
+
+    def key(item: pytest.Item) -> int:
+        rel = Path(str(item.path)).resolve().relative_to(REPO).as_posix()
+        return rank.get(rel, len(rank))
+
+    items.sort(key=key)
+
 
 @pytest.fixture
 def subprocess_env() -> dict[str, str]:

@@ -92,3 +92,21 @@ def test_no_module_over_450_lines_but_the_trainer() -> None:
             if n > MAX_LINES and rel not in EXEMPT:
                 long[rel] = n
     assert long == {}, f"split these along their seams: {long}"
+
+
+def test_the_longest_first_list_names_files_that_exist() -> None:
+    # A file moved or renamed without this list following it would silently run last again.
+    from tests.conftest import LONGEST_FIRST
+
+    assert [f for f in LONGEST_FIRST if not (REPO / f).is_file()] == []
+
+
+def test_no_folder_holds_more_than_25_modules() -> None:
+    # Past that a folder's file-name prefixes are packages asking to exist (fleet/ had 35).
+    crowded = {}
+    for pkg in PACKAGES:
+        for folder in [REPO / pkg, *(p for p in (REPO / pkg).rglob("*") if p.is_dir())]:
+            n = len(list(folder.glob("*.py")))
+            if n > 25:
+                crowded[folder.relative_to(REPO).as_posix()] = n
+    assert crowded == {}, f"split these by concern: {crowded}"

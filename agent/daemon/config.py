@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from agent.jobs.spec import DeviceSettings
 from agent.storage.trust import default_trusted_keys
 from contract import DEFAULT_PREFIX, Topics, check_id
-from hpc_core.config import ConfigError, apply_overrides, format_errors, read_yaml
+from hpc_core.config import ConfigError, apply_overrides, read_yaml
+from registry.validation import format_errors
 
 ENV_PREFIX = "EDGE_AGENT_"
 DEFAULT_CONFIG = Path("/etc/edge-agent/agent.yaml")

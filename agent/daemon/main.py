@@ -58,7 +58,7 @@ from contract import (
     Telemetry,
     utc_now,
 )
-from hpc_core.atomic import remove_stale_temps
+from registry.atomic import remove_stale_temps
 from registry.errors import KeyFileError
 
 log = logging.getLogger("agent.daemon")
@@ -344,12 +344,22 @@ def _config_path(arg: Path | None) -> Path | None:
     return DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
 
 
-def validate(argv: list[str]) -> int:
+def build_validate_parser() -> argparse.ArgumentParser:
+    """``edge-agent validate``'s parser (dispatched before :func:`build_parser`'s)."""
     p = argparse.ArgumentParser(prog="edge-agent validate",
                                 description="Check an agent config (and EDGE_AGENT_* overrides).")
     p.add_argument("config", type=Path)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    a = p.parse_args(argv)
+    return p
+
+
+def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Commands :func:`main` dispatches before its own parser, by name (for the docs)."""
+    return {"validate": build_validate_parser()}
+
+
+def validate(argv: list[str]) -> int:
+    a = build_validate_parser().parse_args(argv)
     try:
         cfg = load_agent_config(a.config, overrides=a.overrides)
         if cfg.mqtt.password_file is not None and not cfg.mqtt.password_file.is_file():
@@ -374,16 +384,21 @@ def validate(argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["validate"]:
-        return validate(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
+    """The daemon's parser; ``edge-agent validate`` has its own (:func:`subcommand_parsers`)."""
     p = argparse.ArgumentParser(prog="edge-agent", description=__doc__.splitlines()[0],
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, help=f"agent YAML (default {DEFAULT_CONFIG})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--log-format", choices=("auto", "text", "json"), default="auto")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["validate"]:
+        return validate(argv[1:])
+    a = build_parser().parse_args(argv)
     from hpc_core.logs import setup_logging
 
     setup_logging(a.log_format)

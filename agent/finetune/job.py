@@ -28,7 +28,8 @@ from pydantic import (
 
 from agent.pacing.app_latency import AppLatencySource
 from agent.spool.index import count_kept
-from hpc_core.config import ModelConfig, TrainConfig, config_from_dict
+from hpc_core.config import TrainConfig, config_from_dict
+from registry.model_config import ModelConfig
 
 TRAINABLE_RE = re.compile(r"^(head|all|last_n:([1-9][0-9]*))$")
 PROFILE_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")

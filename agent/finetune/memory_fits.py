@@ -27,7 +27,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from hpc_core.atomic import write_json_atomic
+from registry.atomic import write_json_atomic
 
 FITS = Path("cache") / "memory_fits.json"
 """Under the state dir."""

@@ -52,8 +52,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from agent.finetune.memory_fits import MemoryFit, largest_micro_batch
-from hpc_core.atomic import write_json_atomic
 from hpc_core.config import TrainConfig, config_from_dict
+from registry.atomic import write_json_atomic
 
 log = logging.getLogger(__name__)
 

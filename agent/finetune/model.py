@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hpc_core import checkpoint as ckpt
-from hpc_core.config import ModelConfig
+from registry.model_config import ModelConfig
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:

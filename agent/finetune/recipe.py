@@ -36,10 +36,10 @@ from agent.finetune.memory_plan import plan_micro_batch
 from agent.finetune.model import enable_activation_checkpointing, load_upstream, prepare_model
 from device_profiles.schema import DeviceProfile
 from hpc_core import checkpoint as ckpt
-from hpc_core.atomic import write_json_atomic
-from hpc_core.config import ModelConfig
 from hpc_core.metrics import peak_device_mb, peak_rss_mb
 from hpc_core.trainer import Trainer, TrainerHook
+from registry.atomic import write_json_atomic
+from registry.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

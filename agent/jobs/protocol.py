@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict
 
 from agent.jobs.store import JobStore
 from agent.storage.trust import default_trusted_keys, load_trusted
-from hpc_core.atomic import write_json_atomic
+from registry.atomic import write_json_atomic
 
 EX_TEMPFAIL = 75
 """Suspended by SIGTERM (sysexits' EX_TEMPFAIL: try again later): the job checkpointed (or had

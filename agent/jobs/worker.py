@@ -33,7 +33,7 @@ from agent.jobs.protocol import (
 from agent.jobs.spec import SPECS
 from agent.jobs.store import JobState, JobStore
 from contract import check_command_id
-from hpc_core.atomic import remove_stale_temps
+from registry.atomic import remove_stale_temps
 
 log = logging.getLogger(__name__)
 

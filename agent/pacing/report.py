@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.pacing.hook import GovernorHook
-from hpc_core.atomic import write_json_atomic
+from registry.atomic import write_json_atomic
 
 REPORT_FORMAT = "edgetrain.job_report/1"
 STATE_LEVEL = {"NORMAL": 0, "THROTTLED": 1, "PAUSED": 2}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hpc_core.atomic import write_bytes_atomic
+from registry.atomic import write_bytes_atomic
 
 RUNTIME_DIR = "runtime"
 MAX_STATS_BYTES = 64 * 1024

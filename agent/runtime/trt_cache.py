@@ -30,7 +30,7 @@ import shutil
 from pathlib import Path
 
 from exporters.jetpack import l4t_release
-from hpc_core.atomic import write_json_atomic
+from registry.atomic import write_json_atomic
 
 log = logging.getLogger("agent.runtime")
 

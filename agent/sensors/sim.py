@@ -33,7 +33,7 @@ from agent.sensors.reading import Reading, total_power_mw
 from agent.sim.plant import BoardShutdown, SimPlant
 from device_profiles import load_profile
 from device_profiles.schema import DeviceProfile
-from hpc_core.atomic import write_json_atomic
+from registry.atomic import write_json_atomic
 
 log = logging.getLogger("agent.sensors")
 

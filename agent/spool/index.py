@@ -26,7 +26,7 @@ from agent.spool.segment import (
     read_header,
     read_samples,
 )
-from hpc_core.atomic import write_bytes_atomic
+from registry.atomic import write_bytes_atomic
 
 log = logging.getLogger("agent.spool")
 

@@ -18,7 +18,7 @@ import numpy as np
 from agent.spool.config import is_spool
 from agent.spool.snapshot import file_sha256
 from agent.spool.store import Spool
-from hpc_core.atomic import write_bytes_atomic
+from registry.atomic import write_bytes_atomic
 from registry.manifest import TrainingData
 from registry.publish import VersionContent
 

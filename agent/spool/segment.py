@@ -4,7 +4,7 @@
 
 The header (:class:`SegmentHeader`) holds each sample's label, pseudo flag and the model's
 confidence, so the spool's index is rebuilt from headers alone, without reading samples.
-A segment is written to a temporary file, fsynced and renamed (``hpc_core.atomic``): a reader
+A segment is written to a temporary file, fsynced and renamed (``registry.atomic``): a reader
 sees it whole or not at all. Its name is ``BASE.GEN.seg``; compaction (rewriting a segment
 without its evicted samples) writes ``BASE.GEN+1.seg`` before it deletes ``BASE.GEN.seg``,
 so after a crash between the two the higher generation wins. :func:`check_record` turns a

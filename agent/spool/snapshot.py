@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from hpc_core.atomic import atomic_output
+from registry.atomic import atomic_output
 
 
 class SnapshotInfo(BaseModel):

@@ -49,7 +49,7 @@ from agent.spool.index import Index
 from agent.spool.policy import confidence, eviction_order, evictions, scores, softmax
 from agent.spool.segment import SUFFIX, SegmentHeader, check_record, encode, header_bound
 from agent.spool.snapshot import SnapshotInfo, class_counts, write_snapshot
-from hpc_core.atomic import remove_stale_temps, write_bytes_atomic
+from registry.atomic import remove_stale_temps, write_bytes_atomic
 
 log = logging.getLogger("agent.spool")
 

@@ -8,12 +8,13 @@ Layout under the state directory::
     chunks/partial/<hash>.part         downloads in progress (resumed with HTTP Range)
     models/<name>/slots/{a,b}/         complete versions (see ``slots``)
     models/<name>/current -> slots/a   the active slot
-    models/<name>/installed.json       the highest signed sequence installed
+    models/<name>/installed.json       what was committed: the anti-rollback record
 
 Modules: ``lock`` (state lock), ``nofollow`` (no symlink is ever followed below the state
 root), ``chunk_store``, ``assemble`` (chunks -> slot), ``verify`` (slot re-verification),
-``slots`` (stage / commit / discard / install / rollback), ``gc``, ``spec_check`` (the model
-spec check: torch-free for a registered model, a torch child for a custom factory),
+``anti_rollback`` (the record, and ``refuse_downgrade``: the rule no older signed version
+passes), ``slots`` (stage / commit / discard / install / rollback), ``gc``, ``spec_check``
+(the model spec check: torch-free for a registered model, a torch child for a custom factory),
 ``update`` (pull into the slots, stage a local fine-tune). Building the active model needs
 torch: ``agent.finetune.active``.
 """

@@ -9,7 +9,7 @@ from typing import Any
 
 from agent.storage.chunk_store import ChunkStore
 from agent.storage.nofollow import open_new, real_dirs
-from hpc_core.atomic import fsync_dir
+from registry.atomic import fsync_dir
 from registry.errors import CorruptSlotError, IntegrityError, TensorHashError
 from registry.manifest import Manifest
 from registry.safetensors_io import (

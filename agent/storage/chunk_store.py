@@ -84,7 +84,7 @@ class ChunkStore:
         """Make a verified partial file a chunk."""
         dest = self.path(sha256)
         real_dirs(self.state_dir, "chunks", "sha256", sha256[:2])
-        # Not hpc_core.atomic: the partial file is itself the temporary file, grown across
+        # Not registry.atomic: the partial file is itself the temporary file, grown across
         # attempts and process restarts (Range resume) under a fixed name and hashed as it
         # grew; only the rename is left. No fsync here either (see the class docstring).
         os.replace(self.partial(sha256), dest)

@@ -7,7 +7,8 @@ Layout under ``state_dir/models/<name>/``::
     current -> slots/a      the active slot
     installed.json          the rollback defence: the highest sequence ever committed, the
                             newest upstream release (base) committed and the highest
-                            sequence committed in that release's lineage
+                            sequence committed in that release's lineage; its rule is
+                            :func:`agent.storage.anti_rollback.refuse_downgrade`
 
 Crash safety, instant by instant (Mender's A/B scheme, applied to a folder): :meth:`stage`
 only ever writes the slot ``current`` does not point at. The new slot is built under a
@@ -36,15 +37,22 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.storage.anti_rollback import (
+    INSTALLED,
+    InstalledRecord,
+    after_commit,
+    read_record,
+    refuse_downgrade,
+    write_record,
+)
 from agent.storage.assemble import assemble
 from agent.storage.chunk_store import ChunkStore
 from agent.storage.lock import StateLock
 from agent.storage.nofollow import is_link, read_bytes, real_dir, real_dirs, regular_file
 from agent.storage.verify import MARKER, verify_slot
-from hpc_core.atomic import fsync_dir, fsync_file, write_json_atomic
+from registry.atomic import fsync_dir, fsync_file
 from registry.errors import (
     CorruptSlotError,
-    DowngradeError,
     MalformedJsonError,
     NoActiveModelError,
     NoPreviousVersionError,
@@ -59,7 +67,6 @@ from registry.signing import TrustedKey
 log = logging.getLogger("agent.storage")
 
 SLOT_NAMES = ("a", "b")
-INSTALLED = "installed.json"
 _LEFTOVER_PREFIXES = (".new-", ".trash-", ".current-", ".tmp-")
 
 
@@ -206,80 +213,24 @@ class ModelSlots:
         current = self._current_slot()
         return "a" if current is None else SLOT_NAMES[1 - SLOT_NAMES.index(current)]
 
-    def _record(self) -> dict[str, int]:
-        """installed.json: ``highest_sequence`` (every version ever committed here; a new
-        local version signs one above it), ``base_sequence`` (the newest upstream release
-        committed, directly or as the base of a fine-tune) and ``lineage_sequence`` (the
-        highest sequence committed among versions of that base). A record from before
-        lineage existed holds only the first: the active version's base stands in for it."""
-        path = self.root / INSTALLED
-        try:
-            doc = loads_strict(read_bytes(path, 1 << 16), str(path))
-        except FileNotFoundError:
-            return {"highest_sequence": 0, "base_sequence": 0, "lineage_sequence": 0}
-        except MalformedJsonError as e:
-            raise CorruptSlotError(f"{path} is unreadable ({e}): it guards against "
-                                   "downgrades, restore it rather than delete it") from None
-        rec = doc if isinstance(doc, dict) else {}
-        highest = rec.get("highest_sequence")
-        if not isinstance(highest, int) or isinstance(highest, bool) or highest < 0:
-            raise CorruptSlotError(f"{path}: bad highest_sequence {highest!r}: it guards "
-                                   "against downgrades, restore it rather than delete it")
-        if "base_sequence" not in rec:
+    def installed_record(self) -> InstalledRecord:
+        """What this device has committed of the model (``installed.json``,
+        :mod:`agent.storage.anti_rollback`)."""
+        def active_base() -> int | None:
             active = self.active()
-            base = active.manifest.base_release.sequence if active is not None else highest
-            return {"highest_sequence": highest, "base_sequence": base,
-                    "lineage_sequence": highest}
-        out = {"highest_sequence": highest}
-        for k in ("base_sequence", "lineage_sequence"):
-            v = rec.get(k)
-            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= highest:
-                raise CorruptSlotError(f"{path}: bad {k} {v!r}")
-            out[k] = v
-        return out
+            return active.manifest.base_release.sequence if active is not None else None
+
+        return read_record(self.root / INSTALLED, active_base)
 
     def highest_sequence(self) -> int:
         """The highest signed sequence ever committed for this model here (0: none)."""
-        return self._record()["highest_sequence"]
-
-    def check_sequence(self, manifest: Manifest, *, allow_downgrade: bool = False) -> None:
-        """Refuse a possible rollback, comparing like with like (the manifest's lineage):
-        an upstream release older than the newest one committed here, a version of an older
-        base, or, within the newest base's lineage, a sequence below the highest committed.
-        So a device that fine-tuned release 1 (its version signed 4) still takes release 2
-        (signed 3 upstream), and a replay of release 1 stays refused."""
-        rec = self._record()
-        base = manifest.base_release.sequence
-        if base > rec["base_sequence"] or (
-                base == rec["base_sequence"] and manifest.sequence >= rec["lineage_sequence"]):
-            return
-        fields = {"model": self.name, "version": manifest.version,
-                  "sequence": manifest.sequence, "base_sequence": base, **{
-                      f"installed_{k}": v for k, v in rec.items()}}
-        if base < rec["base_sequence"]:
-            why = (f"its upstream release has sequence {base}, below {rec['base_sequence']}, "
-                   "the newest release committed here")
-        else:
-            why = (f"it has sequence {manifest.sequence}, below {rec['lineage_sequence']}, the "
-                   "highest committed here from the same upstream release")
-        if not allow_downgrade:
-            raise DowngradeError(
-                f"{manifest.ref}: {why}: refused as a possible rollback attack (to go back on "
-                f"purpose, `agentctl rollback` or pull with --allow-downgrade)"
-            )
-        log.warning("downgrade allowed: installing %s (%s)", manifest.ref, why,
-                    extra={"fields": {"event": "downgrade", **fields}})
+        return self.installed_record().highest_sequence
 
     def _record_commit(self, manifest: Manifest) -> None:
-        rec = self._record()
-        base = manifest.base_release.sequence
-        new = dict(rec, highest_sequence=max(rec["highest_sequence"], manifest.sequence))
-        if base > rec["base_sequence"]:
-            new |= {"base_sequence": base, "lineage_sequence": manifest.sequence}
-        elif base == rec["base_sequence"]:
-            new["lineage_sequence"] = max(rec["lineage_sequence"], manifest.sequence)
+        rec = self.installed_record()
+        new = after_commit(rec, manifest)
         if new != rec:
-            write_json_atomic(self.root / INSTALLED, {**new, "version": manifest.version})
+            write_record(self.root / INSTALLED, new, manifest.version)
 
     # -- stage / commit / discard
 
@@ -294,7 +245,8 @@ class ModelSlots:
         tensor and artefact hash is checked while assembling. Replaces the standby slot.
         """
         with StateLock(self.state_dir):
-            self.check_sequence(manifest, allow_downgrade=allow_downgrade)
+            refuse_downgrade(manifest, self.installed_record(), model=self.name,
+                             allow_downgrade=allow_downgrade)
             slots_dir = real_dirs(self.state_dir, "models", self.name, "slots")
             self.clean_leftovers()
             target = self.standby_slot_name()
@@ -319,7 +271,8 @@ class ModelSlots:
                     f"{self.name}@{version} is not staged (standby: "
                     f"{staged.version if staged else 'none'}); stage it first"
                 )
-            self.check_sequence(staged.manifest, allow_downgrade=allow_downgrade)
+            refuse_downgrade(staged.manifest, self.installed_record(), model=self.name,
+                             allow_downgrade=allow_downgrade)
             # Recorded before the switch: a crash in between leaves the record ahead of the
             # active version (harmless), never behind it (a downgrade window).
             self._record_commit(staged.manifest)

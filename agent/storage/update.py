@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.storage.anti_rollback import refuse_downgrade
 from agent.storage.chunk_store import ChunkStore
 from agent.storage.gc import GcReport, gc
 from agent.storage.lock import StateLock
@@ -102,7 +103,7 @@ def pull(
     ``training_source``: the version is only trained from (:func:`fetch_training_source`),
     never installed, so a sequence below the highest installed is logged, not refused. What
     can become active stays guarded: ``ModelSlots.stage`` and ``commit`` check the sequence
-    themselves."""
+    themselves (:func:`agent.storage.anti_rollback.refuse_downgrade`)."""
     cfg = cfg or TransferConfig()
     state_dir = Path(state_dir)
     source = open_store(ref.registry, cfg)
@@ -111,7 +112,8 @@ def pull(
         manifest = verified.manifest
         slots = ModelSlots(state_dir, ref.name)
         if not training_source:
-            slots.check_sequence(manifest, allow_downgrade=cfg.allow_downgrade)
+            refuse_downgrade(manifest, slots.installed_record(), model=slots.name,
+                             allow_downgrade=cfg.allow_downgrade)
         elif manifest.sequence < slots.highest_sequence():
             log.info("fetching %s below the highest installed sequence %d as a training "
                      "source only: it is never installed", manifest.ref,

@@ -14,9 +14,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from contract.ids import check_id
-from hpc_core.config import format_errors
 from registry.errors import MalformedJsonError, UsageError
 from registry.jsonsafe import loads_strict
+from registry.validation import format_errors
 
 MAX_EVALS_BYTES = 16 << 20
 """A file larger than this is refused unread (100k devices fit in ~10 MB)."""

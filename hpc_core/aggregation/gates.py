@@ -27,15 +27,16 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from hpc_core.aggregation.device_evals import DeviceEvals, GainMean, load_device_evals
 from hpc_core.aggregation.output import REPORT_FILE
 from hpc_core.aggregation.report import FORMAT as REPORT_FORMAT
-from hpc_core.atomic import write_json_atomic
 from hpc_core.checkpoint_layout import CheckpointError, read_trainer_state, resolve_checkpoint
-from hpc_core.config import ConfigError, DataConfig, config_from_dict, format_errors, load_config
+from hpc_core.config import ConfigError, DataConfig, config_from_dict, load_config
+from registry.atomic import write_json_atomic
 from registry.errors import MalformedJsonError, RefusedError, UsageError
 from registry.jsonsafe import loads_strict
 from registry.manifest import MAX_MANIFEST_BYTES, AggregateInfo, BaseRelease, Manifest, utc_now
 from registry.names import manifest_key
 from registry.safetensors_io import FileRange, read_safetensors_index
 from registry.stores import RegistryStore
+from registry.validation import format_errors
 
 GATES_FILE = "gates.json"
 _NAMED = 8

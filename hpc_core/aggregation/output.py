@@ -15,9 +15,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from hpc_core.atomic import TMP_PREFIX, fsync_dir, write_json_atomic
 from hpc_core.checkpoint_layout import FORMAT, MARKER
 from hpc_core.config import TrainConfig
+from registry.atomic import TMP_PREFIX, fsync_dir, write_json_atomic
 from registry.manifest import Manifest
 from registry.safetensors_io import safetensors_header
 

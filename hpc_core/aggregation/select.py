@@ -143,8 +143,10 @@ def _outside_round(m: Manifest, releases: dict[str, Release]) -> str | None:
     return None
 
 
-def check_update(m: Manifest, base: Manifest, releases: dict[str, Release]) -> str | None:
-    """Why a verified manifest cannot be combined into ``base``, or None."""
+def why_not_combinable(m: Manifest, base: Manifest, releases: dict[str, Release]) -> str | None:
+    """Why a verified manifest cannot be combined into ``base``, or None when it may: it must
+    be a direct fine-tune (its parent its base release) of a release in this round's reach,
+    claiming that release's signed sequence, with the base's model spec and tensors."""
     outside = _outside_round(m, releases)
     if outside is not None:
         where = f"{m.base.version}, " if m.base is not None else ""
@@ -237,7 +239,7 @@ def select(store: RegistryStore, base: Manifest, releases: list[Release], note: 
         if auto and outside is not None:
             out.ignored[outside] = out.ignored.get(outside, 0) + 1
             continue
-        reason = check_update(m, base, by_version)
+        reason = why_not_combinable(m, base, by_version)
         if reason is not None:
             out.skipped.append(Skipped(version, reason))
             continue

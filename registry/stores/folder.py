@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hpc_core.atomic import write_bytes_atomic
+from registry.atomic import write_bytes_atomic
 from registry.errors import RefError, StoreError, StoreNotFoundError, StoreTransientError
 from registry.names import check_model_name, check_version
 from registry.stores.base import RangeReader, safe_key

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from fleet.mqtt import BrokerConfig
-from fleet.sim_config import SimConfig
-from fleet.sim_fleet import SimFleet
+from fleet.sim.config import SimConfig
+from fleet.sim.fleet import SimFleet
 from tests.support.mosquitto import Broker
 from tests.support.registry_fixtures import upstream_key  # noqa: F401
 

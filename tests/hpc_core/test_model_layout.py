@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from hpc_core.config import ModelConfig
 from hpc_core.model_layout import LAYOUTS, check_layout, expected_tensors
 from hpc_core.model_spec import build_module, torch_dtype_name
 from hpc_core.models import available_models
 from registry.errors import SpecMismatchError
+from registry.model_config import ModelConfig
 from tests.support.manifests import manifest_for, model_state, parse
 
 SIZES = ({"num_classes": 10, "in_channels": 1, "image_size": 8},

@@ -33,7 +33,7 @@ from registry.safetensors_io import (
     refuse_pickled_file,
     safetensors_header,
 )
-from registry.signing import generate_keypair, load_signing_key, load_trusted_keys, verify_manifest
+from registry.signing import generate_keypair, load_signing_key, load_trusted_keys, verify_signature
 from tests.support.manifests import CHUNK, PACK, manifest_for, model_state, parse
 
 # ---------------------------------------------------------------------------------------------
@@ -240,20 +240,20 @@ def test_keygen_writes_private_0600_and_never_overwrites(keys: dict, tmp_path: P
 
 def test_signature_verifies_and_names_the_signer(keys: dict) -> None:
     body = b'{"manifest": 1}\n'
-    signer = verify_manifest(body, keys["key"].sign_manifest(body), keys["trusted"])
+    signer = verify_signature(body, keys["key"].sign_manifest(body), keys["trusted"])
     assert signer.key_id == keys["key"].key_id and signer.name == "upstream"
 
 
 def test_unknown_key_tampering_and_missing_signature_each_have_their_error(keys: dict) -> None:
     body = b'{"manifest": 1}\n'
     with pytest.raises(UnknownKeyError, match="not trusted"):
-        verify_manifest(body, keys["other"].sign_manifest(body), keys["trusted"])
+        verify_signature(body, keys["other"].sign_manifest(body), keys["trusted"])
     with pytest.raises(BadSignatureError, match="altered"):
-        verify_manifest(body.replace(b"1", b"2"), keys["key"].sign_manifest(body), keys["trusted"])
+        verify_signature(body.replace(b"1", b"2"), keys["key"].sign_manifest(body), keys["trusted"])
     with pytest.raises(UnsignedManifestError, match=r"no manifest\.sig"):
-        verify_manifest(body, None, keys["trusted"])
+        verify_signature(body, None, keys["trusted"])
     with pytest.raises(UnsignedManifestError, match="not an"):
-        verify_manifest(body, b"garbage", keys["trusted"])
+        verify_signature(body, b"garbage", keys["trusted"])
 
 
 def test_signature_is_domain_separated(keys: dict) -> None:
@@ -264,7 +264,7 @@ def test_signature_is_domain_separated(keys: dict) -> None:
     doc = json.loads(keys["key"].sign_manifest(body))
     doc["signature"] = base64.b64encode(keys["key"].private.sign(body)).decode()
     with pytest.raises(BadSignatureError):
-        verify_manifest(body, json.dumps(doc).encode(), keys["trusted"])
+        verify_signature(body, json.dumps(doc).encode(), keys["trusted"])
 
 
 def test_key_files_are_checked(keys: dict, tmp_path: Path) -> None:

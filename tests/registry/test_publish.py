@@ -27,7 +27,7 @@ from registry.errors import (
 from registry.manifest import Manifest
 from registry.names import chunk_key
 from registry.publish import publish_content, publish_version
-from registry.signing import generate_keypair, load_signing_key, load_trusted_keys, verify_manifest
+from registry.signing import generate_keypair, load_signing_key, load_trusted_keys, verify_signature
 from registry.stores import HttpStore, LocalStore, open_store
 
 MODEL = {"name": "small_cnn", "kwargs": {"width": 8, "norm": "batch"}, "num_classes": 10,
@@ -72,7 +72,7 @@ def test_publish_writes_signed_manifest_and_content_addressed_chunks(
     report = publish(src, reg, "1", key)
 
     body = (reg / "digits/1/manifest.json").read_bytes()
-    signer = verify_manifest(body, (reg / "digits/1/manifest.sig").read_bytes(),
+    signer = verify_signature(body, (reg / "digits/1/manifest.sig").read_bytes(),
                              load_trusted_keys(tmp_path / "keys"))
     m = Manifest.from_bytes(body)
     assert signer.key_id == m.signer.key_id and m == report.manifest

@@ -23,7 +23,7 @@ from registry.errors import (
 )
 from registry.manifest import Manifest
 from registry.refs import parse_ref
-from registry.signing import load_trusted_keys, verify_manifest
+from registry.signing import load_trusted_keys, verify_signature
 from registry.transfer import TransferConfig
 from registry.upload import upload
 
@@ -143,9 +143,9 @@ def test_upload_sends_only_changed_tensors_and_is_device_signed(
     assert not {c.sha256 for c in parent.chunks} & {r.path.rsplit("/", 1)[-1] for r in puts}
 
     # The cloud knows which device produced it: its key verifies, upstream's alone does not.
-    assert verify_manifest(body, sig, load_trusted_keys(cloud_trusted)).name == "jetson-07"
+    assert verify_signature(body, sig, load_trusted_keys(cloud_trusted)).name == "jetson-07"
     with pytest.raises(UnknownKeyError):
-        verify_manifest(body, sig, load_trusted_keys(upstream_key.trusted_dir))
+        verify_signature(body, sig, load_trusted_keys(upstream_key.trusted_dir))
 
     # Another device that trusts this one pulls the fine-tuned version and gets its weights.
     other = tmp_path / "other-device"
@@ -214,7 +214,7 @@ def test_agentctl_upload_to_a_registry_folder(
     assert code == 0, capsys.readouterr().err
     assert "published digits@1.1" in capsys.readouterr().out
     body = (target / "digits/1.1/manifest.json").read_bytes()
-    verify_manifest(body, (target / "digits/1.1/manifest.sig").read_bytes(),
+    verify_signature(body, (target / "digits/1.1/manifest.sig").read_bytes(),
                     load_trusted_keys(cloud_trusted))
     # A folder registry that lacked the parent's chunks receives the whole model.
     assert Manifest.from_bytes(body).parent == "1"

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from hpc_core.config import ModelConfig
 from registry.manifest import Manifest, TrainingInfo
+from registry.model_config import ModelConfig
 from registry.names import chunk_key
 from registry.publish import publish_version
 from registry.safetensors_io import read_safetensors_index

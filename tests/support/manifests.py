@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from hpc_core.config import ModelConfig
 from hpc_core.models import build_model
 from registry.chunks import lay_out
 from registry.manifest import Manifest, Signer, utc_now
+from registry.model_config import ModelConfig
 from registry.safetensors_io import read_safetensors_index
 
 SPEC = ModelConfig(name="mlp", kwargs={"hidden": [64, 64]}, num_classes=10, in_channels=1,

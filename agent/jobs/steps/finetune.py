@@ -34,7 +34,7 @@ from agent.jobs.protocol import (
     step_context,
 )
 from agent.spool.lineage import fix_training_data, training_data_path
-from hpc_core.atomic import write_json_atomic
+from registry.atomic import write_json_atomic
 
 
 def _read_setup(job_dir: Path) -> FinetuneSetup | None:

@@ -148,6 +148,26 @@ def child(c: StepContext) -> dict[str, Any]:
         out["passed"], out["failures"] = not failures, failures
         return out
     a, s = out["active"], out["staged"]
+    failures += health_failures(a, s, opts)
+    out["latency_ratio"] = round(float(np.float64(_latency_ratio(a, s))), 3)
+    out["passed"], out["failures"] = not failures, failures
+    return out
+
+
+def _latency_ratio(active: dict[str, Any], staged: dict[str, Any]) -> float:
+    return staged["p50_ms_b1"] / max(active["p50_ms_b1"], 1e-9)
+
+
+def health_failures(active: dict[str, Any], staged: dict[str, Any],
+                    opts: dict[str, Any]) -> list[str]:
+    """Why the staged model fails its health check against the active one, on the same
+    held-out data (``accuracy``, ``p50_ms_b1`` of each): one line per broken threshold of the
+    job's ``health`` options; none, and the job commits it, else it is rolled back. It may
+    not lose more than ``max_accuracy_drop_pts`` points of accuracy, fall below
+    ``min_accuracy``, or run slower than ``max_latency_ratio`` times the active model (a null
+    threshold is not checked)."""
+    failures = []
+    a, s = active, staged
     drop = 100 * (a["accuracy"] - s["accuracy"])
     if drop > opts["max_accuracy_drop_pts"]:
         failures.append(f"accuracy {100 * s['accuracy']:.1f}% is {drop:.1f} points below the "
@@ -156,13 +176,11 @@ def child(c: StepContext) -> dict[str, Any]:
     if opts["min_accuracy"] is not None and s["accuracy"] < opts["min_accuracy"]:
         failures.append(f"accuracy {100 * s['accuracy']:.1f}% is below health.min_accuracy="
                         f"{opts['min_accuracy']}")
-    ratio = s["p50_ms_b1"] / max(a["p50_ms_b1"], 1e-9)
+    ratio = _latency_ratio(a, s)
     if opts["max_latency_ratio"] is not None and ratio > opts["max_latency_ratio"]:
         failures.append(f"latency p50 {s['p50_ms_b1']:.2f} ms is {ratio:.2f}x the active "
                         f"model's (health.max_latency_ratio={opts['max_latency_ratio']})")
-    out["latency_ratio"] = round(float(np.float64(ratio)), 3)
-    out["passed"], out["failures"] = not failures, failures
-    return out
+    return failures
 
 
 def _anchor_gate(c: StepContext, out: dict[str, Any], anchor: Path, paths: dict[str, Any],

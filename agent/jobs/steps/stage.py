@@ -37,8 +37,8 @@ def child(c: StepContext) -> dict[str, Any]:
     from agent.storage.slots import ModelSlots, read_installed
     from agent.storage.trust import load_trusted
     from agent.storage.update import next_local_sequence, stage_local
-    from hpc_core.atomic import write_bytes_atomic
     from hpc_core.model_spec import read_checkpoint
+    from registry.atomic import write_bytes_atomic
     from registry.publish import collect_artefacts
     from registry.signing import load_signing_key
     from registry.upload import default_version

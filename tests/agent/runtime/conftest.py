@@ -20,9 +20,9 @@ from safetensors.numpy import save_file
 
 from agent.storage.chunk_store import ChunkStore
 from agent.storage.slots import InstalledSlot, ModelSlots, SwitchResult
-from hpc_core.config import ModelConfig
 from registry.chunks import ArtefactSource
 from registry.manifest import ChunkRef
+from registry.model_config import ModelConfig
 from registry.publish import collect_artefacts, sign_version
 from registry.safetensors_io import read_safetensors_index
 from registry.signing import SigningKey, generate_keypair, load_signing_key, load_trusted_keys

@@ -25,11 +25,12 @@ import torch.nn.functional as F
 from safetensors.numpy import load_file
 
 from hpc_core.checkpoint import save_checkpoint
-from hpc_core.config import ModelConfig, config_from_dict
+from hpc_core.config import config_from_dict
 from hpc_core.data import build_datasets, held_out
 from hpc_core.models import build_model
 from hpc_core.publish_cli import register_cli
 from registry.manifest import BaseRelease, Manifest
+from registry.model_config import ModelConfig
 from registry.pull import fetch_verified_manifest
 from registry.refs import Ref
 from registry.signing import load_trusted_keys

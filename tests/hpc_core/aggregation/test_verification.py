@@ -14,8 +14,8 @@ from hpc_core.aggregation import combine
 from hpc_core.aggregation.blobs import ChunkChangedError, local_blob
 from hpc_core.aggregation.deltas import verify_release
 from hpc_core.aggregation.select import listed_versions
-from hpc_core.config import ModelConfig
 from registry.errors import UsageError
+from registry.model_config import ModelConfig
 from registry.stores import HttpStore
 from registry.transfer import TransferConfig
 from tests.hpc_core.aggregation.conftest import Result, hand_deltas

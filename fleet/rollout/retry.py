@@ -1,0 +1,24 @@
+"""Whether an ended execution runs again.
+
+A device's job that ended FAILED, TIMED_OUT or EXPIRED is tried again (attempt + 1, the
+same device and wave, a new execution id) while the plan's ``retries`` last and the rollout
+still runs or is paused; REJECTED never is (its args are wrong: a retry would be refused the
+same way), nor a job that SUCCEEDED or was CANCELED. An execution that will not run again is
+final (``RolloutRun.final``): what the failure rate, a wave's end and the summaries count.
+"""
+
+from __future__ import annotations
+
+from fleet.rollout.plan import RolloutPlan
+from fleet.rollout.store import Execution
+
+RETRIED = frozenset({"FAILED", "TIMED_OUT", "EXPIRED"})
+"""Terminal statuses a plan's ``retries`` apply to; REJECTED never is (the args are wrong)."""
+
+
+def will_retry(plan: RolloutPlan, rollout_state: str, e: Execution) -> bool:
+    """Ended execution ``e`` runs again: it ended in one of ``RETRIED``, it was attempt
+    ``plan.retries`` or earlier (``retries: 1`` gives two attempts), and the rollout is
+    ``running`` or ``paused`` (an aborting one starts nothing)."""
+    return (e.status in RETRIED and e.attempt <= plan.retries
+            and rollout_state in ("running", "paused"))
