@@ -59,8 +59,10 @@ def run_job(
     rec = store.transition(job_id, JobState.IN_PROGRESS)
     spec = SPECS[rec.type].model_validate(rec.spec)
     deadline = rec.started_at + rec.timeout_s if rec.timeout_s and rec.started_at else None
+    # `is not None`, not `or`: a StopFlag is falsy until set, and `stop or StopFlag()` dropped
+    # the flag main()'s SIGTERM handler sets, so a SIGTERM never suspended the job.
     ctx = JobContext(store, job_id, Path(state_dir), spec, deadline=deadline, on_event=on_event,
-                     stop=stop or StopFlag(),
+                     stop=stop if stop is not None else StopFlag(),
                      planned=planned_steps(TRANSITIONS[rec.type], spec))
     ctx.job_dir.mkdir(parents=True, exist_ok=True)
     # A previous attempt killed mid-write (kill -9, power cut) leaves its temp files here.
