@@ -29,17 +29,19 @@ REPO = Path(__file__).resolve().parents[1]
 LONGEST_FIRST = (
     "tests/agent/jobs/test_budget_runs.py",
     "tests/e2e/test_mission.py",
-    "tests/agent/jobs/test_device_job.py",
-    "tests/agent/jobs/test_job_budget.py",
-    "tests/security/test_daemon_bounds.py",
     "tests/exporters/test_zoo.py",
+    "tests/agent/jobs/test_job_budget.py",
+    "tests/benchmarks/test_quick_device_job.py",
+    "tests/agent/jobs/test_device_job.py",
+    "tests/security/test_daemon_bounds.py",
+    "tests/fleet/learn/test_poisoned.py",
+    "tests/benchmarks/test_quick_training.py",
     "tests/hpc_core/test_finders.py",
     "tests/agent/finetune/test_finetune.py",
-    "tests/fleet/learn/test_poisoned.py",
-    "tests/hpc_core/test_tracking.py",
-    "tests/agent/finetune/test_vit_finetune.py",
     "tests/agent/jobs/test_yield_to_app.py",
     "tests/fleet/learn/test_learn.py",
+    "tests/fleet/rollout/test_rollout.py",
+    "tests/agent/finetune/test_vit_finetune.py",
 )
 
 
