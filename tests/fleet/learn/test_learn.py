@@ -274,8 +274,9 @@ def test_controller_sigkilled_mid_round_resumes_without_running_anything_again(
     # Jobs outlast a controller's restart (0.5 s down + its start-up): at the first kill the
     # evaluations are still running when the next controller re-sends them, so the devices'
     # DUPLICATE answers are certain. With 0.6 s jobs every result could be back, and taken
-    # from the session, before the re-send, and no job was re-sent at all.
-    fleet = learn_fleet(Scores(), devices=4, behavior={"job_duration_s": 4.0})
+    # from the session, before the re-send, and no job was re-sent at all; 4 s jobs fell short
+    # once too, in a clean-clone run whose other process loaded both cores.
+    fleet = learn_fleet(Scores(), devices=4, behavior={"job_duration_s": 10.0})
     db = tmp_path / "fleet.db"
     env = env | {"FAKE_HPC_TRAIN_SLEEP_S": "2"}
     kill_points: list[Callable[[], bool]] = [
