@@ -108,6 +108,7 @@ def provision(workdir: Path, inventory: dict[str, list[str]], *extra: str,
     test_conf.write_text("\n".join(lines) + "\n")
     log = workdir / "mosquitto.log"
     devices = Broker("127.0.0.1", dev_port, test_conf, workdir, tls=tls, log=log).start()
+    devices.wait_for_listener(op_port)  # the same process's second listener
     operators = Broker("127.0.0.1", op_port, test_conf, workdir, tls=tls, log=log)
     return SecureBroker(devices, operators, workdir / "broker", workdir / "secrets", summary,
                         tls)

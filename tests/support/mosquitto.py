@@ -81,16 +81,22 @@ class Broker:
         )
         if log is not subprocess.DEVNULL:
             log.close()
+        return self.wait_for_listener(self.port, timeout_s)
+
+    def wait_for_listener(self, port: int, timeout_s: float = 10.0) -> Broker:
+        """Until this process accepts connections on ``port`` (one of its listeners: mosquitto
+        opens them one after another, so the first being up says nothing of the others)."""
+        assert self.proc is not None
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                socket.create_connection((self.host, self.port), timeout=0.2).close()
+                socket.create_connection((self.host, port), timeout=0.2).close()
                 return self
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.proc.kill()
                     tail = self.log.read_text()[-2000:] if self.log and self.log.exists() else ""
-                    raise RuntimeError(f"mosquitto did not start on {self.port}: {tail}") from None
+                    raise RuntimeError(f"mosquitto did not start on {port}: {tail}") from None
                 time.sleep(0.05)
 
     def stop(self, timeout_s: float = 10.0) -> None:
