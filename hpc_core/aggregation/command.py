@@ -48,10 +48,17 @@ ordinary one; README "Fleet learning" has what it costs and holds on the benchma
                 nearest others (Blanchard et al. 2017; needs N >= 2f + 3); --krum-keep M:
                 Multi-Krum, the M best-scored averaged like fedavg (needs N >= M + f)
 
-differential privacy (fedavg; needs a fixed --clip-norm C): --dp-noise-multiplier Z adds
-Gaussian noise of std Z * C * max(weight) (Z * C / N with equal weights) to the mean delta,
-and the report gives (epsilon, --dp-delta) over --dp-rounds rounds from dp-accounting's RDP
-accountant (pip install -e '.[learn]').
+differential privacy (fedavg; needs a fixed --clip-norm C): DP-FedAvg's fixed-denominator
+estimator (McMahan et al. 2018), sum_k w_k * clipped delta_k / W, with w_k = min(samples_k /
+--dp-weight-cap, 1) (1 without a cap) and W = --dp-expected-weight, the total weight the
+round is expected to bring, fixed in advance (equal weights: the number of updates
+expected). One device moves it by at most S = C / W; --dp-noise-multiplier Z adds Gaussian
+noise of std Z * S to every coordinate. Under DP a signing key adds one update a round (its
+freshest). The report gives Z, S, C, the sampling rate (1) and (epsilon, --dp-delta) per round
+and over --dp-rounds rounds from dp-accounting's RDP accountant (pip install -e '.[learn]').
+
+near-identical updates (delta norms within 1e-6, cosine >= 0.9999) are flagged in the report
+and on stdout: one update under several keys counts as several devices.
 
 memory: one N x block array at a time (--block-mb), never N models. Output, a new folder:
 model.safetensors, trainer_state.json, COMPLETE (the checkpoint layout) and {REPORT_FILE}.
@@ -86,10 +93,18 @@ def _options(args: argparse.Namespace) -> Options:
         if args.dp_delta is None:
             raise UsageError("--dp-noise-multiplier needs --dp-delta (e.g. 1e-5, below 1 / the "
                              "number of devices)")
+        if args.dp_expected_weight is None:
+            raise UsageError("--dp-noise-multiplier needs --dp-expected-weight W: the total "
+                             "weight a round is expected to bring, fixed before it (each "
+                             "update weighs at most 1: with equal weights, the number of "
+                             "updates expected); the noise is scaled to --clip-norm / W")
         clip = args.clip_norm if isinstance(args.clip_norm, float) else 0.0
-        dp = DpSettings(args.dp_noise_multiplier, args.dp_delta, args.dp_rounds or 1, clip)
-    elif args.dp_delta is not None or args.dp_rounds is not None:
-        raise UsageError("--dp-delta and --dp-rounds go with --dp-noise-multiplier")
+        dp = DpSettings(args.dp_noise_multiplier, args.dp_delta, args.dp_rounds or 1, clip,
+                        args.dp_expected_weight, args.dp_weight_cap)
+    elif (args.dp_delta, args.dp_rounds, args.dp_expected_weight,
+          args.dp_weight_cap) != (None,) * 4:
+        raise UsageError("--dp-delta, --dp-rounds, --dp-expected-weight and --dp-weight-cap "
+                         "go with --dp-noise-multiplier")
     try:
         updates = parse_updates(args.updates)
     except ValueError as e:
@@ -168,8 +183,15 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                    "direction (README: on the digits benchmark it did not help) (default: "
                    "%(default)s)")
     p.add_argument("--dp-noise-multiplier", type=float, metavar="Z",
-                   help="central Gaussian DP (fedavg; with --clip-norm and --dp-delta): noise "
-                   "std Z x clip x max weight, Z x clip / N with equal weights")
+                   help="central Gaussian DP (fedavg; with --clip-norm, --dp-delta and "
+                   "--dp-expected-weight): noise std Z x clip / expected weight")
+    p.add_argument("--dp-expected-weight", type=float, metavar="W",
+                   help="DP: the total weight a round is expected to bring, fixed in advance "
+                   "(each update weighs at most 1; with equal weights the number of updates "
+                   "expected): the aggregate is sum of weight x delta / W")
+    p.add_argument("--dp-weight-cap", type=float, metavar="SAMPLES",
+                   help="DP: an update weighs min(samples / SAMPLES, 1) (default: 1 each, "
+                   "whatever sample count it claims)")
     p.add_argument("--dp-delta", type=float, metavar="D", help="delta of the reported (eps, delta)")
     p.add_argument("--dp-rounds", type=int, metavar="R",
                    help="rounds the accountant composes (default: 1)")

@@ -101,6 +101,14 @@ class Options:
                              "the number of devices)")
         if dp.rounds < 1:
             raise UsageError(f"--dp-rounds {dp.rounds}: at least 1")
+        if not (math.isfinite(dp.expected_weight) and dp.expected_weight > 0):
+            raise UsageError(f"--dp-expected-weight {dp.expected_weight}: the total weight a "
+                             "round is expected to bring, > 0 (each update weighs at most 1: "
+                             "with equal weights, the number of updates expected)")
+        if dp.weight_cap is not None and not (math.isfinite(dp.weight_cap)
+                                              and dp.weight_cap > 0):
+            raise UsageError(f"--dp-weight-cap {dp.weight_cap}: the sample count at which a "
+                             "device's weight reaches 1, > 0")
         if importlib.util.find_spec("dp_accounting") is None:
             raise UsageError("--dp-noise-multiplier needs the dp-accounting package for its "
                              "(epsilon, delta): pip install -e '.[learn]'")

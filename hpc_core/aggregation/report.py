@@ -4,6 +4,13 @@ Per update: the key that verified it, its release and staleness, sample count, i
 norm before and after clipping, the scale applied (clipping times the staleness discount),
 its weight, and its distance to the combined delta (between the delta as combined - clipped
 and discounted - and the combined delta before DP noise). Per skipped version: the reason.
+Groups of near-identical updates (``duplicates``: a Sybil signal) and, under DP, the
+mechanism's figures: z, the sensitivity S, C, the weights' cap and expected total, the
+sampling rate and (epsilon, delta) per round and over the rounds.
+
+The report is the aggregator's record, not a private release: it names the devices, their
+norms and distances to the aggregate before the noise. Keep it where the operator keeps the
+round; under DP do not publish it beside the model.
 """
 
 from __future__ import annotations
@@ -14,8 +21,16 @@ from typing import Any
 import numpy as np
 
 from hpc_core.aggregation.combine import Blobs, Combined
+from hpc_core.aggregation.duplicates import MIN_COSINE, NORM_RTOL, DuplicateGroup
 from hpc_core.aggregation.options import Options
-from hpc_core.aggregation.privacy import ACCOUNTANT, Privacy
+from hpc_core.aggregation.privacy import (
+    ACCOUNTANT,
+    ADJACENCY,
+    ESTIMATOR,
+    MAX_WEIGHT,
+    SAMPLING_RATE,
+    Privacy,
+)
 from hpc_core.aggregation.select import SAMPLES_METRIC, Selection, Skipped
 from hpc_core.aggregation.strategies import STALENESS_EXPONENT
 from registry.manifest import utc_now
@@ -57,7 +72,9 @@ def skipped_rows(selection: Selection, blobs: Blobs | None) -> list[dict[str, st
 
 
 def _update_rows(blobs: Blobs, scales: Scales, weights: np.ndarray | None,
-                 combined: Combined, krum: Krum | None) -> list[dict[str, Any]]:
+                 combined: Combined, krum: Krum | None,
+                 duplicates: list[DuplicateGroup]) -> list[dict[str, Any]]:
+    group_of = {i: g for g, group in enumerate(duplicates) for i in group.members}
     rows = []
     for i, m in enumerate(blobs.measured):
         u = m.update
@@ -70,6 +87,7 @@ def _update_rows(blobs: Blobs, scales: Scales, weights: np.ndarray | None,
             "staleness_scale": _round(scales.staleness[i]),
             "weight": None if weights is None else _round(float(weights[i])),
             "distance_to_aggregate": _round(float(combined.distances[i])),
+            "duplicate_group": group_of.get(i),
         }
         if krum is not None:
             row["krum_score"] = _round(float(krum.scores[i]))
@@ -78,9 +96,42 @@ def _update_rows(blobs: Blobs, scales: Scales, weights: np.ndarray | None,
     return rows
 
 
+def _duplicates(blobs: Blobs, groups: list[DuplicateGroup]) -> dict[str, Any]:
+    return {
+        "rule": f"delta norms within {NORM_RTOL:g} (relative) and cosine >= {MIN_COSINE:g}",
+        "action": "kept and flagged: each key keeps its update's weight",
+        "groups": [{
+            "versions": [blobs.measured[i].update.version for i in g.members],
+            "keys": sorted({f"{blobs.measured[i].update.key.name} "
+                            f"({blobs.measured[i].update.key.key_id})" for i in g.members}),
+            "min_cosine": _round(g.min_cosine), "norm_spread": _round(g.norm_spread),
+        } for g in groups],
+    }
+
+
+def _privacy(privacy: Privacy, combined: Combined) -> dict[str, Any]:
+    dp = privacy.settings
+    return {
+        "estimator": ESTIMATOR, "adjacency": ADJACENCY,
+        "noise_multiplier": dp.noise_multiplier, "clip_norm": dp.clip_norm,
+        "weight_cap": dp.weight_cap, "max_weight": MAX_WEIGHT,
+        "expected_weight": dp.expected_weight, "weight_total": _round(privacy.weight_total),
+        "sensitivity": _round(dp.sensitivity), "noise_std": _round(dp.noise_std),
+        "noise_norm": _round(combined.noise_norm), "sampling_rate": SAMPLING_RATE,
+        "delta": dp.delta, "epsilon_per_round": _round(privacy.epsilon_per_round),
+        "epsilon": _round(privacy.epsilon), "rounds": dp.rounds,
+        "epsilon_replace_one": _round(privacy.epsilon_replace_one),
+        "sybil_group": None if privacy.group is None else {
+            "keys": privacy.group.keys,
+            "epsilon_per_round": _round(privacy.group.epsilon_per_round),
+            "epsilon": _round(privacy.group.epsilon)},
+        "accountant": ACCOUNTANT,
+    }
+
+
 def build(opts: Options, selection: Selection, blobs: Blobs, *, weighting: str | None,
           weights: np.ndarray | None, scales: Scales, combined: Combined, krum: Krum | None,
-          privacy: Privacy | None) -> dict[str, Any]:
+          privacy: Privacy | None, duplicates: list[DuplicateGroup]) -> dict[str, Any]:
     base = selection.base
     return {
         "format": FORMAT,
@@ -99,7 +150,8 @@ def build(opts: Options, selection: Selection, blobs: Blobs, *, weighting: str |
         "lineage_note": selection.lineage_note,
         "combined": [m.update.version for m in blobs.measured],
         "clip_bound": None if scales.clip_bound is None else _round(scales.clip_bound),
-        "updates": _update_rows(blobs, scales, weights, combined, krum),
+        "updates": _update_rows(blobs, scales, weights, combined, krum, duplicates),
+        "duplicates": _duplicates(blobs, duplicates),
         "skipped": skipped_rows(selection, blobs),
         "ignored": selection.ignored,
         "krum": None if krum is None else {
@@ -108,12 +160,7 @@ def build(opts: Options, selection: Selection, blobs: Blobs, *, weighting: str |
             "kept": [blobs.measured[int(i)].update.version for i in krum.kept]},
         "aggregate_delta_norm": _round(combined.delta_norm),
         "kept_from_base": combined.kept_from_base,
-        "dp": None if privacy is None else {
-            "noise_multiplier": privacy.noise_multiplier, "clip_norm": opts.clip_norm,
-            "noise_std": _round(privacy.noise_std), "noise_norm": _round(combined.noise_norm),
-            "delta": privacy.delta, "epsilon": _round(privacy.epsilon),
-            "rounds": privacy.rounds, "accountant": ACCOUNTANT,
-        },
+        "dp": None if privacy is None else _privacy(privacy, combined),
     }
 
 
@@ -132,10 +179,22 @@ def summary(report: dict[str, Any], out: str) -> str:
             + (" (chosen)" if row.get("chosen") else ""))
     for row in report["skipped"]:
         lines.append(f"  skipped {row['version']}: {row['reason']}")
+    for group in report["duplicates"]["groups"]:
+        lines.append(f"  WARNING near-identical updates under {len(group['keys'])} key(s) "
+                     f"(one update replayed?): {', '.join(group['versions'])}")
     if report["dp"]:
         dp = report["dp"]
-        lines.append(f"  DP: noise std {dp['noise_std']:.4g}; (epsilon, delta) = "
-                     f"({dp['epsilon']:.4g}, {dp['delta']:g}) over {dp['rounds']} round(s)")
+        lines.append(
+            f"  DP: z {dp['noise_multiplier']:g}, sensitivity S {dp['sensitivity']:.4g} (C "
+            f"{dp['clip_norm']:g} / expected weight {dp['expected_weight']:g}; this round "
+            f"{dp['weight_total']:.4g}), noise std z x S {dp['noise_std']:.4g}, sampling rate "
+            f"{dp['sampling_rate']:g}; epsilon {dp['epsilon_per_round']:.4g} a round, "
+            f"{dp['epsilon']:.4g} over {dp['rounds']} round(s), at delta {dp['delta']:g}")
+        if dp["sybil_group"]:
+            g = dp["sybil_group"]
+            lines.append(f"  DP: a device behind the {g['keys']} keys of one update counts "
+                         f"{g['keys']} times: epsilon {g['epsilon_per_round']:.4g} a round, "
+                         f"{g['epsilon']:.4g} over {dp['rounds']}")
     return "\n".join(lines)
 
 

@@ -21,11 +21,20 @@ from hpc_core.aggregation.combine import (
     pairwise,
 )
 from hpc_core.aggregation.deltas import Deltas
+from hpc_core.aggregation.duplicates import find_duplicates
 from hpc_core.aggregation.options import MEDIAN_CLIP, Options
 from hpc_core.aggregation.output import CheckpointWriter
-from hpc_core.aggregation.privacy import GaussianNoise, Privacy, epsilon, is_statistic, noise_std
+from hpc_core.aggregation.privacy import (
+    GaussianNoise,
+    Privacy,
+    account,
+    clip_scale,
+    dp_weights,
+    is_statistic,
+    one_per_key,
+)
 from hpc_core.aggregation.report import Krum, Scales, build, too_few
-from hpc_core.aggregation.select import Selection, lineage, load_base, select
+from hpc_core.aggregation.select import Selection, Skipped, lineage, load_base, select
 from hpc_core.aggregation.strategies import (
     distances_to_mean,
     fedavg_weights,
@@ -49,8 +58,7 @@ def _scales(opts: Options, blobs: Blobs) -> Scales:
     if bound == MEDIAN_CLIP:
         bound = float(np.median([m.norm for m in blobs.measured]))
     assert not isinstance(bound, str)
-    clip = [1.0 if bound is None or m.norm <= bound else bound / m.norm
-            for m in blobs.measured]
+    clip = [clip_scale(m.norm, bound) for m in blobs.measured]
     stale = [staleness_scale(m.update.release.staleness) for m in blobs.measured]
     return Scales(clip, stale, bound)
 
@@ -58,7 +66,17 @@ def _scales(opts: Options, blobs: Blobs) -> Scales:
 def _select(opts: Options, store: Any, trusted: Any, cfg: TransferConfig) -> Selection:
     base = load_base(store, opts.model, opts.base, trusted, cfg)
     releases, note = lineage(store, base, opts.max_staleness, trusted, cfg)
-    return select(store, base, releases, note, opts.updates, trusted, cfg)
+    selection = select(store, base, releases, note, opts.updates, trusted, cfg)
+    if opts.dp is not None:
+        # The sensitivity is per device: a key with two updates in the round would move the
+        # aggregate by 2 S. Its freshest one is combined.
+        kept, dropped = one_per_key(selection.updates)
+        selection.skipped += [Skipped(selection.updates[i].version, (
+            f"another update signed by {selection.updates[i].key.name} is combined, "
+            f"{other}: under DP a device adds one update a round")) for i, other in
+            sorted(dropped.items())]
+        selection.updates = [selection.updates[i] for i in kept]
+    return selection
 
 
 def run_round(opts: Options, rng: np.random.Generator | None = None) -> dict[str, Any]:
@@ -98,16 +116,17 @@ def _combine_and_write(opts: Options, selection: Selection, blobs: Blobs,
         m.data.scale = scales.total(i)
     deltas = Deltas([m.data for m in blobs.measured])
     block_bytes = opts.block_bytes(sum(4 * numel(t) for t in combined_tensors(blobs.base)))
+    duplicates = find_duplicates(blobs, block_bytes)
     weights, weighting = None, "none: coordinate-wise, every update alike"
-    if opts.strategy == "fedavg":
-        weights, weighting = fedavg_weights([m.update.samples for m in blobs.measured])
-    privacy, noise = None, None
-    if opts.dp is not None and weights is not None:
-        std = noise_std(opts.dp, weights)
-        privacy = Privacy(opts.dp.noise_multiplier, std, opts.dp.delta,
-                          epsilon(opts.dp.noise_multiplier, opts.dp.delta, opts.dp.rounds),
-                          opts.dp.rounds)
-        noise = GaussianNoise(std, rng)
+    samples = [m.update.samples for m in blobs.measured]
+    privacy: Privacy | None = None
+    noise = None
+    if opts.dp is not None:  # fedavg only (Options.check)
+        weights, weighting = dp_weights(samples, opts.dp)
+        privacy = account(opts.dp, weights, max((g.keys for g in duplicates), default=1))
+        noise = GaussianNoise(opts.dp.noise_std, rng)
+    elif opts.strategy == "fedavg":
+        weights, weighting = fedavg_weights(samples)
     writer = CheckpointWriter(opts.out, selection.base)
     try:
         krum = None
@@ -133,7 +152,8 @@ def _combine_and_write(opts: Options, selection: Selection, blobs: Blobs,
                              trim=opts.trim, block_bytes=block_bytes, write=writer.write,
                              noise=noise, server_lr=opts.server_lr)
         report = build(opts, selection, blobs, weighting=weighting, weights=weights,
-                       scales=scales, combined=result, krum=krum, privacy=privacy)
+                       scales=scales, combined=result, krum=krum, privacy=privacy,
+                       duplicates=duplicates)
         writer.finish(report, _metrics(result, blobs, privacy))
     except BaseException:
         writer.abort()
@@ -142,9 +162,12 @@ def _combine_and_write(opts: Options, selection: Selection, blobs: Blobs,
 
 
 def _metrics(result: Combined, blobs: Blobs, privacy: Privacy | None) -> dict[str, float]:
-    """What the published version's manifest carries about how it was made."""
-    out = {"aggregate/updates": float(len(blobs.measured)),
-           "aggregate/delta_norm": result.delta_norm}
-    if privacy is not None:
+    """What the published version's manifest carries about how it was made. Under DP not the
+    combined delta's norm: it is taken before the noise, a release the noise does not cover."""
+    out = {"aggregate/updates": float(len(blobs.measured))}
+    if privacy is None:
+        out["aggregate/delta_norm"] = result.delta_norm
+    else:
         out["aggregate/dp_epsilon"] = privacy.epsilon
+        out["aggregate/dp_noise_multiplier"] = privacy.noise_multiplier
     return out

@@ -1,6 +1,7 @@
 """How N update deltas become one, on an N x block array of one tensor's element range.
 
-* ``fedavg`` (McMahan et al. 2017): the weighted mean, weights summing to 1.
+* ``fedavg`` (McMahan et al. 2017): the weighted mean, weights summing to 1 (under DP the
+  fixed-denominator weights of ``privacy.dp_weights``).
 * ``trimmed-mean`` (Yin et al. 2018): per coordinate, drop the ``int(trim * N)`` smallest and
   as many largest values and average the rest (what ``scipy.stats.trim_mean`` computes).
 * ``median``: the coordinate-wise median (``np.median``; the mean of the two middle values
@@ -49,7 +50,8 @@ def fedavg(block: np.ndarray, weights: np.ndarray) -> np.ndarray:
     an element against ~1.5 for a float64 loop over the rows). Its float32 sums of N terms carry
     a relative error of ~1e-7, as Flower's float32 aggregate does; with weights that sum to 1 no
     partial sum can exceed the largest value, so float32 cannot overflow where float64 would
-    not."""
+    not. (DP's fixed-denominator weights sum to turnout / expected weight, not 1; their deltas
+    are clipped, so the sums stay far from float32's range.)"""
     return np.dot(weights.astype(np.float32), block).astype(np.float64)
 
 

@@ -36,10 +36,11 @@ def test_epsilon_is_finite_and_falls_as_the_noise_grows(
     epsilons = []
     for z in (0.5, 1.0, 2.0, 4.0):
         result = aggregate("--clip-norm", "2", "--dp-noise-multiplier", str(z),
-                           "--dp-delta", "1e-5")
+                           "--dp-delta", "1e-5", "--dp-expected-weight", "10")
         assert result.code == 0, result.stderr
         dp = result.report["dp"]
-        assert dp["noise_std"] == pytest.approx(z * 2 / 10)  # Z * C / N, equal weights
+        assert dp["noise_std"] == pytest.approx(z * 2 / 10)  # Z * C / W, W = the 10 updates
+        assert dp["sensitivity"] == pytest.approx(2 / 10) and dp["sampling_rate"] == 1.0
         assert np.isfinite(dp["epsilon"]) and dp["delta"] == 1e-5 and dp["rounds"] == 1
         accountant = rdp.RdpAccountant()
         accountant.compose(dp_accounting.GaussianDpEvent(z), 1)
@@ -53,21 +54,30 @@ def test_epsilon_is_finite_and_falls_as_the_noise_grows(
         epsilons.append(dp["epsilon"])
     assert epsilons == sorted(epsilons, reverse=True) and len(set(epsilons)) == 4
     more = aggregate("--clip-norm", "2", "--dp-noise-multiplier", "1", "--dp-delta", "1e-5",
-                     "--dp-rounds", "10").report["dp"]
+                     "--dp-rounds", "10", "--dp-expected-weight", "10").report["dp"]
     assert more["rounds"] == 10 and more["epsilon"] > epsilons[1]
+    assert more["epsilon_per_round"] == pytest.approx(epsilons[1])
 
 
 def test_dp_needs_clipping_fedavg_and_a_delta(ten_updates: dict,
                                               aggregate: Callable[..., Result]) -> None:
+    W = ["--dp-expected-weight", "10"]  # noqa: N806 - the W of the estimator
     for options, words in (
-        (["--dp-noise-multiplier", "1", "--dp-delta", "1e-5"], "needs --clip-norm"),
-        (["--dp-noise-multiplier", "1", "--clip-norm", "1"], "needs --dp-delta"),
-        (["--dp-noise-multiplier", "1", "--dp-delta", "1e-5", "--clip-norm", "1",
+        (["--dp-noise-multiplier", "1", "--dp-delta", "1e-5", *W], "needs --clip-norm"),
+        (["--dp-noise-multiplier", "1", "--clip-norm", "1", *W], "needs --dp-delta"),
+        (["--dp-noise-multiplier", "1", "--dp-delta", "1e-5", "--clip-norm", "1", *W,
           "--strategy", "median"], "fedavg only"),
-        (["--dp-noise-multiplier", "0", "--dp-delta", "1e-5", "--clip-norm", "1"], "> 0"),
-        (["--dp-noise-multiplier", "1", "--dp-delta", "2", "--clip-norm", "1"], "(0, 1)"),
-        (["--dp-noise-multiplier", "1", "--dp-delta", "1e-5", "--clip-norm", "median"],
+        (["--dp-noise-multiplier", "0", "--dp-delta", "1e-5", "--clip-norm", "1", *W], "> 0"),
+        (["--dp-noise-multiplier", "1", "--dp-delta", "2", "--clip-norm", "1", *W], "(0, 1)"),
+        (["--dp-noise-multiplier", "1", "--dp-delta", "1e-5", "--clip-norm", "median", *W],
          "needs a fixed --clip-norm C"),
+        (["--dp-noise-multiplier", "1", "--dp-delta", "1e-5", "--clip-norm", "1"],
+         "needs --dp-expected-weight"),
+        (["--dp-noise-multiplier", "1", "--dp-delta", "1e-5", "--clip-norm", "1",
+          "--dp-expected-weight", "0"], "--dp-expected-weight 0.0: the total weight"),
+        (["--dp-noise-multiplier", "1", "--dp-delta", "1e-5", "--clip-norm", "1", *W,
+          "--dp-weight-cap", "-3"], "--dp-weight-cap -3.0"),
+        (["--clip-norm", "1", *W], "go with --dp-noise-multiplier"),
     ):
         result = aggregate(*options)
         assert result.code == 2 and words in result.stderr, (options, result.stderr)
@@ -93,7 +103,8 @@ def test_running_statistics_keep_the_base_under_dp_and_count_for_nothing_in_the_
     plain = aggregate()
     assert plain.code == 0, plain.stderr
     assert np.allclose(plain.tensors["bn.running_var"], 5.001)  # combined like any tensor
-    private = aggregate("--clip-norm", "100", "--dp-noise-multiplier", "1", "--dp-delta", "1e-5")
+    private = aggregate("--clip-norm", "100", "--dp-noise-multiplier", "1", "--dp-delta", "1e-5",
+                        "--dp-expected-weight", "10")
     assert private.code == 0, private.stderr
     assert private.tensors["bn.running_var"].tobytes() == base["bn.running_var"].tobytes()
     assert private.tensors["bn.running_mean"].tobytes() == base["bn.running_mean"].tobytes()
