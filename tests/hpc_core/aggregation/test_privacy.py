@@ -114,3 +114,41 @@ def test_running_statistics_keep_the_base_under_dp_and_count_for_nothing_in_the_
     assert all(row["norm"] > 100 for row in plain.report["updates"])  # there they count
     noise = private.tensors["conv.weight"].astype(np.float64) - plain.tensors["conv.weight"]
     assert np.std(noise) == pytest.approx(private.report["dp"]["noise_std"], rel=0.15)
+
+
+def test_dp_weights_are_capped_and_over_the_expected_weight_not_the_turnout() -> None:
+    from hpc_core.aggregation.privacy import DpSettings, clip_scale, device_weights, dp_weights
+
+    assert device_weights([10.0, 200.0, 1e9, None], cap=100.0).tolist() == [0.1, 1.0, 1.0, 1.0]
+    assert device_weights([10.0, 1e9, None], cap=None).tolist() == [1.0, 1.0, 1.0]
+    dp = DpSettings(noise_multiplier=2.0, delta=1e-5, rounds=3, clip_norm=4.0,
+                    expected_weight=8.0, weight_cap=100.0)
+    weights, how = dp_weights([50.0, 1e9, None], dp)
+    # Three updates where eight were expected: the weights do not grow to sum to 1.
+    assert weights.tolist() == [0.5 / 8, 1 / 8, 1 / 8] and "expected weight 8" in how
+    assert dp.sensitivity == 0.5 and dp.noise_std == 1.0  # C / W and z x that
+    assert clip_scale(8.0, 4.0) == 0.5 and clip_scale(3.0, 4.0) == 1.0
+    assert clip_scale(3.0, None) == 1.0
+
+
+def test_dp_counts_one_update_per_device_key_a_round(
+        fleet: FleetRegistry, aggregate: Callable[..., Result]) -> None:
+    rng = np.random.default_rng(9)
+    base = {"w": rng.normal(size=(30, 20)).astype(np.float32)}
+    release = fleet.release("1", base)
+    fleet.fine_tunes(release, base, [{"w": rng.normal(size=(30, 20)).astype(np.float32)}
+                                     for _ in range(3)])
+    key = fleet.device("dev-0")  # dev-0 uploads twice in the round: 2 x its share under DP
+    again = fleet.update(key, release, {"w": base["w"] + 1})
+    plain = aggregate()
+    assert plain.code == 0 and len(plain.report["combined"]) == 4  # without DP: as before
+    private = aggregate("--clip-norm", "1", "--dp-noise-multiplier", "1", "--dp-delta", "1e-5",
+                        "--dp-expected-weight", "3")
+    assert private.code == 0, private.stderr
+    assert len(private.report["combined"]) == 3 and again.version in private.report["combined"]
+    (skip,) = private.report["skipped"]
+    assert "+dev-0." in skip["version"] and skip["version"] != again.version
+    assert f"another update signed by dev-0 is combined, {again.version}" in skip["reason"]
+    dp = private.report["dp"]
+    assert dp["weight_total"] == 3 and dp["expected_weight"] == 3
+    assert [row["weight"] for row in private.report["updates"]] == [pytest.approx(1 / 3)] * 3
