@@ -339,7 +339,8 @@ class LearnDriver:
                 for tmp in out.parent.glob(f".tmp-{out.name}.*"):
                     shutil.rmtree(tmp, ignore_errors=True)
             ended = self._tool(learn, rs, "aggregate", lambda: aggregate_argv(
-                learn.plan, rs.base, [u.version for u in rs.updates], out))
+                learn.plan, rs.base, [u.version for u in rs.updates], out,
+                targets=len(learn.targets)))
             if ended is None:
                 return None
             code, tail = ended
@@ -352,6 +353,10 @@ class LearnDriver:
                 raise UpstreamError(f"hpc-train aggregate exit {code}: {tail} (log: "
                                     f"{self.round_dir(learn, rs.round) / 'aggregate.log'})")
         rs.aggregated, rs.combined, rs.skipped = True, res.combined, res.skipped
+        rs.duplicates = res.duplicates
+        if res.duplicates:
+            log.warning("learn round has near-identical updates under several keys", extra={
+                "learn": learn.id, "round": rs.round, "groups": res.duplicates})
         return "done"
 
     def _candidate(self, learn: Learn, rs: RoundState, now: float) -> str | None:

@@ -96,10 +96,18 @@ class LearnPlan(BaseModel):
     """Each aggregate is the base + this x the combined delta (1: plain averaging; at most
     100, as `hpc-train aggregate --server-lr` takes)."""
     dp_noise_multiplier: float | None = Field(default=None, gt=0)
-    """Central Gaussian DP on fedavg (with clip_norm and dp_delta): noise std = this x
-    clip_norm / N on the combined delta; each aggregate's (epsilon, dp_delta) is accounted
-    over the learn's rounds (every round releases one)."""
+    """Central Gaussian DP on fedavg (with clip_norm and dp_delta), DP-FedAvg's fixed
+    denominator: the aggregate is sum of weight x clipped delta / dp_expected_weight, and the
+    noise std this x clip_norm / dp_expected_weight; each aggregate's (epsilon, dp_delta) is
+    accounted over the learn's rounds (every round releases one)."""
     dp_delta: float | None = Field(default=None, gt=0, lt=1)
+    dp_expected_weight: float | None = Field(default=None, gt=0)
+    """DP: the total weight a round is expected to bring, each update weighing at most 1
+    (null: the number of devices the learn targets, all of them at full weight; a round with
+    fewer uploads takes a shorter step, never a less private one)."""
+    dp_weight_cap: float | None = Field(default=None, gt=0)
+    """DP: an update weighs min(its sample count / this, 1) (null: 1 each, whatever sample
+    count a device claims)."""
     min_updates: int = Field(default=2, ge=1)
     """A round aggregates once this many devices' uploads are in (fresh ones and late ones
     within ``max_staleness``); fewer by ``collect_s``: the round is skipped, its base kept."""
@@ -228,8 +236,9 @@ class LearnPlan(BaseModel):
                 raise ValueError("dp_noise_multiplier needs strategy fedavg, a numeric "
                                  "clip_norm (the sensitivity; not median) and dp_delta (e.g. "
                                  "1e-5)")
-        elif self.dp_delta is not None:
-            raise ValueError("dp_delta goes with dp_noise_multiplier")
+        elif (self.dp_delta, self.dp_expected_weight, self.dp_weight_cap) != (None,) * 3:
+            raise ValueError("dp_delta, dp_expected_weight and dp_weight_cap go with "
+                             "dp_noise_multiplier")
         if self.max_upstream_drop is not None:
             if self.base_checkpoint is None:
                 raise ValueError("max_upstream_drop needs base_checkpoint (the checkpoint "

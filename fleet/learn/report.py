@@ -45,6 +45,7 @@ def round_summary(rs: RoundState) -> dict[str, Any]:
                     "stale": sum(u.staleness > 0 for u in rs.updates)},
         "chosen": [u.model_dump() for u in rs.updates], "combined": rs.combined,
         "skipped": [d.model_dump() for d in rs.skipped],
+        "duplicates": rs.duplicates,
         "dropped": [d.model_dump() for d in rs.dropped],
         "candidate": rs.candidate, "evaluation": _evals(rs),
         "evaluations": [dict(e.model_dump(), gain_pts=round(e.gain_pts, 4))
@@ -148,6 +149,8 @@ def text(s: dict[str, Any]) -> str:
             notes.insert(0, f"  {r['outcome'] or r['phase']}: {r['reason']}")
         notes += [f"  aggregate skipped {d['version']} ({d['device']}): {d['reason']}"
                   for d in r["skipped"]]
+        notes += [f"  near-identical updates under several keys (combined, flagged): "
+                  f"{', '.join(group)}" for group in r["duplicates"]]
         if notes:
             lines.append(f"round {r['round']}:\n" + "\n".join(notes))
     return "\n".join(lines)

@@ -115,6 +115,9 @@ class RoundState(_Record):
     combined: list[str] = Field(default_factory=list)
     skipped: list[Dropped] = Field(default_factory=list)
     """Updates the aggregation refused, with its reason."""
+    duplicates: list[list[str]] = Field(default_factory=list)
+    """Groups of near-identical updates the aggregation flagged (one update under several
+    device keys: a Sybil signal); it combined them all."""
     candidate: str | None = None
     evaluations: list[Evaluation] = Field(default_factory=list)
     not_evaluated: list[Dropped] = Field(default_factory=list)

@@ -70,7 +70,10 @@ class UpstreamError(Exception):
 # --- command lines ------------------------------------------------------------------------
 
 
-def aggregate_argv(plan: LearnPlan, base: str, updates: list[str], out: Path) -> list[str]:
+def aggregate_argv(plan: LearnPlan, base: str, updates: list[str], out: Path, *,
+                   targets: int | None = None) -> list[str]:
+    """``targets``: the devices the learn targets, DP's expected weight unless the plan sets
+    one (known before any round, never the count of uploads that arrived)."""
     argv = ["aggregate", "--registry", plan.registry, "--model", plan.model, "--base", base,
             "--strategy", plan.strategy, "--min-updates", str(plan.min_updates),
             "--max-staleness", str(plan.max_staleness), "--updates", ",".join(updates),
@@ -88,8 +91,14 @@ def aggregate_argv(plan: LearnPlan, base: str, updates: list[str], out: Path) ->
         argv += ["--server-lr", f"{plan.server_lr:g}"]
     if plan.dp_noise_multiplier is not None:
         # The privacy cost composes over every release the learn makes: its rounds.
+        weight = plan.dp_expected_weight or targets
+        if weight is None:
+            raise ValueError("DP's expected weight: set dp_expected_weight or pass targets")
         argv += ["--dp-noise-multiplier", f"{plan.dp_noise_multiplier:g}",
-                 "--dp-delta", f"{plan.dp_delta:g}", "--dp-rounds", str(plan.rounds)]
+                 "--dp-delta", f"{plan.dp_delta:g}", "--dp-rounds", str(plan.rounds),
+                 "--dp-expected-weight", f"{weight:g}"]
+        if plan.dp_weight_cap is not None:
+            argv += ["--dp-weight-cap", f"{plan.dp_weight_cap:g}"]
     return argv
 
 
@@ -106,9 +115,14 @@ def release_argv(plan: LearnPlan, agg: Path, version: str, evals: Path) -> list[
 
 
 def _publish(plan: LearnPlan, agg: Path, version: str) -> list[str]:
-    return ["publish", str(agg), "--registry", plan.registry, "--name", plan.model,
-            "--version", version, "--sign-key", str(plan.sign_key),
-            "--artefact", str(agg / AGGREGATE_REPORT)]
+    argv = ["publish", str(agg), "--registry", plan.registry, "--name", plan.model,
+            "--version", version, "--sign-key", str(plan.sign_key)]
+    # The report names each device's norm and its distance to the aggregate before the
+    # noise: under DP it stays in the learn's folder (the manifest ties it by sha256), or
+    # the release would carry what the noise hides.
+    if plan.dp_noise_multiplier is None:
+        argv += ["--artefact", str(agg / AGGREGATE_REPORT)]
+    return argv
 
 
 # --- running one -------------------------------------------------------------------------
@@ -169,17 +183,30 @@ class _Skip(BaseModel):
     reason: str
 
 
+class _Group(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    versions: list[str]
+
+
+class _Duplicates(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    groups: list[_Group] = []
+
+
 class _AggregateReport(BaseModel):
     # The tool's report is wide (weights, norms, lineage, DP); the learn keeps these.
     model_config = ConfigDict(extra="ignore")
     combined: list[str]
     skipped: list[_Skip]
+    duplicates: _Duplicates = _Duplicates()
 
 
 @dataclass(frozen=True)
 class AggregateResult:
     combined: list[str]
     skipped: list[Dropped]
+    duplicates: list[list[str]]
+    """Groups of near-identical updates under several keys the tool flagged."""
 
 
 def read_aggregate(out: Path, device_of: dict[str, str]) -> AggregateResult | None:
@@ -196,7 +223,8 @@ def read_aggregate(out: Path, device_of: dict[str, str]) -> AggregateResult | No
         raise UpstreamError(f"{path}: not an aggregate report ({e})") from None
     skipped = [Dropped(version=s.version, device=device_of.get(s.version, "?"), reason=s.reason)
                for s in rep.skipped]
-    return AggregateResult(rep.combined, skipped)
+    return AggregateResult(rep.combined, skipped,
+                           [g.versions for g in rep.duplicates.groups])
 
 
 class _Gate(BaseModel):

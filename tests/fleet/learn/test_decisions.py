@@ -85,3 +85,26 @@ def test_what_a_publish_decided() -> None:
              GateLine(flag="--max-device-drop 1", passed=False, detail="d3 dropped 2 pts")]
     assert refusal_reason("device gates", gates) == (
         "device gates: --max-device-drop 1: d3 dropped 2 pts")
+
+
+def test_a_round_keeps_the_near_identical_updates_the_aggregation_flagged(
+        tmp_path: Path) -> None:
+    import json
+
+    from fleet.learn.report import round_summary
+    from fleet.learn.store import RoundState
+    from fleet.learn.upstream import read_aggregate
+
+    out = tmp_path / "aggregate"
+    out.mkdir()
+    report = {"combined": ["v1+d1", "v1+d2", "v1+d3"], "skipped": [], "duplicates": {
+        "rule": "...", "groups": [{"versions": ["v1+d2", "v1+d3"], "keys": ["d2", "d3"]}]}}
+    (out / "aggregate.json").write_text(json.dumps(report))
+    res = read_aggregate(out, {"v1+d1": "d1", "v1+d2": "d2", "v1+d3": "d3"})
+    assert res is not None and res.duplicates == [["v1+d2", "v1+d3"]]
+    rs = RoundState(round=1, base="v1", started_at=0.0, duplicates=res.duplicates)
+    assert round_summary(rs)["duplicates"] == [["v1+d2", "v1+d3"]]
+    del report["duplicates"]  # a report from before the flag: none
+    (out / "aggregate.json").write_text(json.dumps(report))
+    res = read_aggregate(out, {})
+    assert res is not None and res.duplicates == []

@@ -399,18 +399,34 @@ def test_a_bad_plan_is_refused_before_anything_is_sent(
 def test_dp_options_reach_the_aggregation_accounted_over_the_learns_rounds(
         keys: dict[str, Path], tmp_path: Path) -> None:
     from fleet.learn.plan import LearnPlan
-    from fleet.learn.upstream import aggregate_argv
+    from fleet.learn.upstream import aggregate_argv, candidate_argv, release_argv
 
     plan = LearnPlan.model_validate({
         "name": "private", "group": "sim", "model": "digits", "base": "v1", "data": "cam0",
         "registry": str(keys["registry"]), "trusted_keys": str(keys["trusted"]),
         "sign_key": str(keys["key"]), "max_device_drop": 1, "rounds": 4, "clip_norm": 2.0,
         "dp_noise_multiplier": 1.1, "dp_delta": 1e-5})
-    argv = aggregate_argv(plan, "v1", ["dev-0-up"], tmp_path / "agg")
+    argv = aggregate_argv(plan, "v1", ["dev-0-up"], tmp_path / "agg", targets=12)
     i = argv.index("--dp-noise-multiplier")
-    assert argv[i:i + 6] == ["--dp-noise-multiplier", "1.1", "--dp-delta", "1e-05",
-                             "--dp-rounds", "4"]
-    assert "--clip-norm" in argv
+    # The expected weight is the devices the learn targets (fixed when it starts), not the
+    # uploads that arrived (one here): the fixed denominator of DP-FedAvg.
+    assert argv[i:i + 8] == ["--dp-noise-multiplier", "1.1", "--dp-delta", "1e-05",
+                             "--dp-rounds", "4", "--dp-expected-weight", "12"]
+    assert "--clip-norm" in argv and "--dp-weight-cap" not in argv
+    # Under DP the round's report (norms, distances before the noise) is not published.
+    assert "--artefact" not in candidate_argv(plan, tmp_path / "agg", "r1-candidate", None)
+    assert "--artefact" not in release_argv(plan, tmp_path / "agg", "r1", tmp_path / "e.json")
+    plain = LearnPlan.model_validate(plan.model_dump() | {"dp_noise_multiplier": None,
+                                                          "dp_delta": None})
+    assert "--artefact" in candidate_argv(plain, tmp_path / "agg", "r1-candidate", None)
+    set_fields = plan.model_dump() | {"dp_expected_weight": 6.5, "dp_weight_cap": 300}
+    argv = aggregate_argv(LearnPlan.model_validate(set_fields), "v1", ["u"], tmp_path / "agg",
+                          targets=12)
+    i = argv.index("--dp-expected-weight")
+    assert argv[i:i + 4] == ["--dp-expected-weight", "6.5", "--dp-weight-cap", "300"]
+    with pytest.raises(ValueError, match="dp_expected_weight"):
+        LearnPlan.model_validate(plan.model_dump() | {"dp_noise_multiplier": None,
+                                                      "dp_delta": None, "dp_weight_cap": 300})
 
 
 def test_a_median_clip_reaches_the_aggregation_and_is_no_dp_sensitivity(

@@ -61,7 +61,7 @@ def test_epsilon_is_finite_and_falls_as_the_noise_grows(
 
 def test_dp_needs_clipping_fedavg_and_a_delta(ten_updates: dict,
                                               aggregate: Callable[..., Result]) -> None:
-    W = ["--dp-expected-weight", "10"]  # noqa: N806 - the W of the estimator
+    W = ["--dp-expected-weight", "10"]  # the estimator's expected weight
     for options, words in (
         (["--dp-noise-multiplier", "1", "--dp-delta", "1e-5", *W], "needs --clip-norm"),
         (["--dp-noise-multiplier", "1", "--clip-norm", "1", *W], "needs --dp-delta"),
