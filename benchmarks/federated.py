@@ -44,11 +44,13 @@ Everything lives in a temporary folder; nothing is downloaded (sklearn's bundled
   expected to collapse). A device whose fine-tune diverges
   from a wrecked aggregate uploads nothing; a round left with fewer than eight uploads stops
   that scenario (its last aggregate is what it scores).
-* **DP.** fedavg with ``--clip-norm`` and the smallest noise multiplier whose epsilon after
-  ``--rounds`` rounds, as the aggregation's privacy module accounts it (dp-accounting, RDP),
-  is within ``--dp-epsilon`` at ``--dp-delta``. The noise is seeded here for repeatable
-  figures; a real round must not seed it. BatchNorm's running statistics keep the base's
-  values under DP (aggregation leaves them out of the clip and the noise).
+* **DP.** fedavg under DP-FedAvg's fixed denominator (every device expected each round,
+  weight 1 each: sensitivity ``--clip-norm`` / devices) and the smallest noise multiplier
+  whose epsilon after ``--rounds`` rounds, as the aggregation's privacy module accounts it
+  (dp-accounting, RDP), is within ``--dp-epsilon`` at ``--dp-delta``. The noise is seeded
+  here for repeatable figures; a real round must not seed it. BatchNorm's running
+  statistics keep the base's values under DP (aggregation leaves them out of the clip and
+  the noise).
 
 Printed: the host's CPU and its AVX2 / AVX-512 VNNI flags, a line per local model and per
 scenario round, the wall time and a table, then the targets: federated / centralized >= 0.97;
@@ -516,8 +518,8 @@ def summarize(base: dict[str, Any], outcomes: list[Outcome],
             extra += f"; non-finite outputs on {100 * o.nonfinite:.0f}% of the union"
         if o.dp:
             extra += (f"; eps {o.dp['epsilon']:.3f} at delta {o.dp['delta']:g}, z "
-                      f"{o.dp['noise_multiplier']:.3f}, clip {o.dp['clip_norm']:g}, noise "
-                      f"|{o.dp['noise_norm']:.3g}|")
+                      f"{o.dp['noise_multiplier']:.3f}, clip {o.dp['clip_norm']:g}, "
+                      f"sensitivity {o.dp['sensitivity']:.3g}, noise |{o.dp['noise_norm']:.3g}|")
         lines.append(_row(o.scenario.name, acc, central, locals_, extra))
     return lines, targets(base, outcomes, clip)
 
@@ -696,8 +698,9 @@ def run(work: Path, args: argparse.Namespace, todo: list[Scenario],
     dp = None
     if not args.no_dp:
         z = dp_noise_multiplier(args.dp_epsilon, args.dp_delta, args.rounds)
+        # DP-FedAvg's fixed denominator: every camera expected each round, weight 1 each.
         dp = DpSettings(noise_multiplier=z, delta=args.dp_delta, rounds=args.rounds,
-                        clip_norm=args.clip_norm)
+                        clip_norm=args.clip_norm, expected_weight=float(len(cameras)))
     outcomes = [run_scenario(fleet, s, upstream, dp) for s in todo]
     return {"baselines": base, "outcomes": outcomes}
 
