@@ -2,7 +2,8 @@
 
 ``hpc-train aggregate`` (``command``) runs one round (``round``): pick and verify the device
 uploads (``select``), hash and measure them (``combine.measure_updates``, reading through
-``blobs`` and ``deltas``), combine their deltas block by block (``strategies``), optionally
-add Gaussian noise (``privacy``), and write a checkpoint plus ``aggregate.json``
-(``output``, ``report``). numpy only: torch is never imported here.
+``blobs`` and ``deltas``), flag near-identical updates (``duplicates``), combine their deltas
+block by block (``strategies``; under DP with the fixed-denominator weights and Gaussian
+noise of ``privacy``), and write a checkpoint plus ``aggregate.json`` (``output``,
+``report``). numpy only: torch is never imported here.
 """
