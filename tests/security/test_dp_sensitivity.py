@@ -139,11 +139,11 @@ def test_the_renormalizing_estimator_breaks_the_bound_it_was_noised_for() -> Non
             for _, move, with_device in neighbours(deltas, given, renormalized_aggregate):
                 w, _ = fedavg_weights(with_device)
                 worst = max(worst, move / (C * float(np.max(w))))
-    assert worst > 1.7, worst  # the check that holds for the DP estimator fails here
+    assert worst > 1.9, worst  # the check that holds for the DP estimator fails here
     # What that does to the guarantee at z = 1.1: the noise is z C max(w), the sensitivity
     # up to ~2 C max(w), so the true noise multiplier is ~z / 2: epsilon ~9.5, not ~4.2.
     assert rdp_epsilon(1.1) == pytest.approx(4.24, abs=0.01)
-    assert rdp_epsilon(1.1 / worst) > 8.0
+    assert rdp_epsilon(1.1 / worst) > 9.0
     assert rdp_epsilon(1.1 / 2) == pytest.approx(9.55, abs=0.01)
 
 
