@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agent.runtime.active_model import ActiveModel, NoSpoolError
 from agent.runtime.oip_codec import HEADER_LENGTH, ProtocolError, encode_infer, parse_infer
-from agent.runtime.oip_tensors import ModelSignature
+from agent.runtime.oip_request import ModelSignature
 from registry.errors import NoActiveModelError
 
 log = logging.getLogger("agent.runtime.oip")
@@ -182,11 +182,10 @@ class _Handler(BaseHTTPRequestHandler):
         model, engine = self.server.model, self.server.model.engine
         if engine is None:
             raise NoActiveModelError(f"no version of {model.name!r} serves yet")
+        sig = ModelSignature.of(engine)  # what requests are checked against, declared
         return {"name": model.name, "versions": [model.version], "platform": engine.platform,
-                "inputs": [{"name": engine.input_name, "datatype": "FP32",
-                            "shape": list(engine.input_shape)}],
-                "outputs": [{"name": engine.output_name, "datatype": "FP32",
-                             "shape": list(engine.output_shape)}]}
+                "inputs": [t.metadata() for t in sig.inputs],
+                "outputs": [t.metadata() for t in sig.outputs]}
 
     def _body(self) -> bytes:
         limits = self.server.limits

@@ -1,6 +1,6 @@
 """The Open Inference Protocol's inference request and response bodies over HTTP/REST (KServe
-v2 / Triton HTTP), JSON and the binary tensor data extension. What the values may be is checked
-in :mod:`agent.runtime.oip_tensors`, the same code the gRPC server runs.
+v2 / Triton HTTP), JSON and the binary tensor data extension. What a request may carry is checked
+in :mod:`agent.runtime.oip_request`, the same code the gRPC server runs.
 
 JSON: ``{"inputs": [{"name", "shape", "datatype", "data": [...]}], "outputs": [{"name"}]}``
 in, ``{"model_name", "model_version", "outputs": [{"name", "shape", "datatype", "data"}]}``
@@ -27,20 +27,22 @@ from typing import Any
 
 import numpy as np
 
-from agent.runtime.oip_tensors import (
+from agent.runtime.oip_request import (
     InferBody,
     InferRequest,
     ModelSignature,
-    ProtocolError,
     answered,
     bind_inputs,
     check_input_count,
-    datatype_of,
     outputs_wanted,
-    tensor_from_bytes,
-    tensor_from_json,
     validated,
     where_of,
+)
+from agent.runtime.oip_tensors import (
+    ProtocolError,
+    datatype_of,
+    tensor_from_bytes,
+    tensor_from_json,
 )
 from registry.errors import MalformedJsonError
 from registry.jsonsafe import loads_strict
@@ -80,7 +82,6 @@ def parse_infer(body: bytes, header_length: str | None, signature: ModelSignatur
         body, raw = body[:n], body[n:]
     doc = _json(body)
     inputs = doc.get("inputs")
-    # Counted before each tensor is read: a request for another model is told so first.
     check_input_count(len(inputs) if isinstance(inputs, list) else 0, signature)
     req: InferBody = validated(InferBody, doc)
     tensors, offset = [], 0
@@ -90,7 +91,7 @@ def parse_infer(body: bytes, header_length: str | None, signature: ModelSignatur
             if t.data is None:
                 raise ProtocolError(400, f"{where}: no values: give 'data', or the binary "
                                     "extension's parameters.binary_data_size")
-            tensors.append((t, tensor_from_json(t, where)))
+            tensors.append((t, tensor_from_json(t.data, t.datatype, t.shape, where)))
             continue
         if t.data is not None:
             raise ProtocolError(400, f"{where}: both 'data' and binary_data_size: give one")
@@ -99,7 +100,8 @@ def parse_infer(body: bytes, header_length: str | None, signature: ModelSignatur
             raise ProtocolError(400, f"{where}: binary_data_size {size}: the body holds "
                                 f"{len(raw) - offset} bytes for it after the JSON")
         offset += size
-        tensors.append((t, tensor_from_bytes(t, chunk, where, f"binary_data_size {size}")))
+        tensors.append((t, tensor_from_bytes(chunk, t.datatype, t.shape, where,
+                                             f"binary_data_size {size}")))
     if offset != len(raw):
         raise ProtocolError(400, "binary data after the JSON but no input declares "
                             "binary_data_size" if offset == 0 else

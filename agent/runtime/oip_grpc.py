@@ -10,7 +10,7 @@ the HTTP server (``agentctl serve --grpc-port N``).
     ModelInfer       inputs as raw_input_contents (what tritonclient.grpc sends) or typed
                      contents (fp32_contents ...); outputs answered as raw_output_contents
 
-Every request passes the checks the HTTP server makes (:mod:`agent.runtime.oip_tensors`, one
+Every request passes the checks the HTTP server makes (:mod:`agent.runtime.oip_request`, one
 implementation): finite values in range of the declared datatype, raw lengths equal to shape x
 datatype size, the model's input name, datatype and shape, requested outputs the model has.
 Status codes: INVALID_ARGUMENT what HTTP answers 400, NOT_FOUND 404, UNAVAILABLE 503 (no
@@ -42,22 +42,24 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agent.runtime import oip_proto as pb
 from agent.runtime.active_model import ActiveModel
-from agent.runtime.oip_tensors import (
-    DATATYPES,
+from agent.runtime.oip_request import (
     InferRequest,
     InputTensor,
     ModelSignature,
-    ProtocolError,
     RequestedOutput,
     answered,
     bind_inputs,
     check_input_count,
-    datatype_of,
     outputs_wanted,
-    tensor_from_bytes,
-    tensor_from_values,
     validated,
     where_of,
+)
+from agent.runtime.oip_tensors import (
+    DATATYPES,
+    ProtocolError,
+    datatype_of,
+    tensor_from_bytes,
+    tensor_from_values,
 )
 from registry.errors import NoActiveModelError
 
@@ -126,7 +128,8 @@ def infer_request(request: Any, signature: ModelSignature) -> InferRequest:
             if given:
                 raise ProtocolError(400, f"{where}: both raw_input_contents and contents: give "
                                     "one (raw for every input, or contents for every input)")
-            tensors.append((t, tensor_from_bytes(t, raw[i], where, f"raw_input_contents[{i}]")))
+            tensors.append((t, tensor_from_bytes(raw[i], t.datatype, t.shape, where,
+                                                 f"raw_input_contents[{i}]")))
             continue
         if dt.contents is None:
             raise ProtocolError(400, f"{where}: {dt.name} values travel as raw_input_contents "
@@ -137,7 +140,7 @@ def infer_request(request: Any, signature: ModelSignature) -> InferRequest:
             raise ProtocolError(400, f"{where}: contents.{wrong[0]} for {dt.named} tensor "
                                 f"({why}): its values go in contents.{dt.contents}")
         values = getattr(p.contents, dt.contents)
-        tensors.append((t, tensor_from_values(t, values, where, dt.contents)))
+        tensors.append((t, tensor_from_values(values, t.datatype, t.shape, where, dt.contents)))
     wanted = [validated(RequestedOutput, {"name": o.name, "parameters":
                                           _parameters(o.parameters, f"outputs[{j}]") or None},
                         f"outputs[{j}]")

@@ -1,41 +1,30 @@
-"""What the Open Inference Protocol's requests may carry, checked once for HTTP and gRPC.
+"""A tensor's values, from each of the Open Inference Protocol's encodings (JSON ``data``, the
+binary tensor data extension, gRPC ``raw_input_contents`` and typed ``contents``), as one
+checked numpy array of its declared datatype and shape.
 
-Both front ends (:mod:`agent.runtime.oip_codec` for HTTP/REST, :mod:`agent.runtime.oip_grpc`)
-turn a request into the same typed parts (:class:`InputTensor` headers, :class:`OutputWanted`)
-and the same checks turn each tensor's values into a numpy array:
-
-- a tensor's values are of its declared datatype, in every encoding (JSON ``data``, the
-  binary tensor data extension, gRPC ``raw_input_contents`` and typed ``contents``): finite
-  numbers only (no NaN or Inf, also not as raw bytes), within the datatype's range (a float
-  that overflows FP32, ``1e39``, is refused, not rounded to Inf; an integer outside INT8's
-  -128..127 is refused, not wrapped); JSON booleans and strings are not numbers; integer
-  datatypes take integral numbers; BOOL takes booleans (raw bytes 0 or 1);
-- a tensor has exactly as many values as its shape says (raw: shape x datatype size bytes);
-  nested JSON ``data`` follows the shape level by level;
-- then the tensor must fit the model: its name, the datatype the model's metadata declares
-  (FP32 today: every serving engine takes float32, and nothing is converted) and the shape;
-- requested outputs name outputs the model has (an unknown one is refused, listing the known
-  ones); only those are answered; with none requested, every output is;
-- an answer carries finite numbers only: a model output holding NaN or Inf is an error (500,
-  gRPC INTERNAL), never a ``NaN`` token in a JSON body.
+Finite numbers only (no NaN or Inf, also not as raw bytes), within the datatype's range (a
+float that overflows FP32, ``1e39``, is refused, not rounded to Inf; an integer outside INT8's
+-128..127 is refused, not wrapped); JSON booleans and strings are not numbers; integer
+datatypes take integral numbers; BOOL takes booleans (raw bytes 0 or 1); exactly as many values
+as the shape holds (raw: shape x datatype size bytes), nested JSON data level by level as the
+shape. What a request is beyond its values (names, shapes against the model, outputs) is
+:mod:`agent.runtime.oip_request`'s.
 
 Checks run on whole arrays in numpy; Python touches each value only through C-level builtins
-(``map(type, ...)``), never in a Python loop, except to name the first bad value of a request
-that is refused anyway. A refusal is a :class:`ProtocolError` naming the input and the fix.
+(``map(type, ...)``, ``itertools.chain``), never in a Python loop, except to name the first bad
+value of a request that is refused anyway. A refusal is a :class:`ProtocolError` naming the
+input and the fix.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
-from agent.runtime.engines import ServingEngine
 
 
 class ProtocolError(Exception):
@@ -67,6 +56,12 @@ class Datatype:
     def named(self) -> str:
         """The name with its article, as it is read aloud: an FP32, an INT8, a UINT8."""
         return f"{'an' if self.name.startswith(('FP', 'INT')) else 'a'} {self.name}"
+
+    @property
+    def native(self) -> np.dtype[Any]:
+        """The same type in this host's byte order: numpy's canonical dtype object, which
+        ``ActiveModel``'s fast path recognises by identity."""
+        return np.dtype(self.dtype.type)
 
     @property
     def itemsize(self) -> int:
@@ -110,159 +105,27 @@ def datatype_of(array: np.ndarray) -> str:
                         "has no datatype for")
 
 
-# -- what a request names: its input tensors' headers, the outputs it wants
-
-Parameters = dict[Annotated[str, Field(max_length=256)], Any]
-"""The protocol's extension point: names to a string, a number or a boolean each."""
-MAX_RANK = 32
-MAX_NAME = 256
-SHARED_MEMORY = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
-
-
-class _Strict(BaseModel):
-    # strict: no coercion (a "5" is not 5, a true is not 1); unknown keys are refused: the
-    # protocol's objects have fixed keys, and ``parameters`` is its extension point.
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
-def _check_parameters(params: Parameters | None, *, unsupported: Sequence[str] = (),
-                      booleans: Sequence[str] = ()) -> Parameters | None:
-    """Values of the protocol's kinds; ``unsupported`` extensions refused; ``booleans`` are."""
-    for key, value in (params or {}).items():
-        if key in unsupported:
-            raise ValueError(f"{key}: this server does not support the extension that uses "
-                             "it (shared memory, classification): send and take the values "
-                             "in the request and response")
-        if type(value) not in (bool, int, float, str) or (
-                type(value) is float and not math.isfinite(value)):
-            raise ValueError(f"{key}: a string, a finite number or a boolean (got "
-                             f"{_short(value)})")
-        if key in booleans and type(value) is not bool:
-            raise ValueError(f"{key} {_short(value)}: true or false")
-    return params
-
-
-class InputTensor(_Strict):
-    """One input tensor's header (and, over HTTP/JSON, its ``data``)."""
-
-    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
-    datatype: str
-    shape: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_RANK)]
-    parameters: Parameters | None = None
-    data: list[Any] | None = None
-    """JSON only: the values, flat in row-major order or nested as the shape."""
-
-    @field_validator("datatype")
-    @classmethod
-    def _known_datatype(cls, v: str) -> str:
-        if v in UNSUPPORTED:
-            raise ValueError(f"{v} tensors are not supported by this server")
-        if v not in DATATYPES:
-            raise ValueError(f"{v[:32]!r} is not a datatype of the protocol (one of "
-                             f"{', '.join([*DATATYPES, *UNSUPPORTED])})")
-        return v
-
-    @field_validator("parameters")
-    @classmethod
-    def _known_parameters(cls, v: Parameters | None) -> Parameters | None:
-        _check_parameters(v, unsupported=SHARED_MEMORY)
-        size = (v or {}).get("binary_data_size")
-        if size is not None and (type(size) is not int or size < 0):
-            raise ValueError(f"binary_data_size {_short(size)}: a byte count (an integer >= 0)")
-        return v
-
-    @property
-    def binary_data_size(self) -> int | None:
-        size = (self.parameters or {}).get("binary_data_size")
-        return size if isinstance(size, int) else None
-
-    @property
-    def count(self) -> int:
-        """How many values the shape holds (exact: Python ints never overflow)."""
-        return math.prod(self.shape)
-
-
-class RequestedOutput(_Strict):
-    """One entry of a request's ``outputs``."""
-
-    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
-    parameters: Parameters | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _known_parameters(cls, v: Parameters | None) -> Parameters | None:
-        return _check_parameters(v, unsupported=(*SHARED_MEMORY, "classification"),
-                                 booleans=("binary_data",))
-
-
-class InferBody(_Strict):
-    """An inference request's JSON body (HTTP/REST), the binary extension's header part."""
-
-    id: Annotated[str, Field(max_length=1024)] | None = None
-    parameters: Parameters | None = None
-    inputs: list[InputTensor]
-    outputs: list[RequestedOutput] | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _known_parameters(cls, v: Parameters | None) -> Parameters | None:
-        return _check_parameters(v, booleans=("binary_data_output",))
-
-    @property
-    def binary_data_output(self) -> bool:
-        return bool((self.parameters or {}).get("binary_data_output", False))
-
-
-def _loc(loc: tuple[int | str, ...], where: str) -> str:
-    out = where
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
-    return out or "the request"
-
-
-def validated(model: type[_Strict], doc: Any, where: str = "") -> Any:
-    """``model.model_validate(doc)``, its errors told as one 400 (the first three), each at
-    its path under ``where`` (``inputs[0]``, or the request's top level)."""
-    try:
-        return model.model_validate(doc)
-    except ValidationError as e:
-        lines = []
-        for err in e.errors(include_url=False)[:3]:
-            msg = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "extra_forbidden":
-                msg = "unknown key (the protocol has no such field; custom values go in " \
-                      "'parameters')"
-            elif err["type"] not in ("value_error", "missing"):
-                msg += f" (got {_short(err.get('input'))})"
-            lines.append(f"{_loc(tuple(err['loc']), where)}: {msg}")
-        more = f" (and {e.error_count() - 3} more)" if e.error_count() > 3 else ""
-        raise ProtocolError(400, "invalid inference request: " + "; ".join(lines) + more
-                            ) from None
-
-
-def _short(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 # -- a tensor's values, from each encoding, to one checked numpy array
 
 _JSON_KIND = {bool: "a boolean", str: "a string", type(None): "null", dict: "an object",
               list: "a list", int: "an integer", float: "a number"}
+Shape = Sequence[int]
 
 
-def where_of(index: int, t: InputTensor) -> str:
-    """How an error names the input: position and name."""
-    return f"inputs[{index}] ({t.name!r})"
+def brief(value: Any) -> str:
+    """``repr(value)``, cut to fit in an error message."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
-def tensor_from_json(t: InputTensor, where: str) -> np.ndarray:
-    """``t.data`` (JSON) as a checked array of ``t.datatype`` and ``t.shape``."""
-    dt = DATATYPES[t.datatype]
-    flat = _flatten(t.data or [], t.shape, where)
-    if len(flat) != t.count:
+def tensor_from_json(data: list[Any], datatype: str, shape: Shape, where: str) -> np.ndarray:
+    """JSON ``data`` (flat, or nested as ``shape``) as a checked array; ``where`` names the
+    input in an error."""
+    dt, count = DATATYPES[datatype], math.prod(shape)
+    flat = _flatten(data, list(shape), where)
+    if len(flat) != count:
         raise ProtocolError(400, f"{where}: input data holds {len(flat)} values; shape "
-                            f"{t.shape} needs {t.count}")
+                            f"{list(shape)} needs {count}")
     allowed = {bool} if dt.kind == "bool" else {int, float}
     kinds = set(map(type, flat))
     if not kinds <= allowed:
@@ -270,9 +133,9 @@ def tensor_from_json(t: InputTensor, where: str) -> np.ndarray:
         what = "booleans (true/false)" if dt.kind == "bool" else "numbers"
         raise ProtocolError(400, f"{where}: input data is not a list of {what}: value {i} "
                             f"is {_JSON_KIND.get(type(flat[i]), 'not a number')} "
-                            f"({_short(flat[i])}); {dt.named} tensor takes JSON {what}")
+                            f"({brief(flat[i])}); {dt.named} tensor takes JSON {what}")
     if dt.kind == "bool":
-        return np.array(flat, dtype=dt.dtype).reshape(t.shape)
+        return np.array(flat, dtype=dt.dtype).reshape(shape)
     if dt.kind == "float" or float in kinds:
         wide = np.array(flat, dtype=np.float64)  # a JSON int has at most 40 digits: it fits
     else:
@@ -282,7 +145,7 @@ def tensor_from_json(t: InputTensor, where: str) -> np.ndarray:
             info = np.iinfo(dt.dtype)
             i = next(i for i, v in enumerate(flat) if not info.min <= v <= info.max)
             raise ProtocolError(400, _range_message(where, dt, i, flat[i])) from None
-    return narrow(wide, dt, where).reshape(t.shape)
+    return narrow(wide, dt, where).reshape(shape)
 
 
 def _flatten(data: list[Any], shape: list[int], where: str) -> list[Any]:
@@ -301,14 +164,15 @@ def _flatten(data: list[Any], shape: list[int], where: str) -> list[Any]:
     return flat
 
 
-def tensor_from_bytes(t: InputTensor, raw: bytes, where: str, what: str) -> np.ndarray:
+def tensor_from_bytes(raw: bytes, datatype: str, shape: Shape, where: str, what: str
+                      ) -> np.ndarray:
     """Raw little-endian values (binary extension, gRPC raw contents) as a checked array;
     ``what`` names the bytes in an error (``binary_data_size 8``, ``raw_input_contents[0]``)."""
-    dt = DATATYPES[t.datatype]
-    need = t.count * dt.itemsize
+    dt, count = DATATYPES[datatype], math.prod(shape)
+    need = count * dt.itemsize
     if len(raw) != need:
-        raise ProtocolError(400, f"{where}: {what}: {len(raw)} bytes, but shape {t.shape} of "
-                            f"{dt.name} is {need} bytes ({t.count} x {dt.itemsize})")
+        raise ProtocolError(400, f"{where}: {what}: {len(raw)} bytes, but shape {list(shape)} "
+                            f"of {dt.name} is {need} bytes ({count} x {dt.itemsize})")
     arr = np.frombuffer(raw, dtype=dt.dtype)
     if dt.kind == "float":
         _check_finite(arr, dt, where)
@@ -319,19 +183,19 @@ def tensor_from_bytes(t: InputTensor, raw: bytes, where: str, what: str) -> np.n
             i = int(np.argmax(bad))
             raise ProtocolError(400, f"{where}: value {i} is the byte {int(as_bytes[i])}: a BOOL "
                                 "tensor's raw bytes are 0 or 1")
-    return arr.astype(dt.dtype.newbyteorder("="), copy=False).reshape(t.shape)
+    return arr.astype(dt.native, copy=False).reshape(shape)
 
 
-def tensor_from_values(t: InputTensor, values: Sequence[Any], where: str, field: str
-                       ) -> np.ndarray:
+def tensor_from_values(values: Sequence[Any], datatype: str, shape: Shape, where: str,
+                       field: str) -> np.ndarray:
     """A gRPC ``contents.<field>`` (already typed by protobuf) as a checked array."""
-    dt = DATATYPES[t.datatype]
-    if len(values) != t.count:
+    dt, count = DATATYPES[datatype], math.prod(shape)
+    if len(values) != count:
         raise ProtocolError(400, f"{where}: contents.{field} holds {len(values)} values; shape "
-                            f"{t.shape} needs {t.count}")
+                            f"{list(shape)} needs {count}")
     wide_type = {"bool": np.bool_, "float": np.float64, "int": np.int64, "uint": np.uint64}
     wide = np.fromiter(values, dtype=wide_type[dt.kind], count=len(values))
-    return (wide if dt.kind == "bool" else narrow(wide, dt, where)).reshape(t.shape)
+    return (wide if dt.kind == "bool" else narrow(wide, dt, where)).reshape(shape)
 
 
 def narrow(wide: np.ndarray, dt: Datatype, where: str) -> np.ndarray:
@@ -341,7 +205,7 @@ def narrow(wide: np.ndarray, dt: Datatype, where: str) -> np.ndarray:
         _check_finite(wide, dt, where)
         if dt.kind == "float":
             with np.errstate(over="ignore"):
-                out = wide.astype(dt.dtype.newbyteorder("="))
+                out = wide.astype(dt.native)
             bad = ~np.isfinite(out)  # past the type's largest finite value: rounded to Inf
             if bad.any():
                 i = int(np.argmax(bad))
@@ -360,7 +224,7 @@ def narrow(wide: np.ndarray, dt: Datatype, where: str) -> np.ndarray:
     if bad.any():
         i = int(np.argmax(bad))
         raise ProtocolError(400, _range_message(where, dt, i, wide[i].item()))
-    return wide.astype(dt.dtype.newbyteorder("="))
+    return wide.astype(dt.native)
 
 
 def _check_finite(arr: np.ndarray, dt: Datatype, where: str) -> None:
@@ -374,122 +238,3 @@ def _check_finite(arr: np.ndarray, dt: Datatype, where: str) -> None:
 def _range_message(where: str, dt: Datatype, i: int, v: Any) -> str:
     return (f"{where}: value {i} is {v!r}, out of {dt.name}'s range ({dt.range_text()}): "
             f"send values {dt.named} holds")
-
-
-
-# -- the model's side: what it takes and answers
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A model tensor as its metadata declares it."""
-
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-    """-1 where a dimension varies."""
-
-    def fits(self, shape: Sequence[int]) -> bool:
-        return len(shape) == len(self.shape) and all(
-            w in (-1, g) for w, g in zip(self.shape, shape, strict=True))
-
-    def metadata(self) -> dict[str, Any]:
-        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
-
-
-@dataclass(frozen=True)
-class ModelSignature:
-    """The model's inputs and outputs: what requests are checked against."""
-
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
-
-    @classmethod
-    def of(cls, engine: ServingEngine) -> ModelSignature:
-        # FP32 both ways: the ServingEngine contract (float32 NCHW in, float32 out), which
-        # ActiveModel enforces; the metadata endpoints declare the same.
-        return cls((TensorSpec(engine.input_name, "FP32", tuple(engine.input_shape)),),
-                   (TensorSpec(engine.output_name, "FP32", tuple(engine.output_shape)),))
-
-    @property
-    def output_names(self) -> list[str]:
-        return [o.name for o in self.outputs]
-
-
-@dataclass(frozen=True)
-class OutputWanted:
-    """An output to answer, and whether raw (HTTP binary extension; gRPC answers raw)."""
-
-    name: str
-    binary: bool
-
-
-@dataclass(frozen=True)
-class InferRequest:
-    """A request every check has passed: the model's input, ready to run."""
-
-    x: np.ndarray
-    id: str | None
-    outputs: tuple[OutputWanted, ...]
-    parameters: dict[str, Any]
-
-
-def check_input_count(n: int, sig: ModelSignature) -> None:
-    if n != len(sig.inputs):
-        names = ", ".join(repr(i.name) for i in sig.inputs)
-        raise ProtocolError(400, f"'inputs' must list exactly {_count(len(sig.inputs))} (the "
-                            f"model's {names}); got {n}")
-
-
-def _count(n: int) -> str:
-    return "one tensor" if n == 1 else f"{n} tensors"
-
-
-def bind_inputs(tensors: Sequence[tuple[InputTensor, np.ndarray]], sig: ModelSignature
-                ) -> np.ndarray:
-    """The model's input from checked tensors, after checking they are the ones it takes."""
-    check_input_count(len(tensors), sig)
-    ((t, x),) = tensors  # one model input today (ServingEngine takes one tensor)
-    (spec,) = sig.inputs
-    if t.name != spec.name:
-        raise ProtocolError(400, f"unknown input {t.name!r}: the model's input is "
-                            f"{spec.name!r}")
-    if t.datatype != spec.datatype:
-        raise ProtocolError(400, f"input datatype {t.datatype!r}: the model takes "
-                            f"{spec.datatype} (its metadata says so; send {spec.datatype} "
-                            "values, nothing is converted)")
-    if not spec.fits(t.shape):
-        raise ProtocolError(400, f"input shape {t.shape!r} does not fit the model's "
-                            f"{list(spec.shape)} (-1: any size)")
-    return x
-
-
-def outputs_wanted(requested: Sequence[RequestedOutput] | None, sig: ModelSignature,
-                   default_binary: bool = False) -> tuple[OutputWanted, ...]:
-    """What to answer: the requested outputs in their order, or every output."""
-    if not requested:
-        return tuple(OutputWanted(o.name, default_binary) for o in sig.outputs)
-    known, seen, out = sig.output_names, set(), []
-    for i, r in enumerate(requested):
-        if r.name not in known:
-            raise ProtocolError(400, f"outputs[{i}]: unknown output {r.name!r}: the model's "
-                                f"outputs are {known}")
-        if r.name in seen:
-            raise ProtocolError(400, f"outputs[{i}]: output {r.name!r} is requested twice")
-        seen.add(r.name)
-        binary = (r.parameters or {}).get("binary_data", default_binary)
-        out.append(OutputWanted(r.name, bool(binary)))
-    return tuple(out)
-
-
-def answered(results: Mapping[str, np.ndarray], wanted: Sequence[OutputWanted]
-             ) -> list[tuple[OutputWanted, np.ndarray]]:
-    """The wanted outputs of a model run, each refused unless every value is finite."""
-    out = []
-    for w in wanted:
-        arr = np.asarray(results[w.name])
-        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-            raise ProtocolError(500, f"the model's output {w.name!r} holds NaN or Inf for this "
-                                "input: not answered (the protocol carries finite numbers "
-                                "only); check the input's scale, or the model")
-        out.append((w, arr))
-    return out

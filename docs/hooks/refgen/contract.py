@@ -1,6 +1,6 @@
 """``reference/mqtt-contract.md`` from the ``contract`` package (the topic table checked
 against what ``Topics`` builds) and ``reference/oip.md`` from ``agent.runtime.oip`` (with its
-bodies, checks and gRPC service: ``oip_codec``, ``oip_tensors``, ``oip_grpc``)."""
+bodies, checks and gRPC service: ``oip_codec``, ``oip_request``, ``oip_grpc``)."""
 
 from __future__ import annotations
 
@@ -164,13 +164,13 @@ def _markdown(para: str) -> list[str]:
 
 
 def _oip_sections() -> list[str]:
-    """The bodies and their checks (``oip_codec``, ``oip_tensors``), then the gRPC service
+    """The bodies and their checks (``oip_codec``, ``oip_request``), then the gRPC service
     (``oip_grpc``): its method table, its notes and :class:`GrpcLimits`."""
-    from agent.runtime import oip_codec, oip_grpc, oip_tensors
+    from agent.runtime import oip_codec, oip_grpc, oip_request
 
     out: list[str] = []
     for title, module in (("Request and response bodies", oip_codec),
-                          ("What a request may carry", oip_tensors)):
+                          ("What a request may carry", oip_request)):
         out += [f"## {title}", ""]
         for para in inspect.cleandoc(module.__doc__ or "").split("\n\n"):
             out += _markdown(para)
