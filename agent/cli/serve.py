@@ -1,9 +1,10 @@
 """``agentctl serve``: the committed model over the Open Inference Protocol (KServe v2 /
-Triton HTTP), following commits without a restart (``agent.runtime``)."""
+Triton HTTP, and gRPC when asked), following commits without a restart (``agent.runtime``)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import logging
 import signal
@@ -28,6 +29,18 @@ endpoints (Open Inference Protocol v2): GET /v2/health/live, /v2/health/ready,
 tensor data extension tritonclient uses). Every N, T and byte count is bounded: --max-body-mb,
 --max-connections, --request-timeout-s.
 
+gRPC (the protocol's GRPCInferenceService, as Triton serves it on 8001; tritonclient.grpc
+works unchanged): off unless --grpc-port is given, on --host like HTTP. Bounded too: a
+message is at most --max-body-mb, --max-connections connections, --grpc-max-rpcs RPCs at
+once (one more is refused RESOURCE_EXHAUSTED, not queued), run by --grpc-workers threads.
+
+Requests are checked strictly, the same way on both: finite numbers within the declared
+datatype's range (no NaN/Inf, no 1e39 for FP32, in JSON and in raw bytes), no strings or
+booleans for numbers, raw byte counts equal to shape x datatype size, the datatype the
+model's metadata declares (FP32), requested outputs the model has. A refusal is a 400 /
+INVALID_ARGUMENT naming the input and the fix; a NaN or Inf output is a 500 / INTERNAL,
+never a NaN in JSON.
+
 examples:
   agentctl serve --state-dir /var/lib/edge-agent --model digits --unix-socket /run/app/oip.sock
   curl --unix-socket /run/app/oip.sock http://localhost/v2/models/digits
@@ -44,7 +57,16 @@ examples:
   print(c.infer("digits", [x]).as_numpy("logits").argmax(1))
   EOF
 
-The endpoint has no authentication and no TLS: it listens on loopback (or a Unix socket,
+  agentctl serve --model digits --port 8000 --grpc-port 8001
+  python - <<'EOF'
+  import numpy as np, tritonclient.grpc as grpcclient
+  c = grpcclient.InferenceServerClient("127.0.0.1:8001")
+  x = grpcclient.InferInput("input", [4, 1, 8, 8], "FP32")
+  x.set_data_from_numpy(np.zeros((4, 1, 8, 8), np.float32))
+  print(c.infer("digits", [x]).as_numpy("logits").argmax(1))
+  EOF
+
+The endpoints have no authentication and no TLS: they listen on loopback (or a Unix socket,
 whose file mode 0660 is the access control) unless --allow-remote.
 Stop it with SIGTERM or Ctrl-C. Exit codes: 0 stopped, 2 bad arguments.
 """
@@ -65,11 +87,16 @@ def run_serve(args: argparse.Namespace) -> int:
     from hpc_core.logs import setup_logging
 
     setup_logging(args.log_format)
-    if args.unix_socket is None and not _loopback(args.host) and not args.allow_remote:
+    on_tcp = args.unix_socket is None or args.grpc_port is not None
+    if on_tcp and not _loopback(args.host) and not args.allow_remote:
         return fail(2, f"serve: --host {args.host} is not a loopback address: the endpoint has "
                     "no authentication or TLS, so anyone who reaches the port can run the model "
                     "(and load the device); put a proxy with TLS in front, or pass "
                     "--allow-remote to accept that")
+    for flag in ("grpc_max_rpcs", "grpc_workers"):
+        if getattr(args, flag) < 1:
+            return fail(2, f"serve: --{flag.replace('_', '-')} {getattr(args, flag)}: give at "
+                        "least 1")
     if args.slo_ms is not None and args.slo_ms <= 0:
         return fail(2, f"serve: --slo-ms {args.slo_ms}: give a positive number of ms")
     limits = OipLimits(max_body_bytes=int(args.max_body_mb * (1 << 20)),
@@ -101,13 +128,28 @@ def run_serve(args: argparse.Namespace) -> int:
             log.info("no committed version of %s yet: serving it once one is committed%s",
                      args.model, f" ({model.last_error})" if model.last_error else "",
                      extra={"fields": {"event": "waiting", "model": args.model}})
-        with OipServer(model, host=args.host, port=args.port, unix_socket=args.unix_socket,
-                       limits=limits).start() as server:
+        with contextlib.ExitStack() as servers:
+            server = servers.enter_context(
+                OipServer(model, host=args.host, port=args.port, unix_socket=args.unix_socket,
+                          limits=limits).start())
+            grpc_address = None
+            if args.grpc_port is not None:
+                from agent.runtime.oip_grpc import GrpcLimits, OipGrpcServer
+
+                grpc_limits = GrpcLimits(max_message_bytes=limits.max_body_bytes,
+                                         max_concurrent_rpcs=args.grpc_max_rpcs,
+                                         workers=args.grpc_workers,
+                                         max_connections=args.max_connections)
+                grpc_address = servers.enter_context(OipGrpcServer(
+                    model, host=args.host, port=args.grpc_port, limits=grpc_limits).start()
+                ).address
             engine = model.engine
-            log.info("serving %s@%s on %s (%s)", args.model, model.version, server.address,
+            log.info("serving %s@%s on %s%s (%s)", args.model, model.version, server.address,
+                     f" and grpc {grpc_address}" if grpc_address else "",
                      f"{engine.name} on {', '.join(engine.providers)}" if engine else "-",
                      extra={"fields": {"event": "serving", "model": args.model,
-                                       "version": model.version, "address": server.address}})
+                                       "version": model.version, "address": server.address,
+                                       "grpc_address": grpc_address}})
             stop.wait()
     return 0
 
@@ -115,9 +157,9 @@ def run_serve(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
-        help="serve the committed model over HTTP (Open Inference Protocol v2)",
+        help="serve the committed model over HTTP and gRPC (Open Inference Protocol v2)",
         description="Serve a model's committed version to applications (KServe v2 / Triton "
-        "HTTP), following commits with zero failed requests.",
+        "HTTP, and gRPC with --grpc-port), following commits with zero failed requests.",
         epilog=SERVE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -126,7 +168,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     where.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     where.add_argument("--unix-socket", type=Path, metavar="PATH",
                        help="listen on this Unix socket (mode 0660) instead of TCP")
-    p.add_argument("--host", default="127.0.0.1", help="TCP address (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="TCP address of --port and --grpc-port (default 127.0.0.1)")
     p.add_argument("--allow-remote", action="store_true",
                    help="accept a non-loopback --host (the endpoint has no auth or TLS)")
     p.add_argument("--slo-ms", type=float, metavar="N",
@@ -137,11 +180,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="ONNX Runtime providers, comma-separated (default: the best available, "
                    "TensorRT > CUDA > CPU)")
     p.add_argument("--max-body-mb", type=float, default=16.0,
-                   help="largest request body in MiB (default 16)")
+                   help="largest request body (and gRPC message) in MiB (default 16)")
     p.add_argument("--max-connections", type=int, default=32,
-                   help="connections served at once (default 32)")
+                   help="connections served at once, per protocol (default 32)")
     p.add_argument("--request-timeout-s", type=float, default=10.0,
                    help="per-read and whole-body timeout in seconds (default 10)")
+    # Off unless asked: a second unauthenticated listener is the operator's choice, and its
+    # port (Triton's 8001 by convention) the operator's too.
+    p.add_argument("--grpc-port", type=int, metavar="N",
+                   help="also serve the protocol's gRPC service on --host:N (0: a free port, "
+                   "logged); default: no gRPC")
+    p.add_argument("--grpc-max-rpcs", type=int, default=32, metavar="N",
+                   help="gRPC calls accepted at once (default 32); one more is refused "
+                   "RESOURCE_EXHAUSTED")
+    p.add_argument("--grpc-workers", type=int, default=8, metavar="N",
+                   help="threads that run gRPC calls (default 8)")
     p.add_argument("--spool-data-root", type=Path, metavar="DIR",
                    help="keep the samples POSTed to /v2/models/MODEL/record in DIR/spool/MODEL "
                    "(give the daemon's data_root: a finetune with data: spool trains on them)")

@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agent.runtime.active_model import ActiveModel, NoSpoolError
 from agent.runtime.oip_codec import HEADER_LENGTH, ProtocolError, encode_infer, parse_infer
+from agent.runtime.oip_request import ModelSignature
 from registry.errors import NoActiveModelError
 
 log = logging.getLogger("agent.runtime.oip")
@@ -73,7 +74,7 @@ def _version() -> str:
 
 
 def _json(status: int, doc: dict[str, Any]) -> Response:
-    return status, json.dumps(doc).encode(), {"Content-Type": "application/json"}
+    return status, json.dumps(doc, allow_nan=False).encode(), {"Content-Type": "application/json"}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -181,11 +182,10 @@ class _Handler(BaseHTTPRequestHandler):
         model, engine = self.server.model, self.server.model.engine
         if engine is None:
             raise NoActiveModelError(f"no version of {model.name!r} serves yet")
+        sig = ModelSignature.of(engine)  # what requests are checked against, declared
         return {"name": model.name, "versions": [model.version], "platform": engine.platform,
-                "inputs": [{"name": engine.input_name, "datatype": "FP32",
-                            "shape": list(engine.input_shape)}],
-                "outputs": [{"name": engine.output_name, "datatype": "FP32",
-                             "shape": list(engine.output_shape)}]}
+                "inputs": [t.metadata() for t in sig.inputs],
+                "outputs": [t.metadata() for t in sig.outputs]}
 
     def _body(self) -> bytes:
         limits = self.server.limits
@@ -220,8 +220,7 @@ class _Handler(BaseHTTPRequestHandler):
         engine = model.engine
         if engine is None:
             raise NoActiveModelError(f"no version of {model.name!r} serves yet")
-        req = parse_infer(body, self.headers.get(HEADER_LENGTH), input_name=engine.input_name,
-                          input_shape=engine.input_shape)
+        req = parse_infer(body, self.headers.get(HEADER_LENGTH), ModelSignature.of(engine))
         if record:
             label = req.parameters.get("label")
             if label is not None and (not isinstance(label, int) or isinstance(label, bool)):
@@ -230,9 +229,8 @@ class _Handler(BaseHTTPRequestHandler):
             return _json(200, {"model_name": model.name, "model_version": model.version,
                                "stored": stored})
         logits, version = model.predict_versioned(req.x)
-        body, headers = encode_infer(logits, model_name=model.name, model_version=version,
-                                     output_name=engine.output_name, request_id=req.id,
-                                     binary=req.binary_output)
+        body, headers = encode_infer({engine.output_name: logits}, req, model_name=model.name,
+                                     model_version=version)
         return 200, body, headers
 
 
@@ -254,7 +252,8 @@ class _Server(ThreadingHTTPServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
-            body = json.dumps({"error": "server busy: every connection slot is taken, retry"})
+            body = json.dumps({"error": "server busy: every connection slot is taken, retry"},
+                              allow_nan=False)
             with contextlib.suppress(OSError):  # the client may be gone already
                 request.sendall(
                     f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"

@@ -1,5 +1,6 @@
 """``reference/mqtt-contract.md`` from the ``contract`` package (the topic table checked
-against what ``Topics`` builds) and ``reference/oip.md`` from ``agent.runtime.oip``."""
+against what ``Topics`` builds) and ``reference/oip.md`` from ``agent.runtime.oip`` (with its
+bodies, checks and gRPC service: ``oip_codec``, ``oip_request``, ``oip_grpc``)."""
 
 from __future__ import annotations
 
@@ -150,4 +151,42 @@ def oip_page() -> str:
     for para in paras[2:]:
         out += [md_text(rst_inline(para)), ""]
     out += model_section(oip.OipLimits, "OipLimits", 2)
+    out += _oip_sections()
     return "\n".join(out).rstrip() + "\n"
+
+
+def _markdown(para: str) -> list[str]:
+    """A docstring paragraph as Markdown: a ``- `` list item by item, else one line."""
+    if not para.lstrip().startswith("- "):
+        return [md_text(rst_inline(para)), ""]
+    items = re.split(r"^\s*- ", para, flags=re.M)[1:]
+    return [f"- {md_text(rst_inline(item))}" for item in items] + [""]
+
+
+def _oip_sections() -> list[str]:
+    """The bodies and their checks (``oip_codec``, ``oip_request``), then the gRPC service
+    (``oip_grpc``): its method table, its notes and :class:`GrpcLimits`."""
+    from agent.runtime import oip_codec, oip_grpc, oip_request
+
+    out: list[str] = []
+    for title, module in (("Request and response bodies", oip_codec),
+                          ("What a request may carry", oip_request)):
+        out += [f"## {title}", ""]
+        for para in inspect.cleandoc(module.__doc__ or "").split("\n\n"):
+            out += _markdown(para)
+    paras = inspect.cleandoc(oip_grpc.__doc__ or "").split("\n\n")
+    methods: list[list[str]] = []
+    for line in paras[1].splitlines():
+        m = re.match(r"\s*([A-Z]\w+)\s{2,}(.*)", line)
+        if m:
+            methods.append([m.group(1), m.group(2)])
+        elif methods:
+            methods[-1][1] = f"{methods[-1][1]} {line.strip()}"
+    if not methods:
+        raise RuntimeError("agent.runtime.oip_grpc lists no method")
+    out += ["## gRPC", "", md_text(rst_inline(paras[0])), "", "| method | answer |", "|---|---|"]
+    out += [f"| `{name}` | {md_text(rst_inline(text))} |" for name, text in methods]
+    out += [""]
+    for para in paras[2:]:
+        out += _markdown(para)
+    return out + model_section(oip_grpc.GrpcLimits, "GrpcLimits", 3)
