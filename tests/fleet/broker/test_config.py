@@ -79,7 +79,9 @@ def test_files_for_an_inventory(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert dev == ["listener 8883 0.0.0.0", "allow_anonymous false",
                    "use_username_as_clientid true", f"password_file {out}/passwd-devices",
                    f"acl_file {out}/acl-devices"]
+    # Client ids bound to accounts on every listener: no account can take another's session.
     assert op == ["listener 1884 127.0.0.1", "allow_anonymous false",
+                  "use_username_as_clientid true",
                   f"password_file {out}/passwd-operators", f"acl_file {out}/acl-operators"]
 
     for kind, names in (("devices", ["dev-a", "dev-b"]),
@@ -165,6 +167,49 @@ def test_mutual_tls_and_bad_listeners(tmp_path: Path, capsys: pytest.CaptureFixt
     assert rc == 2 and "--device-listener" in err
 
 
+def test_more_operator_accounts_for_tools_that_run_side_by_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, summary, _ = run(tmp_path, capsys, "--operator", "ctl-2=fleet-controller",
+                         "--operator", "dashboard=fleet-watch")
+    assert rc == 0
+    out, sec = tmp_path / "out", tmp_path / "secrets"
+    names = ["fleet-controller", "fleet-send", "fleet-watch", "ctl-2", "dashboard"]
+    lines = (out / "passwd-operators").read_text().splitlines()
+    assert [x.split(":")[0] for x in lines] == names
+    for line, name in zip(lines, names, strict=True):
+        assert verify(line, (sec / "operators" / f"{name}.password").read_text().strip())
+    acl = {}
+    for block in (out / "acl-operators").read_text().split("\n\n")[1:]:
+        rules = [x for x in block.splitlines() if not x.startswith("#")]
+        acl[rules[0].removeprefix("user ")] = rules[1:]
+    assert acl["ctl-2"] == acl["fleet-controller"] and acl["dashboard"] == acl["fleet-watch"]
+    assert summary["operators"]["dashboard"]["role"] == "fleet-watch"
+    assert summary["generated"][3:5] == ["operators/ctl-2", "operators/dashboard"]
+
+
+@pytest.mark.parametrize("extra, inventory, needle", [
+    (["--operator", "ops=fleet-admin"], None, "no role 'fleet-admin'"),
+    (["--operator", "ops"], None, "NAME=ROLE"),
+    (["--operator", "ops=fleet-send", "--operator", "ops=fleet-watch"], None, "given twice"),
+    (["--operator", "fleet-send=fleet-watch"], None, "exists already"),
+    (["--operator", "fleetctl-x=fleet-send"], None, "reserved"),
+    (["--operator", "a/b=fleet-send"], None, "operator account"),
+    # a device and an operator account of one name would take each other's sessions
+    (["--operator", "dev-a=fleet-watch"], None, "devices.dev-a"),
+    ([], {"devices": {"fleet-watch": {}}}, "devices.fleet-watch"),
+])
+def test_operator_accounts_are_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], inventory: Any,
+    needle: str,
+) -> None:
+    rc, _, err = run(tmp_path, capsys, *extra, inventory=inventory)
+    assert rc == 2 and needle in err, err
+    if needle.startswith("devices."):
+        assert str(tmp_path / "inventory.yaml") in err, err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.skipif(shutil.which("mosquitto_passwd") is None, reason="no mosquitto_passwd")
 def test_hash_matches_mosquitto_passwd(tmp_path: Path) -> None:
     path = tmp_path / "pw"
@@ -219,8 +264,15 @@ def test_tier_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
                             f"acl_file {out}/core/acl-bridges"]
     assert not any("passwd-devices" in x for x in core)  # no device logs in at the core
     acl = (out / "core" / "acl-bridges").read_text()
-    assert "user bridge-eu\ntopic write fleet/v1/dev/+/status\n" in acl
-    assert " write fleet/v1/dev/+/cmd" not in acl and " write fleet/v1/group" not in acl
+    eu_rules = acl.split("user bridge-eu\n")[1].split("\n\n")[0].splitlines()
+    writes = sorted(r.removeprefix("topic write ") for r in eu_rules if " write fleet" in r)
+    # Its own region's devices (a and c), each bridged-out topic, nothing of dev-b (us).
+    assert writes == sorted(f"fleet/v1/dev/{d}/{k}" for d in ("dev-a", "dev-c")
+                            for k in ("status", "res", "telemetry", "evt/#"))
+    assert [r for r in eu_rules if " read " in r] == [
+        "topic read fleet/v1/dev/+/cmd/#", "topic read fleet/v1/group/+/cmd/#"]
+    assert " write fleet/v1/dev/+" not in acl and " write fleet/v1/group" not in acl
+    assert "fleet/v1/dev/dev-b/status" in acl.split("user bridge-us\n")[1]
     assert "topic read $SYS/broker/connection/+/state" in (
         out / "core" / "acl-operators").read_text().split("user fleet-watch")[1]
 
@@ -273,6 +325,7 @@ def test_tier_tls_per_broker_certificates(tmp_path: Path,
     (None, ["--region", "us=9884"], "--region us: given twice"),
     (None, ["--region", "eu"], "NAME=[ADDRESS:]PORT"),
     (None, ["--bridge-listener", "1884"], "share port 1884"),
+    (None, ["--operator", "bridge-eu=fleet-watch"], "region eu's bridge account"),
 ])
 def test_bad_tier_is_refused_precisely(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], inventory: Any, extra: list[str],
