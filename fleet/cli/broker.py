@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from contract import Topics
-from fleet.broker.bridge import CoreAddress, write_broker_tier
+from fleet.broker.bridge import DEVICES_PER_BRIDGE, CoreAddress, write_broker_tier
 from fleet.broker.config import (
     BrokerConfigError,
     FleetInventory,
@@ -53,6 +53,7 @@ def _tier(a: argparse.Namespace, inv: FleetInventory, tls: ServerTls | None) -> 
         operators=Listener.parse(a.operator_listener, "--operator-listener"),
         devices=Listener.parse(a.device_listener, "--device-listener"),
         region_listeners=regions, tls=tls, operator_extra=_operators(a),
+        per_bridge=a.devices_per_bridge,
     )
 
 
@@ -65,9 +66,11 @@ def cmd_broker_config(a: argparse.Namespace) -> int:
     elif a.require_certificate:
         raise UsageError("broker-config: --require-certificate needs --cafile, --certfile, "
                          "--keyfile")
-    if a.core is None and (a.region or a.bridge_listener):
-        raise UsageError("broker-config: --region and --bridge-listener need --core (a "
-                         "bridged tier)")
+    if a.core is None and (a.region or a.bridge_listener or a.devices_per_bridge is not None):
+        raise UsageError("broker-config: --region, --bridge-listener and --devices-per-bridge "
+                         "need --core (a bridged tier)")
+    if a.devices_per_bridge is None:
+        a.devices_per_bridge = DEVICES_PER_BRIDGE
     try:
         inv = load_inventory(a.inventory)
         if a.core is not None:
@@ -122,7 +125,8 @@ Bridged tier (--core HOST:PORT), for fleets one broker cannot hold: give each de
 device listener above, for that region's devices, and a bridge to the core) and OUT/core/ (a
 bridge listener, one account bridge-<region> each, password SECRETS/bridges/, and the
 operator listener; fleetctl connects there). A region's bridge account may write only its own
-devices' topics at the core. Bridged out at QoS 1: PREFIX/dev/+/status, res, evt/#
+devices' topics at the core; a region of more than --devices-per-bridge devices gets a bridge
+(bridge-<region>@1, ...) per that many. Bridged out at QoS 1: PREFIX/dev/+/status, res, evt/#
 (telemetry at QoS 0); in: each region's devices' and groups' commands, so a command
 crosses to its device's region only and a group command is one publish at the core. Bridges
 keep their sessions (cleansession false, fixed client ids, persistence in OUT/*/data/): what
@@ -179,6 +183,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bridge-listener", metavar="[ADDRESS:]PORT",
                    help="where the core takes the regions' bridges (default: the port of "
                         "--core on every interface)")
+    p.add_argument("--devices-per-bridge", type=int, metavar="N",
+                   help="the most devices one bridge carries: a larger region gets a bridge "
+                        f"(and an account at the core) per N devices (default "
+                        f"{DEVICES_PER_BRIDGE}: the core checks a bridged message against "
+                        "one rule per device of its bridge)")
     p.add_argument("--region", action="append", default=[], metavar="NAME=[ADDRESS:]PORT",
                    help="a region's device listener, if not --device-listener (repeatable; "
                         "only regions the inventory names)")

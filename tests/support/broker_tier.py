@@ -1,7 +1,7 @@
 """A bridged broker tier (``fleetctl broker-config --core``) on real mosquitto processes: a
 core and its regional brokers on loopback, started from exactly the files it writes.
 
-``tier(inventory=INVENTORY, tls=None)`` (a fixture: import it into the test module) provisions
+``tier(*flags, inventory=INVENTORY, tls=None)`` (a fixture: import it into a conftest) provisions
 and starts one, and waits until every region's bridge is connected; :class:`Tier` logs devices
 in on their regions and operator tools on the core.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,8 @@ class Tier:
     secrets: Path
     out: Path
     tls: Pki | None
+    bridges: dict[str, list[str]]
+    """Region -> its bridges' accounts (one unless a region has more devices per bridge)."""
 
     def password(self, kind: str, name: str) -> str:
         return (self.secrets / kind / f"{name}.password").read_text().strip()
@@ -71,8 +74,8 @@ class Tier:
                      timeout_s: float = 20.0) -> None:
         """Until these (default: all) regions' bridges say they are connected, after
         monotonic ``since``."""
-        for r in regions or self.regions:
-            watch.wait_for(lambda m, r=r: m.topic == f"$SYS/broker/connection/bridge-{r}/state"
+        for b in (b for r in regions or self.regions for b in self.bridges[r]):
+            watch.wait_for(lambda m, b=b: m.topic == f"$SYS/broker/connection/{b}/state"
                            and m.payload == CONNECTED and m.at >= since, timeout_s=timeout_s)
 
     def stop(self) -> None:
@@ -80,10 +83,11 @@ class Tier:
             b.stop()
 
 
-def provision(workdir: Path, inventory: dict[str, dict[str, Any]], *,
+def provision(workdir: Path, inventory: dict[str, dict[str, Any]], *extra: str,
               tls: Pki | None = None) -> Tier:
-    """``fleetctl broker-config --core`` as an operator runs it, then the core and each region
-    started on what it wrote (the core first: the bridges dial it)."""
+    """``fleetctl broker-config --core`` as an operator runs it (``extra``: more of its
+    flags), then the core and each region started on what it wrote (the core first: the
+    bridges dial it)."""
     inv = workdir / "inventory.yaml"
     workdir.mkdir(parents=True, exist_ok=True)
     inv.write_text(yaml.safe_dump({"devices": inventory}))
@@ -95,29 +99,35 @@ def provision(workdir: Path, inventory: dict[str, dict[str, Any]], *,
             "--bridge-listener", f"127.0.0.1:{bridge}", "--operator-listener", f"127.0.0.1:{op}"]
     for r, p in ports.items():
         argv += ["--region", f"{r}=127.0.0.1:{p}"]
+    argv += extra
     if tls is not None:
         argv += ["--cafile", str(tls.ca_cert), "--certfile", str(tls.server_cert),
                  "--keyfile", str(tls.server_key)]
-    with contextlib.redirect_stdout(io.StringIO()):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
         assert fleetctl_main(argv) == 0
+    summary = json.loads(buf.getvalue())
     out = workdir / "tier"
     core = start_from_conf(out / "core" / "mosquitto.conf", op, workdir, tls=tls)
     started = {r: start_from_conf(out / r / "mosquitto.conf", ports[r], workdir, tls=tls)
                for r in regions}
-    return Tier(core, bridge, started, inventory, workdir / "secrets", out, tls)
+    return Tier(core, bridge, started, inventory, workdir / "secrets", out, tls,
+                {r: summary["regions"][r]["bridges"] for r in regions})
 
 
 @pytest.fixture
 def tier(tmp_path: Path) -> Iterator[Callable[..., Tier]]:
-    """``tier(inventory=INVENTORY, tls=None)``: provisioned, started, bridges connected;
-    stopped after the test. Skips without mosquitto."""
+    """``tier(*flags, inventory=INVENTORY, tls=None)``: provisioned (``flags``: more
+    ``fleetctl broker-config`` flags), started, bridges connected; stopped after the test.
+    Skips without mosquitto."""
     if not have_mosquitto():
         pytest.skip("mosquitto is not installed (make services)")
     started: list[Tier] = []
 
-    def start(inventory: dict[str, dict[str, Any]] | None = None,
+    def start(*extra: str, inventory: dict[str, dict[str, Any]] | None = None,
               tls: Pki | None = None) -> Tier:
-        t = provision(tmp_path / f"tier-{len(started)}", inventory or INVENTORY, tls=tls)
+        t = provision(tmp_path / f"tier-{len(started)}", inventory or INVENTORY, *extra,
+                      tls=tls)
         started.append(t)
         watch = t.operator("fleet-watch").subscribe("$SYS/broker/connection/+/state")
         try:

@@ -265,14 +265,13 @@ def test_tier_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert not any("passwd-devices" in x for x in core)  # no device logs in at the core
     acl = (out / "core" / "acl-bridges").read_text()
     eu_rules = acl.split("user bridge-eu\n")[1].split("\n\n")[0].splitlines()
-    writes = sorted(r.removeprefix("topic write ") for r in eu_rules if " write fleet" in r)
-    # Its own region's devices (a and c), each bridged-out topic, nothing of dev-b (us).
-    assert writes == sorted(f"fleet/v1/dev/{d}/{k}" for d in ("dev-a", "dev-c")
-                            for k in ("status", "res", "telemetry", "evt/#"))
+    writes = [r.removeprefix("topic write ") for r in eu_rules if " write fleet" in r]
+    # What its own region's devices (a and c) may write there, nothing of dev-b (us).
+    assert writes == ["fleet/v1/dev/dev-a/#", "fleet/v1/dev/dev-c/#"]
     assert [r for r in eu_rules if " read " in r] == [
         "topic read fleet/v1/dev/+/cmd/#", "topic read fleet/v1/group/+/cmd/#"]
     assert " write fleet/v1/dev/+" not in acl and " write fleet/v1/group" not in acl
-    assert "fleet/v1/dev/dev-b/status" in acl.split("user bridge-us\n")[1]
+    assert "topic write fleet/v1/dev/dev-b/#" in acl.split("user bridge-us\n")[1]
     assert "topic read $SYS/broker/connection/+/state" in (
         out / "core" / "acl-operators").read_text().split("user fleet-watch")[1]
 
@@ -344,6 +343,47 @@ def test_regions_and_tier_options_need_core(tmp_path: Path,
     assert rc == 2 and "--core" in err
     rc, _, err = run(tmp_path, capsys, "--core", "core.example")
     assert rc == 2 and "HOST:PORT" in err
+    rc, _, err = run(tmp_path, capsys, "--devices-per-bridge", "1")
+    assert rc == 2 and "--core" in err
+    rc, _, err = run_tier(tmp_path, capsys, "--devices-per-bridge", "0")
+    assert rc == 2 and "--devices-per-bridge 0" in err
+
+
+def test_a_region_past_devices_per_bridge_gets_a_bridge_per_share(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Region eu (dev-a, dev-c) with one device per bridge: two bridges, each carrying its
+    own device's messages out and commands in, the first the region's group commands, each
+    an account at the core that may write its own device's topics only."""
+    rc, summary, _ = run_tier(tmp_path, capsys, "--devices-per-bridge", "1")
+    assert rc == 0
+    out, sec = tmp_path / "out", tmp_path / "secrets"
+    assert summary["regions"]["eu"]["bridges"] == ["bridge-eu", "bridge-eu@1"]
+    assert summary["regions"]["us"]["bridges"] == ["bridge-us"]
+    eu = settings((out / "eu" / "mosquitto.conf").read_text())
+    first, second = (eu[eu.index(f"connection {b}"):] for b in ("bridge-eu", "bridge-eu@1"))
+    first = first[:first.index("connection bridge-eu@1")]
+    pw = (sec / "bridges" / "bridge-eu.password").read_text().strip()
+    assert f"remote_password {pw}" in first and f"remote_password {pw}" in second
+    assert "local_clientid fleetctl-bridge-eu@1" in second
+    assert [x for x in first if x.startswith("topic ")] == [
+        "topic fleet/v1/dev/dev-a/status out 1", "topic fleet/v1/dev/dev-a/res out 1",
+        "topic fleet/v1/dev/dev-a/evt/# out 1", "topic fleet/v1/dev/dev-a/telemetry out 0",
+        "topic fleet/v1/dev/dev-a/cmd/# in 1", "topic fleet/v1/group/lab/cmd/# in 1"]
+    assert [x for x in second if x.startswith("topic ")] == [
+        "topic fleet/v1/dev/dev-c/status out 1", "topic fleet/v1/dev/dev-c/res out 1",
+        "topic fleet/v1/dev/dev-c/evt/# out 1", "topic fleet/v1/dev/dev-c/telemetry out 0",
+        "topic fleet/v1/dev/dev-c/cmd/# in 1"]
+    acl = (out / "core" / "acl-bridges").read_text()
+    blocks = {b.splitlines()[0]: b.splitlines()[1:] for b in acl.split("\n\n")[1:]}
+    assert [r for r in blocks["user bridge-eu@1"] if " write fleet" in r] == [
+        "topic write fleet/v1/dev/dev-c/#"]
+    assert "topic write $SYS/broker/connection/bridge-eu@1/state" in blocks["user bridge-eu@1"]
+    passwd = dict(x.split(":", 1) for x in (out / "core" / "passwd-bridges").read_text()
+                  .splitlines())
+    assert sorted(passwd) == ["bridge-eu", "bridge-eu@1", "bridge-us"]
+    assert verify(f"bridge-eu@1:{passwd['bridge-eu@1']}", pw)
+    assert summary["generated"].count("bridges/bridge-eu") == 1
 
 
 def test_help_teaches_the_tier_and_its_example_runs_as_written(

@@ -95,6 +95,49 @@ def test_a_group_command_is_one_publish_at_the_core_and_reaches_each_member_once
             p.close()
 
 
+def test_a_region_split_over_bridges_delivers_each_message_once(
+    tier: Callable[..., Tier],
+) -> None:
+    """Region eu with one device per bridge (``--devices-per-bridge 1``): two bridges. Each
+    device's commands cross on its own bridge, a group command once (on the first), each
+    device's results reach the core once, and neither bridge may write the other's device."""
+    t = tier("--devices-per-bridge", "1")
+    assert t.bridges == {"eu": ["bridge-eu", "bridge-eu@1"], "us": ["bridge-us"]}
+    ctl = t.operator("fleet-controller").subscribe(T.all_results())
+    peers = {d: t.device(d).subscribe(T.device_commands(d), *[
+        T.group_commands(g) for g in INVENTORY[d]["groups"]]) for d in INVENTORY}
+    try:
+        for d in INVENTORY:
+            assert not ctl.publish(T.command(d, "ping"), {"to": d}).is_failure
+        send = t.operator("fleet-send")  # the role that sends group commands
+        assert not send.publish(T.group_command("line-3", "ping"), {"g": 1}).is_failure
+        for d in INVENTORY:
+            peers[d].wait_for(lambda m, d=d: m.topic == T.command(d, "ping"))
+            assert not peers[d].publish(T.result(d), {"from": d}).is_failure
+        for d in ("eu-1", "us-1"):
+            peers[d].wait_for(lambda m: m.topic == T.group_command("line-3", "ping"))
+        ctl.wait_for(lambda m: m.topic.endswith("/res"), count=len(INVENTORY))
+        settle()
+        for d in INVENTORY:
+            once(peers[d], T.command(d, "ping"))
+            once(ctl, T.result(d))
+        for d in ("eu-1", "us-1"):
+            once(peers[d], T.group_command("line-3", "ping"))
+        assert not peers["eu-2"].matching(lambda m: "/group/" in m.topic)
+        send.close()
+        # eu-2's bridge (its only device) may not write eu-1's topics at the core.
+        thief = Peer(t.bridge_listener(), username="bridge-eu@1", client_id="bridge-eu@1",
+                     password=t.password("bridges", "bridge-eu"))
+        try:
+            assert thief.publish(T.result("eu-1"), {"forged": True}).is_failure
+            assert not thief.publish(T.result("eu-2"), {"own": True}).is_failure
+        finally:
+            thief.close()
+    finally:
+        for p in (ctl, *peers.values()):
+            p.close()
+
+
 def test_a_device_writes_only_its_own_topics_and_cannot_be_the_bridge(
     tier: Callable[..., Tier],
 ) -> None:
