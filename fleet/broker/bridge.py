@@ -62,6 +62,7 @@ from fleet.broker.config import (
     operator_listener_lines,
     write_private,
 )
+from registry.atomic import make_dirs
 
 CORE = "core"
 """The core broker's name: its folder under OUT, and a name no region may take."""
@@ -367,10 +368,8 @@ def write_broker_tier(
         files["mosquitto.conf"] = region_conf(out / r.name, topics, r, per_bridge, core, pw,
                                               broker_tls(tls, r.name))
         trees[r.name] = files
-    out.mkdir(mode=0o700, parents=True, exist_ok=True)
     for name, files in trees.items():
-        (out / name).mkdir(mode=0o700, exist_ok=True)
-        (out / name / "data").mkdir(mode=0o700, exist_ok=True)
+        make_dirs(out / name / "data")
         for fname, text in files.items():  # the conf last: it names the others
             write_private(out / name / fname, text)
     return {
