@@ -41,6 +41,9 @@ from tests.support.mosquitto import Broker, free_port, start_from_conf  # noqa: 
 
 DEVICE, ECHO_DEVICE, OPERATOR = "bench-dev", "bench-echo", "fleet-send"
 """The daemon's device account, the echo's, and the operator tool account the pings use."""
+ECHO_OPERATOR = "fleet-send-echo"
+"""The echo's pings run beside the daemon's: an account of their own (one live connection
+per account on a broker-config broker)."""
 PREFIX = "fleet/v1"
 ECHO = """
 import sys, socket, paho.mqtt.client as mqtt
@@ -67,7 +70,8 @@ def provision(work: Path, env: dict[str, str]) -> tuple[Broker, int, Path]:
         [sys.executable, "-m", "fleet.cli", "broker-config", "--inventory", str(inventory),
          "--out", str(work / "broker-conf"), "--secrets", str(secrets),
          "--device-listener", f"127.0.0.1:{device_port}",
-         "--operator-listener", f"127.0.0.1:{operator_port}"],
+         "--operator-listener", f"127.0.0.1:{operator_port}",
+         "--operator", f"{ECHO_OPERATOR}=fleet-send"],
         check=True, capture_output=True, text=True, env=env, cwd=REPO)
     conf = Path(yaml.safe_load(out.stdout)["conf"])
     # The operator listener comes second in the conf: once it answers, both do.
@@ -172,7 +176,9 @@ def main() -> int:
                                     "issued_at": datetime.now(timezone.utc).isoformat()}).encode()
 
         agent_p = Pinger(broker.port, OPERATOR, operator_pw, f"{PREFIX}/dev/{DEVICE}/res")
-        echo_p = Pinger(broker.port, OPERATOR, operator_pw, f"{PREFIX}/dev/{ECHO_DEVICE}/res")
+        echo_p = Pinger(broker.port, ECHO_OPERATOR,
+                        secrets / "operators" / f"{ECHO_OPERATOR}.password",
+                        f"{PREFIX}/dev/{ECHO_DEVICE}/res")
         warm = [ping(-i - 1) for i in range(min(50, a.pings))]
         agent_p.run(f"{PREFIX}/dev/{DEVICE}/cmd/ping", warm)
         lat_agent: list[float] = []

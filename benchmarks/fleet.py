@@ -95,8 +95,8 @@ def run_config(a: argparse.Namespace, cfg: str, n: int, setup: Setup, work: Path
         db = pg.new_database("bench")
     logs = work / "logs"
     logs.mkdir(exist_ok=True)
-    base = [sys.executable, "-m", "fleet.cli", *setup.login, "--db", db, "--report-dir",
-            str(work / "reports"), "-q", "--lease-s", str(a.lease_s)]
+    opts = ["--db", db, "--report-dir", str(work / "reports"), "-q", "--lease-s", str(a.lease_s)]
+    base = [sys.executable, "-m", "fleet.cli", *setup.login, *opts]
     create = [*base, "rollout", "create", "--name", f"bench-{cfg}", "--group", "sim", "--job",
               "deploy", "--args", json.dumps({"version": f"v{version}"}), "--waves", waves,
               "--bake-s", "0", *(["--detach"] if replicas else [])]
@@ -105,7 +105,10 @@ def run_config(a: argparse.Namespace, cfg: str, n: int, setup: Setup, work: Path
     if replicas:  # the replicas start as soon as the rollout exists (its JSON line)
         while not procs[0].out.read_bytes().endswith(b"\n") and not procs[0].reap(False):
             time.sleep(0.02)
-        procs += [Proc.spawn(f"{cfg}-replica{i}", [*base, "controller"], logs) for i in (0, 1)]
+        logins = setup.replica_logins or [setup.login, setup.login]
+        procs += [Proc.spawn(f"{cfg}-replica{i}", [sys.executable, "-m", "fleet.cli",
+                                                   *logins[i], *opts, "controller"], logs)
+                  for i in (0, 1)]
     procs[0].reap(True)
     row: dict[str, Any] = {"devices": n, "config": cfg, "waves": waves,
                            "engine": "sqlite" if cfg == "sqlite" else "postgresql",

@@ -104,6 +104,9 @@ class Setup:
     inventory_parse_s: float | None = None
     broker_config_s: float | None = None
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
+    replica_logins: list[list[str]] = field(default_factory=list)
+    """The options of each controller replica, where each needs an account of its own (a
+    broker from broker-config binds client ids to accounts); empty: ``login`` for all."""
 
     def stop(self) -> None:
         for b in reversed(list(self.brokers.values())):
@@ -162,7 +165,8 @@ def start_tier(work: Path, n: int, sim_procs: int, secrets_dir: Path) -> Setup:
             "--out", str(work / "tier"), "--secrets", str(secrets_dir),
             "--core", f"127.0.0.1:{bridge}", "--bridge-listener", f"127.0.0.1:{bridge}",
             "--operator-listener", f"127.0.0.1:{op}",
-            *[x for r, p in ports.items() for x in ("--region", f"{r}=127.0.0.1:{p}")]]
+            *[x for r, p in ports.items() for x in ("--region", f"{r}=127.0.0.1:{p}")],
+            *[x for i in (1, 2) for x in ("--operator", f"replica-{i}=fleet-controller")]]
     t0 = time.perf_counter()
     subprocess.run(argv, check=True, capture_output=True, env=ENV, timeout=600)
     config_s = time.perf_counter() - t0
@@ -178,9 +182,12 @@ def start_tier(work: Path, n: int, sim_procs: int, secrets_dir: Path) -> Setup:
     except BaseException:
         setup.stop()
         raise
-    ctl = secrets_dir / "operators" / "fleet-controller.password"
-    setup.login = ["--port", str(op), "--username", "fleet-controller", "--password-file",
-                   str(ctl), "--inventory", str(inv)]
+    def login(account: str) -> list[str]:
+        return ["--port", str(op), "--username", account, "--password-file",
+                str(secrets_dir / "operators" / f"{account}.password"), "--inventory", str(inv)]
+
+    setup.login = login("fleet-controller")
+    setup.replica_logins = [login("replica-1"), login("replica-2")]
     pdir = ["--password-dir", str(secrets_dir / "devices")]
     setup.sims = [(ports[r], first, k, pdir) for r, procs in per_proc.items()
                   for first, k in procs]

@@ -5,8 +5,10 @@ from __future__ import annotations
 import sys
 
 from exporters.cli import build_parser, run_from_args
+from registry.atomic import private_umask
 
 
+@private_umask()
 def main(argv: list[str] | None = None) -> int:
     return run_from_args(build_parser("python -m exporters").parse_args(argv))
 

@@ -89,13 +89,19 @@ class Inventory:
 
 def discover(conn: FleetConnection, *, settle_s: float = 0.5, max_s: float = 5.0,
              membership: Mapping[str, list[str]] | None = None) -> Inventory:
-    """Collect retained statuses: the broker sends them right after SUBACK; we stop once none
-    has arrived for ``settle_s`` (MQTT has no end-of-retained marker)."""
+    """Collect retained statuses: the broker sends them right after SUBACK; we stop once no
+    message at all has arrived for ``settle_s`` (MQTT has no end-of-retained marker).
+
+    A message the fleet drops (garbled, on a foreign topic, or a payload claiming another
+    device than its topic's: logged by fleet.mqtt.device_message) still counts as one that
+    came: a device cannot end discovery early, before the statuses behind its own, by
+    retaining a forgery on its topic.
+    """
     inv = Inventory(membership)
     start = time.monotonic()
     while time.monotonic() - start < max_s:
-        msgs = conn.receive(settle_s)
-        if not msgs:
+        arrived, msgs = conn.receive_counted(settle_s)
+        if not arrived:
             break
         for m in msgs:
             if m.kind == "status":

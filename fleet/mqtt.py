@@ -41,6 +41,8 @@ log = logging.getLogger("fleet.mqtt")
 
 SESSION_EXPIRY_S = 7 * 24 * 3600
 """The controller's session outlives a restart: results sent while it was down wait for it."""
+SESSION_TAKEN_OVER = 0x8E
+"""MQTT v5 DISCONNECT reason: another connection took this client id (and its session)."""
 
 
 class BrokerConfig(BaseModel):
@@ -192,6 +194,13 @@ class FleetConnection:
 
     def _on_disconnect(self, client: mqtt.Client, ud: Any, flags: Any, rc: Any, p: Any) -> None:
         self.connected.clear()
+        if getattr(rc, "value", None) == SESSION_TAKEN_OVER:
+            # A broker that binds client ids to accounts (fleetctl broker-config) gives an
+            # account one live connection: another login with it replaced this one.
+            log.error("the broker handed this connection's session to another login with "
+                      "the same account: give each fleetctl that runs beside another its own "
+                      "account (fleetctl broker-config --operator NAME=ROLE)",
+                      extra={"username": self.cfg.username})
 
     def start(self, timeout_s: float = 10.0) -> None:
         """Connect and subscribe, or raise ConnectionError naming the broker."""
@@ -219,18 +228,24 @@ class FleetConnection:
     def receive(self, timeout_s: float, max_n: int = 5000) -> list[DeviceMessage]:
         """Device messages that arrived, waiting up to ``timeout_s`` for the first; each
         checked by :func:`device_message` (the rest are dropped there)."""
+        return self.receive_counted(timeout_s, max_n)[1]
+
+    def receive_counted(self, timeout_s: float,
+                        max_n: int = 5000) -> tuple[int, list[DeviceMessage]]:
+        """(how many messages arrived, those of them :func:`device_message` kept): a caller
+        that waits for a quiet broker counts a dropped message as one that came."""
         raw: list[mqtt.MQTTMessage] = []
         try:
             raw.append(self.inbox.get(timeout=timeout_s))
         except queue.Empty:
-            return []
+            return 0, []
         while len(raw) < max_n:
             try:
                 raw.append(self.inbox.get_nowait())
             except queue.Empty:
                 break
         out = [device_message(self.topics, m.topic, m.payload) for m in raw]
-        return [m for m in out if m is not None]
+        return len(raw), [m for m in out if m is not None]
 
     def flush(self, timeout_s: float = 5.0) -> None:
         """Wait until paho has no outgoing packet left (so an exit does not drop sends)."""

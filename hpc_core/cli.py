@@ -15,6 +15,7 @@ from hpc_core.estimate import add_estimate_args, run_estimate
 from hpc_core.lr_find import add_lr_find_args, run_lr_find
 from hpc_core.train import add_train_args, run
 from hpc_core.tune.command import add_tune_args, run_tune
+from registry.atomic import private_umask
 
 EPILOG = """\
 examples:
@@ -127,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@private_umask()
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)

@@ -14,6 +14,7 @@ import sys
 from hpc_core.config import ConfigError, load_config
 from hpc_core.distributed import end_rank, shutdown
 from hpc_core.logs import setup_logging
+from registry.atomic import private_umask
 
 log = logging.getLogger("hpc_core.train")
 
@@ -76,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+@private_umask()
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m hpc_core.train",

@@ -226,9 +226,10 @@ def add_principal(path: Path, *, name: str, kind: str, keys: list[str], token_ou
             f.write(token + "\n")
         body = yaml.safe_dump(updated.model_dump(mode="json", exclude_none=True),
                               sort_keys=False)
+        # 0600 whatever the umask (write_bytes_atomic): the server refuses a file others may
+        # edit, and token hashes are nobody else's business.
         write_bytes_atomic(path, ("# registry.serve principals: token hashes only\n"
                                   + body).encode())
-        os.chmod(path, 0o644)  # whatever the umask: the server refuses a file others may edit
     return entry
 
 

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from registry.atomic import private_umask
 from registry.bounded_http import BoundedHandler, BoundedHTTPServer, ServerLimits
 from registry.credentials import is_loopback
 from registry.errors import KeyFileError
@@ -385,6 +386,7 @@ def _add_principal(argv: list[str]) -> int:
     return 0
 
 
+@private_umask()
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["add-principal"]:

@@ -39,7 +39,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from registry.atomic import write_bytes_atomic
+from registry.atomic import PRIVATE_FILE_MODE, PUBLIC_FILE_MODE, make_dirs, write_bytes_atomic
 from registry.errors import (
     BadSignatureError,
     KeyFileError,
@@ -126,12 +126,12 @@ def check_scope_pattern(pattern: str) -> str:
 
 def generate_keypair(out_dir: Path, name: str, scope: Sequence[str] = ()) -> tuple[Path, Path]:
     """Write ``{name}.key.pem`` (0600) and ``{name}.pub.pem``, and ``{name}.scope`` when
-    ``scope`` names what the key may sign; never overwrite a key or a scope."""
+    ``scope`` names what the key may sign (0644: copied to devices, whose agent reads them as
+    its own account); never overwrite a key or a scope. A missing ``out_dir`` is made 0700."""
     if not name or "/" in name or name.startswith("."):
         raise KeyFileError(f"key name {name!r} is invalid: use a plain file stem like 'upstream'")
     patterns = [check_scope_pattern(p) for p in scope]
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = make_dirs(Path(out_dir))
     priv_path, pub_path = out_dir / f"{name}{PRIVATE_SUFFIX}", out_dir / f"{name}{PUBLIC_SUFFIX}"
     scope_path = out_dir / f"{name}{SCOPE_SUFFIX}"
     for p in (priv_path, pub_path, *([scope_path] if patterns else [])):
@@ -145,15 +145,17 @@ def generate_keypair(out_dir: Path, name: str, scope: Sequence[str] = ()) -> tup
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
     # O_EXCL + 0600 at creation: the private key is never readable by others, not even briefly.
-    fd = os.open(priv_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(priv_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
     with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), PRIVATE_FILE_MODE)  # exactly, whatever the umask
         f.write(priv_pem)
         f.flush()
         os.fsync(f.fileno())
-    write_bytes_atomic(pub_path, pub_pem)
+    write_bytes_atomic(pub_path, pub_pem, PUBLIC_FILE_MODE)
     if patterns:
         header = f"# what {name}.pub.pem may sign: model names or NAME@VERSION patterns\n"
-        write_bytes_atomic(scope_path, (header + "\n".join(patterns) + "\n").encode())
+        write_bytes_atomic(scope_path, (header + "\n".join(patterns) + "\n").encode(),
+                           PUBLIC_FILE_MODE)
     return priv_path, pub_path
 
 

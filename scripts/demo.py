@@ -70,6 +70,7 @@ import paho.mqtt.client as mqtt
 import yaml
 
 from contract import JobOutcome, Result, Status, Telemetry, Topics
+from registry.atomic import private_umask
 from registry.credentials import REGISTRY_ENV, TOKEN_ENV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -847,6 +848,7 @@ def _interruptible() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
+@private_umask()
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog=__doc__.split("\n\n", 1)[1],

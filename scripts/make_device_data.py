@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from hpc_core.data import load_digits_tensors
+from registry.atomic import private_umask
 
 KINDS = ("invert", "noise", "blur", "rotate")
 
@@ -47,6 +48,7 @@ def make_device_data(out: Path, kinds: list[str], image_size: int = 16, seed: in
     return out
 
 
+@private_umask()
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

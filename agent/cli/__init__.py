@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from registry.atomic import private_umask
+
 # Command modules, in the order they appear in --help.
 COMMAND_MODULES = (
     "agent.cli.models",
@@ -40,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@private_umask()
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)

@@ -58,7 +58,7 @@ from contract import (
     Telemetry,
     utc_now,
 )
-from registry.atomic import remove_stale_temps
+from registry.atomic import private_umask, remove_stale_temps
 from registry.errors import KeyFileError
 
 log = logging.getLogger("agent.daemon")
@@ -394,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Whatever umask systemd, a shell or a test gave us: nothing the daemon or its workers create
+# is for anyone else.
+@private_umask()
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["validate"]:
@@ -402,9 +405,6 @@ def main(argv: list[str] | None = None) -> int:
     from hpc_core.logs import setup_logging
 
     setup_logging(a.log_format)
-    # Whatever umask systemd, a shell or a test gave us: nothing the daemon or its workers
-    # create is for anyone else.
-    os.umask(0o077)
     os.environ["PYTHONSAFEPATH"] = "1"  # no child of ours imports from its working directory
     path = _config_path(a.config)
     try:

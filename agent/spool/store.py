@@ -115,7 +115,7 @@ class Spool:
         self.root, self.config = Path(root), config
         self.root.mkdir(parents=True, exist_ok=True)
         self._mu = threading.Lock()
-        self._fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         self._known = -1
         self._index = Index(self.root)
         self._recorded = self._compacted = 0

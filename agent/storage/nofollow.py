@@ -16,6 +16,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
+from registry.atomic import PRIVATE_DIR_MODE, set_dir_mode
 from registry.errors import UnsafeStateError
 
 
@@ -34,12 +35,14 @@ def real_dir(path: Path, *, create: bool = True) -> Path:
         if not create:
             return path
         try:
-            os.mkdir(path)
+            os.mkdir(path, PRIVATE_DIR_MODE)
+            set_dir_mode(path)  # exactly 0700: mkdir's mode is masked by the umask
         except FileExistsError:  # another thread made it: check what it is
             pass
         except FileNotFoundError:
             real_dir(path.parent)
-            os.mkdir(path)
+            os.mkdir(path, PRIVATE_DIR_MODE)
+            set_dir_mode(path)
         st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         raise _refuse(path, "a symbolic link")
@@ -63,7 +66,7 @@ def is_link(path: Path) -> bool:
         return False
 
 
-def open_fd(path: Path, flags: int, mode: int = 0o644) -> int:
+def open_fd(path: Path, flags: int, mode: int = 0o600) -> int:
     """``os.open`` with O_NOFOLLOW; a link at ``path`` raises UnsafeStateError."""
     try:
         return os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)

@@ -11,13 +11,22 @@ each bridged to one core broker where the controller and the operator tools conn
   ``use_username_as_clientid``), for the devices of its region only, and no operator listener.
   It is where a device's identity is proven: what it bridges to the core has passed that ACL.
 - Its bridge logs in to the core's bridge listener as ``bridge-<region>`` (own password,
-  ``SECRETS/bridges/``); the core's ACL lets that account write exactly the device topics
-  bridged out and read exactly the command topics bridged in.
+  ``SECRETS/bridges/``); the core's ACL lets that account write the bridged-out topics of
+  its own region's devices only (a region whose broker or bridge password is taken cannot
+  speak for another region's devices) and read the command topics bridged in.
+- The core's operator listener is the single broker's (client id = account, see
+  ``fleet.broker.config``): no operator account can take a bridge's session (and the
+  commands queued there for a whole region) by connecting with its client id.
 - Out (region -> core): ``dev/+/status``, ``dev/+/res``, ``dev/+/evt/#`` at QoS 1,
   ``dev/+/telemetry`` at QoS 0. In (core -> region): ``dev/<id>/cmd/#`` for each device of
   the region and ``group/<g>/cmd/#`` for each group with a device there, QoS 1. A command
   crosses to its device's region only, and a group command once to each region that has
   the group: it is one publish at the core.
+- A region of more than ``--devices-per-bridge`` devices (default
+  :data:`DEVICES_PER_BRIDGE`) has one bridge per that many devices (``bridge-<region>``,
+  ``bridge-<region>@1``, ...): each carries its own devices' messages out (their topics one
+  by one) and commands in, the first also the region's group commands, and each has an
+  account at the core whose ACL lists only its devices (:func:`bridge_acl` says why).
 - ``cleansession false`` and a fixed client id on both sides, with ``persistence true``: what
   the core queued for a region that was down, and what a region queued while the core was
   down, is delivered when the bridge reconnects, also across a restart.
@@ -37,20 +46,23 @@ from typing import Any
 
 from contract import Topics
 from fleet.broker.config import (
-    OPERATORS,
     RESERVED_PREFIX,
     Accounts,
     BrokerConfigError,
     FleetInventory,
     Listener,
     ServerTls,
+    check_disjoint,
     device_acl,
     device_listener_lines,
     global_lines,
+    mosquitto_hash,
+    operator_accounts,
     operator_acl,
     operator_listener_lines,
     write_private,
 )
+from registry.atomic import make_dirs
 
 CORE = "core"
 """The core broker's name: its folder under OUT, and a name no region may take."""
@@ -63,8 +75,35 @@ RESTART_TIMEOUT_S = (2, 30)
 region reconnects within seconds of a core restart, not all in the same second."""
 
 
-def bridge_account(region: str) -> str:
-    return f"{BRIDGE_ACCOUNT_PREFIX}{region}"
+DEVICES_PER_BRIDGE = 1000
+"""The most devices one bridge carries. The core checks each bridged message against its
+bridge account's rules, one rule per device (:func:`bridge_acl`), one after another, and
+loads an account's rules in time quadratic in their number. Measured with mosquitto 2.0.11
+(``benchmarks/bridge_acl.py``), a result bridged from a region of 25,000 devices cost the
+core 177 us of CPU on one bridge, 16 us on 25 bridges of 1,000, and 8 us with the wildcard
+rules of old (which let a region speak for any device)."""
+BRIDGE_SHARD_MARK = "@"
+"""``bridge-<region>@<n>``: the n-th extra bridge of a region. No region name holds it (ids
+are letters, digits, ``.``, ``_``, ``-``), so no two regions' bridges share a name."""
+
+
+def bridge_account(region: str, index: int = 0) -> str:
+    """The account (and connection name, and client id at the core) of ``region``'s bridge
+    number ``index``."""
+    base = f"{BRIDGE_ACCOUNT_PREFIX}{region}"
+    return base if index == 0 else f"{base}{BRIDGE_SHARD_MARK}{index}"
+
+
+@dataclass(frozen=True)
+class Bridge:
+    """One bridge of a region: its account and the devices whose messages it carries."""
+
+    account: str
+    devices: list[str]
+    groups: list[str]
+    """The group commands it carries in (the region's first bridge carries them all)."""
+    whole_region: bool
+    """It is the region's only bridge (its topics out may then be wildcards)."""
 
 
 @dataclass(frozen=True)
@@ -78,16 +117,26 @@ class Region:
     def groups(self) -> list[str]:
         return sorted({g for d in self.members.devices.values() for g in d.groups})
 
+    def bridges(self, per_bridge: int) -> list[Bridge]:
+        """Its bridges, at most ``per_bridge`` devices each (sorted ids, cut in order)."""
+        ids = sorted(self.members.devices)
+        cuts = [ids[i:i + per_bridge] for i in range(0, len(ids), per_bridge)]
+        return [Bridge(bridge_account(self.name, i), cut, self.groups() if i == 0 else [],
+                       len(cuts) == 1) for i, cut in enumerate(cuts)]
 
-def out_topics(topics: Topics) -> list[tuple[str, int]]:
-    """What every region sends to the core: (topic filter, QoS)."""
+
+def out_topics(topics: Topics, bridge: Bridge) -> list[tuple[str, int]]:
+    """What ``bridge`` sends to the core: (topic filter, QoS). The region's only bridge
+    takes every device topic; one of several takes its own devices' topics, one by one
+    (matched in the region's subscription tree, not scanned)."""
     p = topics.prefix
-    return [(f"{p}/dev/+/status", 1), (f"{p}/dev/+/res", 1), (f"{p}/dev/+/evt/#", 1),
-            (f"{p}/dev/+/telemetry", 0)]
+    levels = ["+"] if bridge.whole_region else bridge.devices
+    return [(f"{p}/dev/{d}/{kind}", qos) for d in levels
+            for kind, qos in (("status", 1), ("res", 1), ("evt/#", 1), ("telemetry", 0))]
 
 
-def in_topics(topics: Topics, region: Region) -> list[str]:
-    """What the core sends to ``region``: its devices' and its groups' commands.
+def in_topics(topics: Topics, bridge: Bridge) -> list[str]:
+    """What the core sends over ``bridge``: its devices' commands and its groups' commands.
 
     One line per device rather than ``dev/+/cmd/#``: a command then crosses to its device's
     region only (not to every region, each forwarding it to nobody), and a region never sees
@@ -95,8 +144,8 @@ def in_topics(topics: Topics, region: Region) -> list[str]:
     no per-message scan); each costs one SUBSCRIBE when the bridge connects.
     """
     p = topics.prefix
-    return ([f"{p}/dev/{d}/cmd/#" for d in sorted(region.members.devices)]
-            + [f"{p}/group/{g}/cmd/#" for g in region.groups()])
+    return ([f"{p}/dev/{d}/cmd/#" for d in bridge.devices]
+            + [f"{p}/group/{g}/cmd/#" for g in bridge.groups])
 
 
 def split_regions(inv: FleetInventory, listeners: Mapping[str, Listener],
@@ -127,23 +176,30 @@ def split_regions(inv: FleetInventory, listeners: Mapping[str, Listener],
 # --- the core ------------------------------------------------------------------------------
 
 
-def bridge_acl(topics: Topics, regions: list[Region]) -> str:
-    """The core's ACL for the bridge accounts: the bridged topics, nothing else.
+def bridge_acl(topics: Topics, regions: list[Region], per_bridge: int) -> str:
+    """The core's ACL for the bridge accounts: each bridge writes what its own devices may
+    write in their region (``dev/<id>/#``, one rule per device) and reads the bridged-in
+    command topics.
 
-    Wildcards, not one rule per device: mosquitto scans an account's rules on every publish
-    and every delivery, so per-device rules would cost O(devices in the region) per message.
-    The region's own ACL has already tied each topic's device id to the device's account.
+    The region's ACL has already tied each topic's device id to the device's account; this
+    ties the device to its region, so a region whose broker or bridge password is taken cannot
+    publish another region's statuses, results, events or telemetry at the core. mosquitto
+    checks an account's rules one after another until one matches, and appends each rule it
+    loads by walking the account's list: a bridge carries at most ``per_bridge`` devices
+    (:data:`DEVICES_PER_BRIDGE`). The reads stay wildcards, first in the list (a command
+    delivery costs two checks): a taken bridge password can read other regions' commands
+    (names and numbers, no secret), never write them.
     """
     p = topics.prefix
-    out = ["# Written by fleetctl broker-config: each region's bridge writes its devices'",
-           "# messages and reads the commands bridged to them."]
+    out = ["# Written by fleetctl broker-config: each bridge writes its own devices' messages",
+           "# and reads the commands bridged to them."]
     for r in regions:
-        acct = bridge_account(r.name)
-        out += ["", f"user {acct}"]
-        out += [f"topic write {t}" for t, _ in out_topics(topics)]
-        out += [f"topic read {p}/dev/+/cmd/#", f"topic read {p}/group/+/cmd/#",
-                # the bridge's own connection state (mosquitto's notifications, a will)
-                f"topic write $SYS/broker/connection/{acct}/state"]
+        for b in r.bridges(per_bridge):
+            out += ["", f"user {b.account}",
+                    f"topic read {p}/dev/+/cmd/#", f"topic read {p}/group/+/cmd/#",
+                    # the bridge's own connection state (mosquitto's notifications, a will)
+                    f"topic write $SYS/broker/connection/{b.account}/state"]
+            out += [f"topic write {p}/dev/{d}/#" for d in b.devices]
     return "\n".join(out) + "\n"
 
 
@@ -198,12 +254,12 @@ class CoreAddress:
         return cls(host.strip("[]"), int(port))
 
 
-def bridge_lines(topics: Topics, region: Region, core: CoreAddress, password: str,
-                 tls: ServerTls | None) -> list[str]:
-    acct = bridge_account(region.name)
+def bridge_lines(topics: Topics, region: Region, bridge: Bridge, core: CoreAddress,
+                 password: str, tls: ServerTls | None) -> list[str]:
+    acct = bridge.account
     lines = [
-        f"# The bridge to the core: {len(region.members.devices)} devices' messages out, their",
-        "# commands and their groups' commands in.",
+        f"# A bridge to the core: {len(bridge.devices)} devices' messages out, their commands"
+        + (" and the region's group commands in." if bridge.groups else " in."),
         f"connection {acct}",
         f"address {core.host}:{core.port}",
         "# v5 bridges send no session expiry: the core would drop the session on disconnect.",
@@ -219,16 +275,17 @@ def bridge_lines(topics: Topics, region: Region, core: CoreAddress, password: st
     ]
     if tls is not None:
         lines += [f"bridge_cafile {tls.cafile.resolve()}", "bridge_tls_version tlsv1.2"]
-    lines += [f"topic {t} out {qos}" for t, qos in out_topics(topics)]
-    lines += [f"topic {t} in 1" for t in in_topics(topics, region)]
+    lines += [f"topic {t} out {qos}" for t, qos in out_topics(topics, bridge)]
+    lines += [f"topic {t} in 1" for t in in_topics(topics, bridge)]
     return lines
 
 
-def region_conf(out: Path, topics: Topics, region: Region, core: CoreAddress, password: str,
-                tls: ServerTls | None) -> str:
+def region_conf(out: Path, topics: Topics, region: Region, per_bridge: int, core: CoreAddress,
+                password: str, tls: ServerTls | None) -> str:
+    bridges = region.bridges(per_bridge)
     lines = [
         f"# Written by fleetctl broker-config: region {region.name!r} of a bridged tier, "
-        f"{len(region.members.devices)} devices.",
+        f"{len(region.members.devices)} devices, {len(bridges)} bridge(s) to the core.",
         "# Start it with mosquitto -c (it sets persistence: do not include it from a conf that",
         "# sets persistence too). It holds the bridge's password: keep it 0600, readable only",
         "# by the broker's user:",
@@ -237,9 +294,9 @@ def region_conf(out: Path, topics: Topics, region: Region, core: CoreAddress, pa
         *persistence_lines(out),
         "",
         *device_listener_lines(out, region.devices, tls),
-        "",
-        *bridge_lines(topics, region, core, password, tls),
     ]
+    for b in bridges:
+        lines += ["", *bridge_lines(topics, region, b, core, password, tls)]
     return "\n".join(lines) + "\n"
 
 
@@ -268,25 +325,38 @@ def write_broker_tier(
     devices: Listener,
     region_listeners: Mapping[str, Listener] | None = None,
     tls: ServerTls | None = None,
+    operator_extra: dict[str, str] | None = None,
+    per_bridge: int = DEVICES_PER_BRIDGE,
 ) -> dict[str, Any]:
     """Write ``OUT/core/`` (bridge and operator listeners) and ``OUT/<region>/`` (device
-    listener and bridge) for each region of the inventory; returns a summary."""
+    listener and bridges) for each region of the inventory; returns a summary.
+    ``operator_extra``: more operator accounts at the core, name -> role; ``per_bridge``: the
+    most devices one bridge carries (:data:`DEVICES_PER_BRIDGE`)."""
+    if per_bridge < 1:
+        raise BrokerConfigError(f"--devices-per-bridge {per_bridge}: at least 1")
     if bridges.port == operators.port:
         raise BrokerConfigError(f"the core's bridge and operator listeners share port "
                                 f"{bridges.port}; give them two")
     if any(c.isspace() for c in topics.prefix):
         raise BrokerConfigError(f"prefix {topics.prefix!r}: ACL files cannot hold whitespace")
     regions = split_regions(inv, region_listeners or {}, devices)
+    ops = operator_accounts(operator_extra)
+    bridge_names = {b.account: r for r in regions for b in r.bridges(per_bridge)}
+    check_disjoint(inv, ops, {a: f"region {r.name}'s bridge account"
+                              for a, r in bridge_names.items()})
     out = out.resolve()
     accounts = Accounts(secrets_dir)
     mtls = tls is not None and tls.require_certificate
     trees: dict[str, dict[str, str]] = {CORE: {
-        "acl-bridges": bridge_acl(topics, regions),
+        "acl-bridges": bridge_acl(topics, regions, per_bridge),
         # mosquitto's bridge notifications: 1 while region <r> is connected, 0 when not
-        "acl-operators": operator_acl(topics, {"fleet-watch": [
+        "acl-operators": operator_acl(topics, ops, {"fleet-watch": [
             "topic read $SYS/broker/connection/+/state"]}),
-        "passwd-operators": accounts.passwd("operators", list(OPERATORS)),
-        "passwd-bridges": accounts.passwd("bridges", [bridge_account(r.name) for r in regions]),
+        "passwd-operators": accounts.passwd("operators", list(ops)),
+        # one password per region, its bridges' accounts hashing it each
+        "passwd-bridges": "".join(
+            f"{a}:{mosquitto_hash(accounts.password('bridges', bridge_account(r.name)))}\n"
+            for a, r in bridge_names.items()),
     }}
     trees[CORE]["mosquitto.conf"] = core_conf(out / CORE, bridges, operators, len(regions),
                                               broker_tls(tls, CORE))
@@ -295,24 +365,23 @@ def write_broker_tier(
         if not mtls:
             files["passwd-devices"] = accounts.passwd("devices", sorted(r.members.devices))
         pw = accounts.password("bridges", bridge_account(r.name))
-        files["mosquitto.conf"] = region_conf(out / r.name, topics, r, core, pw,
+        files["mosquitto.conf"] = region_conf(out / r.name, topics, r, per_bridge, core, pw,
                                               broker_tls(tls, r.name))
         trees[r.name] = files
-    out.mkdir(mode=0o700, parents=True, exist_ok=True)
     for name, files in trees.items():
-        (out / name).mkdir(mode=0o700, exist_ok=True)
-        (out / name / "data").mkdir(mode=0o700, exist_ok=True)
+        make_dirs(out / name / "data")
         for fname, text in files.items():  # the conf last: it names the others
             write_private(out / name / fname, text)
     return {
         "core": {"conf": str(out / CORE / "mosquitto.conf"),
                  "bridge_listener": f"{bridges.bind}:{bridges.port}",
                  "operator_listener": f"{operators.bind}:{operators.port}",
-                 "operators": accounts.operators_summary()},
+                 "operators": accounts.operators_summary(ops)},
         "regions": {r.name: {"conf": str(out / r.name / "mosquitto.conf"),
                              "devices": len(r.members.devices),
                              "device_listener": f"{r.devices.bind}:{r.devices.port}",
                              "bridge_account": bridge_account(r.name),
+                             "bridges": [b.account for b in r.bridges(per_bridge)],
                              "bridges_to": f"{core.host}:{core.port}"} for r in regions},
         "device_auth": "certificate CN" if mtls else "password",
         "device_passwords": None if mtls else str(accounts.root / "devices"),

@@ -6,14 +6,21 @@ device account write nothing but its own ``{prefix}/dev/{id}/#``. What it writes
 mosquitto 2.0 (Debian 12 ships 2.0.11):
 
 - ``per_listener_settings true`` and two listeners, each with its own password file and ACL.
-  The device listener sets ``use_username_as_clientid true``: a device's client id is its
-  account, so no device can take another's id (kick it off, wipe its persistent session and
-  the commands queued there). Operator tools need client ids of their own (a controller's
-  persistent session, several ``fleetctl send`` at once), so they log in on the operator
-  listener, whose password file has no device in it: a device cannot choose its id there.
+- Client ids are broker-wide: whoever connects with a session's id takes the session over
+  (kicks its owner off; with a clean start, wipes the commands or results queued there).
+  So EVERY listener sets ``use_username_as_clientid true``: a connection's client id is its
+  account, whatever id it sent. Device and operator accounts are disjoint names, so no account
+  can take another's session, on either listener.
+- Stock mosquitto 2.0 binds an id to an account one to one only (``use_username_as_clientid``,
+  or the dynamic-security plugin's exact ``clientid``; ``clientid_prefixes`` is one global
+  prefix checked before the id is replaced): one live connection per account. A second login
+  with an account replaces the first. Operator tools that run side by side (controller
+  replicas, a dashboard beside ``fleetctl watch``) each get an account of their own:
+  ``--operator NAME=ROLE`` adds one with the role's ACL.
 - Device ``<id>`` writes ``{prefix}/dev/<id>/#``, reads ``{prefix}/dev/<id>/cmd/#`` and the
   command topics of exactly its own groups.
-- Operator accounts, one per tool (see :data:`OPERATORS`), each with only the topics it needs.
+- Operator accounts, one per role at least (see :data:`OPERATORS`), each with only the topics
+  its role needs.
 - ``max_packet_size`` (the contract's 64 KiB payload plus headers): the broker drops a larger
   packet and its sender before any device buffers it.
 
@@ -36,7 +43,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from contract import MAX_PAYLOAD_BYTES, Topics, check_id
-from registry.atomic import atomic_output
+from registry.atomic import make_dirs, write_bytes_atomic
 
 MAX_PACKET_BYTES = MAX_PAYLOAD_BYTES + 4096
 """The largest MQTT packet the broker takes: a 64 KiB payload plus its fixed header, topic
@@ -49,9 +56,9 @@ PBKDF2_ITERATIONS = 101
 hash, and generated passwords carry 192 random bits, so more iterations would buy nothing."""
 MIN_PASSWORD_CHARS = 16
 RESERVED_PREFIX = "fleetctl-"
-"""fleetctl's own client ids start with this (fleet/cli/devices.py, fleet/cli/session.py).
-Client ids are broker-wide, so a device named like one would kick that tool off the operator
-listener."""
+"""The client ids fleetctl writes into a broker's own configuration start with this (a
+regional broker's local bridge client, fleet/broker/bridge.py): no device or operator account
+may be named so, or it could take that session over."""
 
 OPERATORS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "fleet-controller": ("fleetctl controller, fleetctl rollout create", [
@@ -66,11 +73,51 @@ OPERATORS: dict[str, tuple[str, list[tuple[str, str]]]] = {
         ("read", "dev/+/res"),
     ]),
 }
-"""Operator account -> (the tools that use it, its ACL as (access, topic under the prefix))."""
+"""Operator role -> (the tools that use it, its ACL as (access, topic under the prefix)).
+Each role has an account named after it; ``--operator NAME=ROLE`` adds more."""
 
 
 class BrokerConfigError(ValueError):
     """Bad inventory, listener or secret; the message names the file or field."""
+
+
+def operator_accounts(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Operator account -> role: one account per role, named after it, then ``extra``
+    (``--operator NAME=ROLE``: another account with that role's ACL, for a tool that runs
+    beside another of its role: one live connection per account)."""
+    accounts = {role: role for role in OPERATORS}
+    for name, role in (extra or {}).items():
+        where = f"--operator {name}={role}"
+        if role not in OPERATORS:
+            raise BrokerConfigError(f"{where}: no role {role!r}; one of {', '.join(OPERATORS)}")
+        try:
+            check_id(name, "operator account")
+        except ValueError as e:
+            raise BrokerConfigError(f"{where}: {e}") from None
+        if name in accounts:
+            raise BrokerConfigError(f"{where}: account {name!r} exists already (every role "
+                                    "has an account named after it)")
+        if name.startswith(RESERVED_PREFIX):
+            raise BrokerConfigError(f"{where}: {RESERVED_PREFIX!r} is reserved for the client "
+                                    "ids fleetctl writes into the broker's conf")
+        accounts[name] = role
+    return accounts
+
+
+def check_disjoint(inv: FleetInventory, accounts: dict[str, str],
+                   others: dict[str, str] | None = None) -> None:
+    """No two accounts of one broker share a name: client ids are the account names and
+    broker-wide, so the two would take each other's sessions over. ``others``: more account
+    names (a core's bridges) -> what they are."""
+    for name in accounts:
+        if name in inv.devices:
+            raise BrokerConfigError(
+                f"devices.{name}: {name!r} is also an operator account; client ids are account "
+                "names and broker-wide, so the two would kick each other off: rename the "
+                "device" + ("" if name in OPERATORS else " or the --operator account"))
+        if name in (others or {}):
+            raise BrokerConfigError(f"--operator {name}: the name of {others[name]}; pick "
+                                    "another (client ids are account names and broker-wide)")
 
 
 class InventoryDevice(BaseModel):
@@ -190,11 +237,8 @@ def mosquitto_hash(password: str, salt: bytes | None = None) -> str:
 
 def write_private(path: Path, text: str) -> None:
     """Atomically, and 0600 from the first byte (never briefly readable under the umask)."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with atomic_output(path) as tmp:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+    make_dirs(path.parent)
+    write_bytes_atomic(path, text.encode())
 
 
 def account_password(path: Path) -> tuple[str, bool]:
@@ -220,8 +264,7 @@ class Accounts:
     generated, and the mosquitto password files made from them."""
 
     def __init__(self, root: Path) -> None:
-        self.root = root.resolve()
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.root = make_dirs(root.resolve())
         self.generated: list[str] = []
         """``kind/name`` of each password generated by this run."""
 
@@ -238,9 +281,9 @@ class Accounts:
         """A mosquitto password file for these accounts."""
         return "\n".join(f"{n}:{mosquitto_hash(self.password(kind, n))}" for n in names) + "\n"
 
-    def operators_summary(self) -> dict[str, dict[str, str]]:
-        return {u: {"password_file": str(self.path("operators", u)), "for": tools}
-                for u, (tools, _) in OPERATORS.items()}
+    def operators_summary(self, accounts: dict[str, str]) -> dict[str, dict[str, str]]:
+        return {u: {"password_file": str(self.path("operators", u)), "role": role,
+                    "for": OPERATORS[role][0]} for u, role in accounts.items()}
 
 
 # --- the files -----------------------------------------------------------------------------
@@ -257,13 +300,16 @@ def device_acl(inv: FleetInventory, topics: Topics) -> str:
     return "\n".join(out) + "\n"
 
 
-def operator_acl(topics: Topics, extra: dict[str, list[str]] | None = None) -> str:
-    """``extra``: account -> more ACL lines (a bridged tier's core adds some)."""
-    out = ["# Written by fleetctl broker-config: one account per operator tool."]
-    for user, (tools, rules) in OPERATORS.items():
-        out += ["", f"# {tools}", f"user {user}"]
+def operator_acl(topics: Topics, accounts: dict[str, str],
+                 extra: dict[str, list[str]] | None = None) -> str:
+    """``accounts``: account -> role (:func:`operator_accounts`); ``extra``: role -> more ACL
+    lines (a bridged tier's core adds some)."""
+    out = ["# Written by fleetctl broker-config: operator accounts, each with its role's topics."]
+    for user, role in accounts.items():
+        tools, rules = OPERATORS[role]
+        out += ["", f"# {role}: {tools}", f"user {user}"]
         out += [f"topic {access} {topics.prefix}/{t}" for access, t in rules]
-        out += (extra or {}).get(user, [])
+        out += (extra or {}).get(role, [])
     return "\n".join(out) + "\n"
 
 
@@ -295,9 +341,13 @@ def device_listener_lines(out: Path, devices: Listener, tls: ServerTls | None) -
 
 def operator_listener_lines(out: Path, operators: Listener, tls: ServerTls | None) -> list[str]:
     lines = [
-        "# Operator tools (fleetctl): an account per tool, client ids of their own choosing.",
+        "# Operator tools (fleetctl): the client id is replaced by the account's name too, so",
+        "# no operator account can take a device's, a bridge's or another account's session.",
+        "# One live connection per account: a tool that runs beside another of its role needs",
+        "# an account of its own (fleetctl broker-config --operator NAME=ROLE).",
         operators.line(),
         "allow_anonymous false",
+        "use_username_as_clientid true",
         f"password_file {out / 'passwd-operators'}",
         f"acl_file {out / 'acl-operators'}",
     ]
@@ -330,26 +380,30 @@ def write_broker_config(
     devices: Listener,
     operators: Listener,
     tls: ServerTls | None = None,
+    operator_extra: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Write mosquitto.conf, passwd-{devices,operators} and acl-{devices,operators} under
-    ``out`` (each atomically, 0600); returns a summary for the operator."""
+    ``out`` (each atomically, 0600); returns a summary for the operator. ``operator_extra``:
+    more operator accounts, name -> role (:func:`operator_accounts`)."""
     if devices.port == operators.port:
         raise BrokerConfigError(f"the device and operator listeners share port {devices.port}; "
                                 "give them two")
     if any(c.isspace() for c in topics.prefix):
         raise BrokerConfigError(f"prefix {topics.prefix!r}: ACL files cannot hold whitespace")
+    ops = operator_accounts(operator_extra)
+    check_disjoint(inv, ops)
     out = out.resolve()
     accounts = Accounts(secrets_dir)
     mtls = tls is not None and tls.require_certificate
     files = {
         "acl-devices": device_acl(inv, topics),
-        "acl-operators": operator_acl(topics),
-        "passwd-operators": accounts.passwd("operators", list(OPERATORS)),
+        "acl-operators": operator_acl(topics, ops),
+        "passwd-operators": accounts.passwd("operators", list(ops)),
     }
     if not mtls:
         files["passwd-devices"] = accounts.passwd("devices", sorted(inv.devices))
     files["mosquitto.conf"] = mosquitto_conf(out, devices, operators, len(inv.devices), tls)
-    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    make_dirs(out)
     for name, text in files.items():  # the conf last: it names the others
         write_private(out / name, text)
     return {
@@ -358,7 +412,7 @@ def write_broker_config(
         "device_listener": f"{devices.bind}:{devices.port}",
         "device_auth": "certificate CN" if mtls else "password",
         "operator_listener": f"{operators.bind}:{operators.port}",
-        "operators": accounts.operators_summary(),
+        "operators": accounts.operators_summary(ops),
         "device_passwords": None if mtls else str(accounts.root / "devices"),
         "generated": accounts.generated,
     }

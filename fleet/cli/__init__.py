@@ -34,6 +34,7 @@ from fleet.cli.options import (
     setup_logging,
 )
 from fleet.rollout.plan import PlanError
+from registry.atomic import private_umask
 
 log = logging.getLogger("fleetctl")
 
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+@private_umask()
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     setup_logging(a)

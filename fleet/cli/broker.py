@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from contract import Topics
-from fleet.broker.bridge import CoreAddress, write_broker_tier
+from fleet.broker.bridge import DEVICES_PER_BRIDGE, CoreAddress, write_broker_tier
 from fleet.broker.config import (
     BrokerConfigError,
     FleetInventory,
@@ -22,6 +22,19 @@ from fleet.broker.config import (
     write_broker_config,
 )
 from fleet.cli.options import EXIT_OK, UsageError
+
+
+def _operators(a: argparse.Namespace) -> dict[str, str]:
+    """``--operator NAME=ROLE`` flags: account -> role (checked by operator_accounts)."""
+    extra: dict[str, str] = {}
+    for spec in a.operator:
+        name, eq, role = spec.partition("=")
+        if not eq or not name or not role:
+            raise BrokerConfigError(f"--operator {spec!r}: NAME=ROLE expected")
+        if name in extra:
+            raise BrokerConfigError(f"--operator {name}: given twice")
+        extra[name] = role
+    return extra
 
 
 def _tier(a: argparse.Namespace, inv: FleetInventory, tls: ServerTls | None) -> dict[str, Any]:
@@ -35,17 +48,13 @@ def _tier(a: argparse.Namespace, inv: FleetInventory, tls: ServerTls | None) -> 
             raise BrokerConfigError(f"--region {name}: given twice")
         regions[name] = Listener.parse(listener, f"--region {name}")
     bridges = Listener.parse(a.bridge_listener or str(core.port), "--bridge-listener")
-    try:
-        return write_broker_tier(
-            inv, a.out, a.secrets, topics=Topics(a.prefix), core=core, bridges=bridges,
-            operators=Listener.parse(a.operator_listener, "--operator-listener"),
-            devices=Listener.parse(a.device_listener, "--device-listener"),
-            region_listeners=regions, tls=tls,
-        )
-    except BrokerConfigError as e:
-        if str(e).startswith("devices."):  # a field of the inventory: say which file
-            raise BrokerConfigError(f"{a.inventory}: {e}") from None
-        raise
+    return write_broker_tier(
+        inv, a.out, a.secrets, topics=Topics(a.prefix), core=core, bridges=bridges,
+        operators=Listener.parse(a.operator_listener, "--operator-listener"),
+        devices=Listener.parse(a.device_listener, "--device-listener"),
+        region_listeners=regions, tls=tls, operator_extra=_operators(a),
+        per_bridge=a.devices_per_bridge,
+    )
 
 
 def cmd_broker_config(a: argparse.Namespace) -> int:
@@ -57,9 +66,11 @@ def cmd_broker_config(a: argparse.Namespace) -> int:
     elif a.require_certificate:
         raise UsageError("broker-config: --require-certificate needs --cafile, --certfile, "
                          "--keyfile")
-    if a.core is None and (a.region or a.bridge_listener):
-        raise UsageError("broker-config: --region and --bridge-listener need --core (a "
-                         "bridged tier)")
+    if a.core is None and (a.region or a.bridge_listener or a.devices_per_bridge is not None):
+        raise UsageError("broker-config: --region, --bridge-listener and --devices-per-bridge "
+                         "need --core (a bridged tier)")
+    if a.devices_per_bridge is None:
+        a.devices_per_bridge = DEVICES_PER_BRIDGE
     try:
         inv = load_inventory(a.inventory)
         if a.core is not None:
@@ -74,8 +85,11 @@ def cmd_broker_config(a: argparse.Namespace) -> int:
                 inv, a.out, a.secrets, topics=Topics(a.prefix),
                 devices=Listener.parse(a.device_listener, "--device-listener"),
                 operators=Listener.parse(a.operator_listener, "--operator-listener"), tls=tls,
+                operator_extra=_operators(a),
             )
     except (BrokerConfigError, ValueError) as e:
+        if str(e).startswith("devices."):  # a field of the inventory: say which file
+            raise UsageError(f"broker-config: {a.inventory}: {e}") from None
         raise UsageError(f"broker-config: {e}") from None
     print(json.dumps(summary, indent=1))
     return EXIT_OK
@@ -90,12 +104,16 @@ the payload's).
     jetson-001: {groups: [line-3, canary]}
     jetson-002: {groups: [line-3]}
 
-Device <id> logs in as <id> on the device listener, where mosquitto replaces every client id
-with the account name (use_username_as_clientid): no device can take another's id, kick it
-off or wipe its queued commands. It may write only PREFIX/dev/<id>/# and read only its own
-commands and those of its groups. Operator tools log in on the operator listener, one account
-each: fleet-controller (controller, rollout create), fleet-send (send), fleet-watch (devices,
-watch; read only). Packets over 64 KiB + 4 KiB of headers are refused; anonymous clients too.
+Device <id> logs in as <id> on the device listener. It may write only PREFIX/dev/<id>/# and
+read only its own commands and those of its groups. Operator tools log in on the operator
+listener with an account per role: fleet-controller (controller, rollout create), fleet-send
+(send), fleet-watch (devices, watch; read only). On every listener mosquitto replaces each
+client id with the account's name (use_username_as_clientid): no account can take another's
+id, kick it off or wipe its queued commands or results. So one live connection per account:
+give a tool that runs beside another of its role an account of its own with --operator
+NAME=ROLE (controller replicas, a dashboard beside fleetctl watch); a second login with an
+account replaces the first. Packets over 64 KiB + 4 KiB of headers are refused; anonymous
+clients too.
 
 Passwords: SECRETS/devices/<id>.password and SECRETS/operators/<account>.password are used
 when present (0600, 16+ characters), else generated there (0600); a re-run keeps them. Copy a
@@ -106,8 +124,10 @@ Bridged tier (--core HOST:PORT), for fleets one broker cannot hold: give each de
 (jetson-001: {groups: [line-3], region: eu}) and it writes OUT/<region>/ for every region (the
 device listener above, for that region's devices, and a bridge to the core) and OUT/core/ (a
 bridge listener, one account bridge-<region> each, password SECRETS/bridges/, and the
-operator listener; fleetctl connects there). Bridged out at QoS 1: PREFIX/dev/+/status, res,
-evt/# (telemetry at QoS 0); in: each region's devices' and groups' commands, so a command
+operator listener; fleetctl connects there). A region's bridge account may write only its own
+devices' topics at the core; a region of more than --devices-per-bridge devices gets a bridge
+(bridge-<region>@1, ...) per that many. Bridged out at QoS 1: PREFIX/dev/+/status, res, evt/#
+(telemetry at QoS 0); in: each region's devices' and groups' commands, so a command
 crosses to its device's region only and a group command is one publish at the core. Bridges
 keep their sessions (cleansession false, fixed client ids, persistence in OUT/*/data/): what
 was queued while a broker was down arrives when it is back. --certfile/--keyfile may contain
@@ -163,9 +183,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bridge-listener", metavar="[ADDRESS:]PORT",
                    help="where the core takes the regions' bridges (default: the port of "
                         "--core on every interface)")
+    p.add_argument("--devices-per-bridge", type=int, metavar="N",
+                   help="the most devices one bridge carries: a larger region gets a bridge "
+                        f"(and an account at the core) per N devices (default "
+                        f"{DEVICES_PER_BRIDGE}: the core checks a bridged message against "
+                        "one rule per device of its bridge)")
     p.add_argument("--region", action="append", default=[], metavar="NAME=[ADDRESS:]PORT",
                    help="a region's device listener, if not --device-listener (repeatable; "
                         "only regions the inventory names)")
+    p.add_argument("--operator", action="append", default=[], metavar="NAME=ROLE",
+                   help="another operator account with ROLE's ACL (fleet-controller, "
+                        "fleet-send or fleet-watch), password SECRETS/operators/NAME.password; "
+                        "repeatable: one per tool that runs beside another of its role")
     p.add_argument("--require-certificate", action="store_true",
                    help="devices log in with a client certificate whose CN is their id "
                         "(mutual TLS) instead of a password")

@@ -39,7 +39,7 @@ def controller_id(db: str | Path) -> str:
 
 def controller_lock(db: Path) -> int | None:
     """An flock beside a SQLite db: one controller per db. None when another one holds it."""
-    fd = os.open(str(db) + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(str(db) + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

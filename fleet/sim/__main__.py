@@ -35,8 +35,10 @@ from typing import Any
 from fleet.mqtt import BrokerConfig
 from fleet.sim.config import SimConfig
 from fleet.sim.fleet import SimFleet
+from registry.atomic import private_umask
 
 
+@private_umask()
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fleet.sim", description=__doc__.split("\n")[0])
     ap.add_argument("--host", default="127.0.0.1")

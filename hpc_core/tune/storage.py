@@ -91,7 +91,7 @@ def _first_open_lock(url: str) -> Iterator[None]:
     fd = None
     if backend == "sqlite" and parsed.database and parsed.database != ":memory:":
         try:
-            fd = os.open(f"{parsed.database}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(f"{parsed.database}.lock", os.O_RDWR | os.O_CREAT, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError:
             # No such folder (SQLite will say so), read-only, or no flock on this file

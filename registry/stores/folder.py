@@ -1,11 +1,15 @@
-"""A registry in a local (or mounted) folder: what a static HTTP server or a CDN serves."""
+"""A registry in a local (or mounted) folder: what a static HTTP server or a CDN serves.
+
+Its objects are written 0644 in 0755 folders (registry.atomic: the public kinds): a static
+server runs as an account of its own, and they are signed, content-addressed and served to
+any device by default. Folders above the registry's root that a publish makes are 0700."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from registry.atomic import write_bytes_atomic
+from registry.atomic import PUBLIC_DIR_MODE, PUBLIC_FILE_MODE, make_dirs, write_bytes_atomic
 from registry.errors import RefError, StoreError, StoreNotFoundError, StoreTransientError
 from registry.names import check_model_name, check_version
 from registry.stores.base import RangeReader, safe_key
@@ -53,8 +57,10 @@ class LocalStore:
 
     def put(self, key: str, data: bytes, deadline: Deadline | None = None) -> None:
         dest = self.path(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(dest, data)
+        if not dest.parent.is_dir():
+            make_dirs(self.root.parent)
+            make_dirs(dest.parent, PUBLIC_DIR_MODE)
+        write_bytes_atomic(dest, data, PUBLIC_FILE_MODE)
 
     def close(self) -> None:
         pass

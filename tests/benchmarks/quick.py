@@ -37,6 +37,7 @@ TRAINING = ("runtime.py", "upstream.py", "finetune.py", "export.py", "trainer_ov
 """Training, probing and exporting in fresh torch processes."""
 NEEDS = {
     "agent.py": ("mosquitto", have_mosquitto),
+    "bridge_acl.py": ("mosquitto", have_mosquitto),
     "fleet.py": ("mosquitto", have_mosquitto),
     "sync.py": ("curl", lambda: shutil.which("curl") is not None),
 }

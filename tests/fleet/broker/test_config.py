@@ -79,7 +79,9 @@ def test_files_for_an_inventory(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert dev == ["listener 8883 0.0.0.0", "allow_anonymous false",
                    "use_username_as_clientid true", f"password_file {out}/passwd-devices",
                    f"acl_file {out}/acl-devices"]
+    # Client ids bound to accounts on every listener: no account can take another's session.
     assert op == ["listener 1884 127.0.0.1", "allow_anonymous false",
+                  "use_username_as_clientid true",
                   f"password_file {out}/passwd-operators", f"acl_file {out}/acl-operators"]
 
     for kind, names in (("devices", ["dev-a", "dev-b"]),
@@ -165,6 +167,49 @@ def test_mutual_tls_and_bad_listeners(tmp_path: Path, capsys: pytest.CaptureFixt
     assert rc == 2 and "--device-listener" in err
 
 
+def test_more_operator_accounts_for_tools_that_run_side_by_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, summary, _ = run(tmp_path, capsys, "--operator", "ctl-2=fleet-controller",
+                         "--operator", "dashboard=fleet-watch")
+    assert rc == 0
+    out, sec = tmp_path / "out", tmp_path / "secrets"
+    names = ["fleet-controller", "fleet-send", "fleet-watch", "ctl-2", "dashboard"]
+    lines = (out / "passwd-operators").read_text().splitlines()
+    assert [x.split(":")[0] for x in lines] == names
+    for line, name in zip(lines, names, strict=True):
+        assert verify(line, (sec / "operators" / f"{name}.password").read_text().strip())
+    acl = {}
+    for block in (out / "acl-operators").read_text().split("\n\n")[1:]:
+        rules = [x for x in block.splitlines() if not x.startswith("#")]
+        acl[rules[0].removeprefix("user ")] = rules[1:]
+    assert acl["ctl-2"] == acl["fleet-controller"] and acl["dashboard"] == acl["fleet-watch"]
+    assert summary["operators"]["dashboard"]["role"] == "fleet-watch"
+    assert summary["generated"][3:5] == ["operators/ctl-2", "operators/dashboard"]
+
+
+@pytest.mark.parametrize("extra, inventory, needle", [
+    (["--operator", "ops=fleet-admin"], None, "no role 'fleet-admin'"),
+    (["--operator", "ops"], None, "NAME=ROLE"),
+    (["--operator", "ops=fleet-send", "--operator", "ops=fleet-watch"], None, "given twice"),
+    (["--operator", "fleet-send=fleet-watch"], None, "exists already"),
+    (["--operator", "fleetctl-x=fleet-send"], None, "reserved"),
+    (["--operator", "a/b=fleet-send"], None, "operator account"),
+    # a device and an operator account of one name would take each other's sessions
+    (["--operator", "dev-a=fleet-watch"], None, "devices.dev-a"),
+    ([], {"devices": {"fleet-watch": {}}}, "devices.fleet-watch"),
+])
+def test_operator_accounts_are_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], inventory: Any,
+    needle: str,
+) -> None:
+    rc, _, err = run(tmp_path, capsys, *extra, inventory=inventory)
+    assert rc == 2 and needle in err, err
+    if needle.startswith("devices."):
+        assert str(tmp_path / "inventory.yaml") in err, err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.skipif(shutil.which("mosquitto_passwd") is None, reason="no mosquitto_passwd")
 def test_hash_matches_mosquitto_passwd(tmp_path: Path) -> None:
     path = tmp_path / "pw"
@@ -219,8 +264,14 @@ def test_tier_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
                             f"acl_file {out}/core/acl-bridges"]
     assert not any("passwd-devices" in x for x in core)  # no device logs in at the core
     acl = (out / "core" / "acl-bridges").read_text()
-    assert "user bridge-eu\ntopic write fleet/v1/dev/+/status\n" in acl
-    assert " write fleet/v1/dev/+/cmd" not in acl and " write fleet/v1/group" not in acl
+    eu_rules = acl.split("user bridge-eu\n")[1].split("\n\n")[0].splitlines()
+    writes = [r.removeprefix("topic write ") for r in eu_rules if " write fleet" in r]
+    # What its own region's devices (a and c) may write there, nothing of dev-b (us).
+    assert writes == ["fleet/v1/dev/dev-a/#", "fleet/v1/dev/dev-c/#"]
+    assert [r for r in eu_rules if " read " in r] == [
+        "topic read fleet/v1/dev/+/cmd/#", "topic read fleet/v1/group/+/cmd/#"]
+    assert " write fleet/v1/dev/+" not in acl and " write fleet/v1/group" not in acl
+    assert "topic write fleet/v1/dev/dev-b/#" in acl.split("user bridge-us\n")[1]
     assert "topic read $SYS/broker/connection/+/state" in (
         out / "core" / "acl-operators").read_text().split("user fleet-watch")[1]
 
@@ -273,6 +324,7 @@ def test_tier_tls_per_broker_certificates(tmp_path: Path,
     (None, ["--region", "us=9884"], "--region us: given twice"),
     (None, ["--region", "eu"], "NAME=[ADDRESS:]PORT"),
     (None, ["--bridge-listener", "1884"], "share port 1884"),
+    (None, ["--operator", "bridge-eu=fleet-watch"], "region eu's bridge account"),
 ])
 def test_bad_tier_is_refused_precisely(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], inventory: Any, extra: list[str],
@@ -291,6 +343,47 @@ def test_regions_and_tier_options_need_core(tmp_path: Path,
     assert rc == 2 and "--core" in err
     rc, _, err = run(tmp_path, capsys, "--core", "core.example")
     assert rc == 2 and "HOST:PORT" in err
+    rc, _, err = run(tmp_path, capsys, "--devices-per-bridge", "1")
+    assert rc == 2 and "--core" in err
+    rc, _, err = run_tier(tmp_path, capsys, "--devices-per-bridge", "0")
+    assert rc == 2 and "--devices-per-bridge 0" in err
+
+
+def test_a_region_past_devices_per_bridge_gets_a_bridge_per_share(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Region eu (dev-a, dev-c) with one device per bridge: two bridges, each carrying its
+    own device's messages out and commands in, the first the region's group commands, each
+    an account at the core that may write its own device's topics only."""
+    rc, summary, _ = run_tier(tmp_path, capsys, "--devices-per-bridge", "1")
+    assert rc == 0
+    out, sec = tmp_path / "out", tmp_path / "secrets"
+    assert summary["regions"]["eu"]["bridges"] == ["bridge-eu", "bridge-eu@1"]
+    assert summary["regions"]["us"]["bridges"] == ["bridge-us"]
+    eu = settings((out / "eu" / "mosquitto.conf").read_text())
+    first, second = (eu[eu.index(f"connection {b}"):] for b in ("bridge-eu", "bridge-eu@1"))
+    first = first[:first.index("connection bridge-eu@1")]
+    pw = (sec / "bridges" / "bridge-eu.password").read_text().strip()
+    assert f"remote_password {pw}" in first and f"remote_password {pw}" in second
+    assert "local_clientid fleetctl-bridge-eu@1" in second
+    assert [x for x in first if x.startswith("topic ")] == [
+        "topic fleet/v1/dev/dev-a/status out 1", "topic fleet/v1/dev/dev-a/res out 1",
+        "topic fleet/v1/dev/dev-a/evt/# out 1", "topic fleet/v1/dev/dev-a/telemetry out 0",
+        "topic fleet/v1/dev/dev-a/cmd/# in 1", "topic fleet/v1/group/lab/cmd/# in 1"]
+    assert [x for x in second if x.startswith("topic ")] == [
+        "topic fleet/v1/dev/dev-c/status out 1", "topic fleet/v1/dev/dev-c/res out 1",
+        "topic fleet/v1/dev/dev-c/evt/# out 1", "topic fleet/v1/dev/dev-c/telemetry out 0",
+        "topic fleet/v1/dev/dev-c/cmd/# in 1"]
+    acl = (out / "core" / "acl-bridges").read_text()
+    blocks = {b.splitlines()[0]: b.splitlines()[1:] for b in acl.split("\n\n")[1:]}
+    assert [r for r in blocks["user bridge-eu@1"] if " write fleet" in r] == [
+        "topic write fleet/v1/dev/dev-c/#"]
+    assert "topic write $SYS/broker/connection/bridge-eu@1/state" in blocks["user bridge-eu@1"]
+    passwd = dict(x.split(":", 1) for x in (out / "core" / "passwd-bridges").read_text()
+                  .splitlines())
+    assert sorted(passwd) == ["bridge-eu", "bridge-eu@1", "bridge-us"]
+    assert verify(f"bridge-eu@1:{passwd['bridge-eu@1']}", pw)
+    assert summary["generated"].count("bridges/bridge-eu") == 1
 
 
 def test_help_teaches_the_tier_and_its_example_runs_as_written(

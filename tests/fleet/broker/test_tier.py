@@ -1,137 +1,31 @@
 """The bridged broker tier (``fleetctl broker-config --core``) on real mosquitto processes: a
 core and two regional brokers on loopback, started from exactly the files it writes; devices
 on their regions, the fleet's tools on the core. (The files themselves, and what is refused,
-are in test_broker_config.py.)"""
+are in test_config.py; the tier itself in tests/support/broker_tier.py.)"""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from contract import Topics
-from fleet.cli import main as fleetctl_main
 from fleet.mqtt import BrokerConfig
 from fleet.sim.config import SimConfig
 from fleet.sim.fleet import SimFleet
-from tests.support.mosquitto import Broker, free_port, have_mosquitto, start_from_conf
+from tests.support.broker_tier import INVENTORY, Tier
 from tests.support.mqtt import Peer, Received
-from tests.support.pki import Pki, make_pki
+from tests.support.pki import make_pki
 
 T = Topics()
 SESSION_S = 600
-INVENTORY = {
-    "eu-1": {"groups": ["line-3"], "region": "eu"},
-    "eu-2": {"groups": [], "region": "eu"},
-    "us-1": {"groups": ["line-3", "canary"], "region": "us"},
-}
-"""Two regions; group line-3 has a device in each, eu-2 is in no group."""
-CONNECTED = b"1"
-"""mosquitto's bridge notification payload while a bridge is connected."""
-
-
-@dataclass
-class Tier:
-    core: Broker
-    """The core's process; its port is the operator listener (fleetctl's)."""
-    bridge_port: int
-    regions: dict[str, Broker]
-    inventory: dict[str, dict[str, Any]]
-    secrets: Path
-    out: Path
-    tls: Pki | None
-
-    def password(self, kind: str, name: str) -> str:
-        return (self.secrets / kind / f"{name}.password").read_text().strip()
-
-    def device(self, dev: str, **kw: Any) -> Peer:
-        """``dev`` on its own region's broker with its own account (client id = account)."""
-        return Peer(self.regions[self.inventory[dev]["region"]], client_id=dev, username=dev,
-                    password=self.password("devices", dev), **kw)
-
-    def operator(self, account: str, **kw: Any) -> Peer:
-        return Peer(self.core, username=account, password=self.password("operators", account),
-                    **kw)
-
-    def broker_config(self, account: str) -> BrokerConfig:
-        """The fleet's own client settings for ``account`` on the core."""
-        return BrokerConfig(port=self.core.port, username=account,
-                            password_file=self.secrets / "operators" / f"{account}.password",
-                            tls_ca=self.tls.ca_cert if self.tls else None)
-
-    def wait_bridges(self, watch: Peer, *regions: str, since: float = 0.0,
-                     timeout_s: float = 20.0) -> None:
-        """Until these (default: all) regions' bridges say they are connected, after
-        monotonic ``since``."""
-        for r in regions or self.regions:
-            watch.wait_for(lambda m, r=r: m.topic == f"$SYS/broker/connection/bridge-{r}/state"
-                           and m.payload == CONNECTED and m.at >= since, timeout_s=timeout_s)
-
-    def stop(self) -> None:
-        for b in (*self.regions.values(), self.core):
-            b.stop()
-
-
-def provision(workdir: Path, inventory: dict[str, dict[str, Any]], *,
-              tls: Pki | None = None) -> Tier:
-    """``fleetctl broker-config --core`` as an operator runs it, then the core and each region
-    started on what it wrote (the core first: the bridges dial it)."""
-    inv = workdir / "inventory.yaml"
-    workdir.mkdir(parents=True, exist_ok=True)
-    inv.write_text(yaml.safe_dump({"devices": inventory}))
-    regions = sorted({d["region"] for d in inventory.values()})
-    ports = {r: free_port() for r in regions}
-    bridge, op = free_port(), free_port()
-    argv = ["broker-config", "--inventory", str(inv), "--out", str(workdir / "tier"),
-            "--secrets", str(workdir / "secrets"), "--core", f"127.0.0.1:{bridge}",
-            "--bridge-listener", f"127.0.0.1:{bridge}", "--operator-listener", f"127.0.0.1:{op}"]
-    for r, p in ports.items():
-        argv += ["--region", f"{r}=127.0.0.1:{p}"]
-    if tls is not None:
-        argv += ["--cafile", str(tls.ca_cert), "--certfile", str(tls.server_cert),
-                 "--keyfile", str(tls.server_key)]
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert fleetctl_main(argv) == 0
-    out = workdir / "tier"
-    core = start_from_conf(out / "core" / "mosquitto.conf", op, workdir, tls=tls)
-    started = {r: start_from_conf(out / r / "mosquitto.conf", ports[r], workdir, tls=tls)
-               for r in regions}
-    return Tier(core, bridge, started, inventory, workdir / "secrets", out, tls)
-
-
-@pytest.fixture
-def tier(tmp_path: Path) -> Iterator[Callable[..., Tier]]:
-    """``tier(inventory=INVENTORY, tls=None)``: provisioned, started, bridges connected;
-    stopped after the test. Skips without mosquitto."""
-    if not have_mosquitto():
-        pytest.skip("mosquitto is not installed (make services)")
-    started: list[Tier] = []
-
-    def start(inventory: dict[str, dict[str, Any]] | None = None,
-              tls: Pki | None = None) -> Tier:
-        t = provision(tmp_path / f"tier-{len(started)}", inventory or INVENTORY, tls=tls)
-        started.append(t)
-        watch = t.operator("fleet-watch").subscribe("$SYS/broker/connection/+/state")
-        try:
-            t.wait_bridges(watch)
-        finally:
-            watch.close()
-        return t
-
-    yield start
-    for t in started:
-        t.stop()
 
 
 def settle(s: float = 0.5) -> None:
@@ -201,6 +95,49 @@ def test_a_group_command_is_one_publish_at_the_core_and_reaches_each_member_once
             p.close()
 
 
+def test_a_region_split_over_bridges_delivers_each_message_once(
+    tier: Callable[..., Tier],
+) -> None:
+    """Region eu with one device per bridge (``--devices-per-bridge 1``): two bridges. Each
+    device's commands cross on its own bridge, a group command once (on the first), each
+    device's results reach the core once, and neither bridge may write the other's device."""
+    t = tier("--devices-per-bridge", "1")
+    assert t.bridges == {"eu": ["bridge-eu", "bridge-eu@1"], "us": ["bridge-us"]}
+    ctl = t.operator("fleet-controller").subscribe(T.all_results())
+    peers = {d: t.device(d).subscribe(T.device_commands(d), *[
+        T.group_commands(g) for g in INVENTORY[d]["groups"]]) for d in INVENTORY}
+    try:
+        for d in INVENTORY:
+            assert not ctl.publish(T.command(d, "ping"), {"to": d}).is_failure
+        send = t.operator("fleet-send")  # the role that sends group commands
+        assert not send.publish(T.group_command("line-3", "ping"), {"g": 1}).is_failure
+        for d in INVENTORY:
+            peers[d].wait_for(lambda m, d=d: m.topic == T.command(d, "ping"))
+            assert not peers[d].publish(T.result(d), {"from": d}).is_failure
+        for d in ("eu-1", "us-1"):
+            peers[d].wait_for(lambda m: m.topic == T.group_command("line-3", "ping"))
+        ctl.wait_for(lambda m: m.topic.endswith("/res"), count=len(INVENTORY))
+        settle()
+        for d in INVENTORY:
+            once(peers[d], T.command(d, "ping"))
+            once(ctl, T.result(d))
+        for d in ("eu-1", "us-1"):
+            once(peers[d], T.group_command("line-3", "ping"))
+        assert not peers["eu-2"].matching(lambda m: "/group/" in m.topic)
+        send.close()
+        # eu-2's bridge (its only device) may not write eu-1's topics at the core.
+        thief = Peer(t.bridge_listener(), username="bridge-eu@1", client_id="bridge-eu@1",
+                     password=t.password("bridges", "bridge-eu"))
+        try:
+            assert thief.publish(T.result("eu-1"), {"forged": True}).is_failure
+            assert not thief.publish(T.result("eu-2"), {"own": True}).is_failure
+        finally:
+            thief.close()
+    finally:
+        for p in (ctl, *peers.values()):
+            p.close()
+
+
 def test_a_device_writes_only_its_own_topics_and_cannot_be_the_bridge(
     tier: Callable[..., Tier],
 ) -> None:
@@ -222,7 +159,7 @@ def test_a_device_writes_only_its_own_topics_and_cannot_be_the_bridge(
         with pytest.raises(ConnectionRefusedError):
             Peer(t.regions["eu"], client_id="bridge-eu", username="bridge-eu",
                  password=t.password("bridges", "bridge-eu"))
-        core_bridges = Broker("127.0.0.1", t.bridge_port, t.core.conf, t.core.workdir)
+        core_bridges = t.bridge_listener()
         with pytest.raises(ConnectionRefusedError):
             Peer(core_bridges, username="eu-1", password=t.password("devices", "eu-1"))
         # Even with the bridge's password (it is in the region's conf), the core lets it
