@@ -123,7 +123,8 @@ def _run(args: argparse.Namespace, term: dict[str, bool]) -> int:
     # Held from here (before the job is stored, so before its version is named) to the end
     # of the job: a second job on this state dir waits or is refused, never runs beside it.
     try:
-        with JobLock(state_dir, job_id, args.wait_s, on_wait=waiting):
+        with JobLock(state_dir, job_id, args.wait_s,
+                     on_wait=waiting if args.wait_s > 0 else None):
             # Again under the lock: another process may have stored this id meanwhile.
             refused = _check_job(args, state_dir, job_id)
             if refused is not None:
