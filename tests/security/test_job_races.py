@@ -12,6 +12,7 @@ fine-tune steps), SIGKILL at points found on the file system or in the job store
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -28,7 +29,7 @@ import pytest
 from agent.cli import main as agentctl
 from agent.jobs.store import JobState, JobStore
 from agent.storage.chunk_store import ChunkStore
-from agent.storage.lock import JOB_LOCK, job_holder
+from agent.storage.lock import JOB_LOCK, JobLock, job_holder
 from agent.storage.slots import ModelSlots, build_version
 from agent.storage.update import pull, update
 from registry.errors import ChunkHashError, NoStagedVersionError
@@ -209,6 +210,55 @@ def test_two_concurrent_finetunes_one_commits_the_other_is_refused_or_waits(
     assert same_weights(slot_weights(standby.path), job_weights(state, winner))
     assert not same_weights(slot_weights(active.path), slot_weights(standby.path))
     assert job_holder(state) is None
+
+
+def test_the_daemon_queue_waits_for_a_job_running_in_the_foreground(
+    two_installed: tuple[Path, Any], small: Small, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """While a foreground job holds the state dir (its job lock), the daemon's runner starts
+    no worker: its next job stays QUEUED, untouched, and runs once the lock is free. A worker
+    started anyway (the lock taken between the runner's look and the start) exits 5 and
+    leaves its job as it was."""
+    from agent.daemon.announce import Announcer
+    from agent.daemon.config import LimitsConfig
+    from agent.daemon.runner import JobRunner
+    from agent.mqtt.outbox import Outbox
+    from contract import Topics
+
+    state, _ = two_installed
+    store = JobStore(state)
+    spec = {"name": "digits", "trusted_keys": str(small.key.trusted_dir)}
+    store.submit("rb1", "rollback", spec)
+    with JobLock(state, "foreground"):
+        r = subprocess.run([sys.executable, "-m", "agent.jobs.worker", f"--state-dir={state}",
+                            "--job-id=rb1", "--no-parent-check"],
+                           cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 5, r.stderr
+        assert f"another job is running on {state}: job foreground (pid {os.getpid()})" \
+            in r.stderr
+        rec = store.get("rb1")
+        assert rec is not None and rec.state is JobState.QUEUED and rec.attempt == 0
+        assert store.steps("rb1") == []
+
+        runner = JobRunner(store, Announcer(Outbox(state), Topics(), "dev-a", lambda: None),
+                           state, LimitsConfig())
+        with caplog.at_level(logging.INFO, logger="agent.daemon.runner"):
+            runner.start()
+            try:
+                wait_for(lambda: "busy with job foreground" in caplog.text,
+                         "the runner sees the state dir busy")
+                assert store.get("rb1").state is JobState.QUEUED  # type: ignore[union-attr]
+                assert not (state / "logs" / "rb1.log").exists()  # no worker started
+            except BaseException:
+                runner.stop()
+                raise
+    try:
+        done = wait_for(lambda: (r := store.get("rb1")) is not None and r.terminal and r,
+                        "the queued job runs once the lock is free")
+        assert done.state is JobState.SUCCEEDED, done.error
+        assert ModelSlots(state, "digits").active().version == "1"  # type: ignore[union-attr]
+    finally:
+        runner.stop()
 
 
 # -- a kill while the slot is built ------------------------------------------------------------
