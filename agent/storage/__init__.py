@@ -13,10 +13,11 @@ Layout under the state directory::
     models/<name>/current -> slots/a   the active slot
     models/<name>/installed.json       what was committed: the anti-rollback record
 
-Modules: ``lock`` (state lock, job lock), ``nofollow`` (no symlink is ever followed below the state
-root), ``chunk_store``, ``assemble`` (chunks -> slot), ``verify`` (slot re-verification),
+Modules: ``lock`` (state lock, job lock), ``nofollow`` (no symlink is ever followed below
+the state root), ``chunk_store``, ``assemble`` (chunks -> slot), ``verify`` (slot re-verification),
 ``anti_rollback`` (the record, and ``refuse_downgrade``: the rule no older signed version
-passes), ``slots`` (stage / commit / discard / install / rollback), ``gc``, ``spec_check``
+passes), ``slot_folder`` (one slot: read, build, the committed marker), ``slots`` (the two
+slots and ``current``: stage / commit / discard / install / rollback), ``gc``, ``spec_check``
 (the model spec check: torch-free for a registered model, a torch child for a custom factory),
 ``update`` (pull into the slots, stage a local fine-tune). Building the active model needs
 torch: ``agent.finetune.active``.

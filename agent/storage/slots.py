@@ -42,14 +42,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
-import json
 import logging
 import os
 import secrets
 import shutil
 import stat
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,55 +58,38 @@ from agent.storage.anti_rollback import (
     refuse_downgrade,
     write_record,
 )
-from agent.storage.assemble import assemble
 from agent.storage.chunk_store import ChunkStore
 from agent.storage.lock import StateLock
 from agent.storage.nofollow import is_link, read_bytes, real_dir, real_dirs, regular_file
-from agent.storage.verify import BASE_MANIFEST, BASE_SIGNATURE, MARKER, verify_slot
-from registry.atomic import fsync_dir, fsync_file, write_bytes_atomic
+from agent.storage.slot_folder import (
+    InstalledSlot,
+    build_version,
+    mark_committed,
+    read_installed,
+)
+from agent.storage.verify import verify_slot
+from registry.atomic import fsync_dir
 from registry.errors import (
     CorruptSlotError,
-    MalformedJsonError,
     NoActiveModelError,
     NoPreviousVersionError,
     NoStagedVersionError,
     RefusedError,
     UnsafeStateError,
 )
-from registry.jsonsafe import loads_strict
 from registry.lineage import SignedRelease, check_descends, device_signed
 from registry.manifest import Manifest
 from registry.signing import TrustedKey
 
+__all__ = ["SLOT_NAMES", "InstalledSlot", "ModelSlots", "SwitchResult", "build_version",
+           "read_installed"]
+
 log = logging.getLogger("agent.storage")
 
 SLOT_NAMES = ("a", "b")
-COMMITTED = "COMMITTED"
-"""In a slot that :meth:`ModelSlots.commit` switched to: it passed its gates. Rollback goes
-only to a slot that has one."""
 _ASIDE = ".old-"
 """A standby slot renamed aside while its replacement is renamed in (``.old-X-TOKEN``)."""
 _LEFTOVER_PREFIXES = (".new-", ".trash-", ".current-", ".tmp-", _ASIDE)
-
-
-@dataclass(frozen=True)
-class InstalledSlot:
-    slot: str
-    path: Path
-    manifest: Manifest
-    verified_by: str
-    """'name (key id)' of the trusted key that verified the version when it was staged."""
-    manifest_sha256: str = ""
-    """sha256 of the slot's manifest.json: which signed version (every tensor's hash) it holds."""
-    device_signed: bool = False
-    """Verified by a device-scoped key when staged (a device version, counted by its base)."""
-    committed: bool = False
-    """The slot carries a ``COMMITTED`` marker for this manifest: it passed its gates and was
-    committed, so a rollback may go to it."""
-
-    @property
-    def version(self) -> str:
-        return self.manifest.version
 
 
 @dataclass(frozen=True)
@@ -119,76 +99,6 @@ class SwitchResult:
     previous: InstalledSlot | None
     changed: bool
     """False when the requested version was already active."""
-
-
-def _read_marker(path: Path) -> dict[str, object] | None:
-    try:
-        doc = loads_strict(read_bytes(path / MARKER, 1 << 16), str(path / MARKER))
-    except (FileNotFoundError, NotADirectoryError, MalformedJsonError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-def read_installed(path: Path, slot: str) -> InstalledSlot | None:
-    """A slot with its COMPLETE marker and a parsable manifest, or None."""
-    if is_link(path):
-        raise UnsafeStateError(f"{path} is a symbolic link where a slot folder belongs: remove it")
-    marker = _read_marker(path)
-    if marker is None:
-        return None
-    try:
-        data = read_bytes(path / "manifest.json")
-        manifest = Manifest.from_bytes(data, source=str(path))
-    except (OSError, RefusedError):
-        return None
-    key = f"{marker.get('key_name', '?')} ({marker.get('key_id', '?')})"
-    digest = hashlib.sha256(data).hexdigest()
-    committed = _read_committed(path)
-    return InstalledSlot(slot, path, manifest, key, digest,
-                         device_signed=marker.get("device_signed") is True,
-                         committed=committed is not None
-                         and committed.get("manifest_sha256") == digest)
-
-
-def _read_committed(path: Path) -> dict[str, object] | None:
-    try:
-        doc = loads_strict(read_bytes(path / COMMITTED, 1 << 16), str(path / COMMITTED))
-    except (FileNotFoundError, NotADirectoryError, MalformedJsonError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-def build_version(
-    manifest: Manifest, manifest_bytes: bytes, signature_bytes: bytes, chunks: ChunkStore,
-    key: TrustedKey, build: Path, release: SignedRelease | None = None,
-) -> None:
-    """Assemble a verified version into the new folder ``build``: model, artefacts, manifest,
-    signature, the upstream ``release`` it descends from (a device version's lineage,
-    :mod:`registry.lineage`) and the COMPLETE marker (written last), all fsynced; removed if
-    anything fails. The caller renames it into place (a slot, or a fine-tune's training
-    source)."""
-    build.mkdir()
-    try:
-        assemble(manifest, chunks, build)
-        files = {"manifest.json": manifest_bytes, "manifest.sig": signature_bytes}
-        if release is not None:
-            files |= {BASE_MANIFEST: release.manifest_bytes,
-                      BASE_SIGNATURE: release.signature_bytes}
-        for f, data in files.items():
-            (build / f).write_bytes(data)
-            fsync_file(build / f)
-        marker = {
-            "name": manifest.name, "version": manifest.version, "sequence": manifest.sequence,
-            "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
-            "key_name": key.name, "key_id": key.key_id,
-            "device_signed": device_signed(manifest, key),
-        }
-        (build / MARKER).write_text(json.dumps(marker) + "\n")
-        fsync_file(build / MARKER)
-        fsync_dir(build)
-    except BaseException:
-        shutil.rmtree(build, ignore_errors=True)
-        raise
 
 
 class ModelSlots:
@@ -342,8 +252,8 @@ class ModelSlots:
                              device_signed=staged.device_signed,
                              allow_downgrade=allow_downgrade)
             if previous is not None:  # it serves: committed (an older agent left no marker)
-                self._mark_committed(previous)
-            self._mark_committed(staged)
+                mark_committed(previous)
+            mark_committed(staged)
             # Recorded before the switch: a crash in between leaves the record ahead of the
             # active version (harmless), never behind it (a downgrade window).
             self._record_commit(staged)
@@ -406,7 +316,7 @@ class ModelSlots:
                     f"{self.name}: previous version {standby.version} failed verification, not "
                     f"rolling back: {e}"
                 ) from None
-            self._mark_committed(active)  # it served: the way forward again is a rollback too
+            mark_committed(active)  # it served: the way forward again is a rollback too
             self._point_current(standby.slot)
             log.warning(
                 "rolled back %s from %s to %s", self.name, active.version, standby.version,
@@ -455,14 +365,6 @@ class ModelSlots:
                 log.warning("restored slot %s of %s, set aside by a stage that was "
                             "interrupted", name, self.name, extra={"fields": {
                                 "event": "slot_restored", "model": self.name, "slot": name}})
-
-    def _mark_committed(self, installed: InstalledSlot) -> None:
-        if installed.committed:
-            return
-        doc = {"version": installed.version, "manifest_sha256": installed.manifest_sha256,
-               "committed_at": round(time.time(), 3)}
-        write_bytes_atomic(installed.path / COMMITTED, (json.dumps(doc) + "\n").encode())
-        fsync_dir(installed.path)
 
     def _point_current(self, slot: str) -> None:
         root = real_dirs(self.state_dir, "models", self.name)
