@@ -2,8 +2,10 @@
 
 Layout under ``state_dir/models/<name>/``::
 
-    slots/a/, slots/b/      one complete version each: model.safetensors, artefacts/,
-                            manifest.json, manifest.sig, COMPLETE (written last)
+    slots/a/, slots/b/      one complete version each (:mod:`agent.storage.slot_folder`):
+                            model.safetensors, artefacts/, manifest.json, manifest.sig,
+                            a device version's base.manifest.*, COMPLETE (written last),
+                            COMMITTED once committed
     current -> slots/a      the active slot
     installed.json          the rollback defence: the highest sequence ever committed, the
                             newest upstream release (base) committed and the highest
@@ -286,7 +288,8 @@ class ModelSlots:
     def rollback(self, trusted: dict[str, TrustedKey] | None) -> SwitchResult:
         """Make the standby slot active again, after re-verifying it; one atomic rename.
 
-        Only to a committed version (one that passed its gates, :data:`COMMITTED`): a version
+        Only to a committed version (one that passed its gates,
+        :data:`agent.storage.slot_folder.COMMITTED`): a version
         staged by a job that never committed it is refused, NoPreviousVersionError naming the
         active version as the last committed one. The explicit way back: allowed below the
         highest sequence (logged), which stays."""
