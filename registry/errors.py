@@ -159,6 +159,12 @@ class KeyScopeError(SignatureError):
     """Signed by a trusted key that may not sign this model name or version."""
 
 
+class LineageError(SignatureError):
+    """A version signed by a device-scoped key that does not descend from a verified upstream
+    release: it names no ``base``, or its base is missing, not upstream-signed, or not the
+    release it claims. A device key can never make an upstream release."""
+
+
 # -- 4: disk ---------------------------------------------------------------------------------
 
 

@@ -12,6 +12,14 @@ folder, one pattern per line (``fnmatch`` syntax, ``#`` starts a comment). A pat
 gets e.g. ``digits-cnn@*+jetson-07.*`` (only its own uploads). A key without a scope file may
 sign every model, as the upstream publisher's does.
 
+Upstream releases and device versions: a key whose scope covers a whole model (a ``NAME``
+pattern, or no scope file) is that model's publisher and may sign its upstream releases; a
+key that covers only some of its versions (``NAME@VERSION`` patterns, a device's key) is
+*device-scoped* for it, and every manifest it signs must name the upstream release its
+lineage starts from (``base``): :func:`verify_signed_manifest` refuses one that names none,
+and ``registry.lineage`` checks the base itself against an upstream key wherever a version is
+accepted, so a device key can never mint an upstream release.
+
 ``manifest.sig`` is a small JSON document::
 
     {"format": "edgetrain.sig/1", "algorithm": "ed25519", "key_id": "<16 hex>",
@@ -44,6 +52,7 @@ from registry.errors import (
     BadSignatureError,
     KeyFileError,
     KeyScopeError,
+    LineageError,
     MalformedJsonError,
     UnknownKeyError,
     UnsignedManifestError,
@@ -99,6 +108,13 @@ class TrustedKey:
     path: Path
     scope: tuple[str, ...] = ALL_MODELS
     """Patterns of what this key may sign: ``NAME`` (any version) or ``NAME@VERSION``."""
+
+    def may_release(self, name: str) -> bool:
+        """Whether this key may sign upstream releases of model ``name``: its scope covers the
+        whole model (no scope file, or a pattern without ``@`` matching ``name``). A key
+        that covers ``name`` only through ``NAME@VERSION`` patterns is device-scoped: what it
+        signs must descend from an upstream release (``registry.lineage``)."""
+        return any("@" not in p and fnmatch.fnmatchcase(name, p) for p in self.scope)
 
     def may_sign(self, name: str, version: str) -> bool:
         """Whether this key's scope covers ``name@version``: a pattern ``NAME`` covers every
@@ -285,7 +301,10 @@ def verify_signed_manifest(
     manifest_bytes: bytes, signature_bytes: bytes | None, trusted: dict[str, TrustedKey],
     source: str = "manifest",
 ) -> tuple[Manifest, TrustedKey]:
-    """Signature first, then the manifest, then the key's scope over the signed name@version.
+    """Signature first, then the manifest, then the key's scope over the signed name@version,
+    then the first half of the lineage rule: a device-scoped key's manifest must name an
+    upstream ``base`` (LineageError otherwise). Whether that base is a real upstream release
+    needs its signed manifest: ``registry.lineage.check_descends``, where it is at hand.
 
     Returns the manifest and the key that verified it: that key, not the ``signer`` the
     manifest names, is who vouches for the version.
@@ -297,5 +316,11 @@ def verify_signed_manifest(
             f"{source}: {manifest.ref} is signed by trusted key {key.name} ({key.key_id}), whose "
             f"scope {list(key.scope)} does not cover it (scope file: "
             f"{key.path.with_name(key.name + SCOPE_SUFFIX)})"
+        )
+    if manifest.base is None and not key.may_release(manifest.name):
+        raise LineageError(
+            f"{source}: {manifest.ref} is signed by {key.name} ({key.key_id}), a device-scoped "
+            f"key (scope {list(key.scope)}), and names no upstream base: a device key can "
+            "never make an upstream release; refused"
         )
     return manifest, key

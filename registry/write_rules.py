@@ -10,20 +10,22 @@ order, the chunks the registry lacks, ``manifest.sig``, ``manifest.json`` and th
   it waits in the uploader's own pending area, invisible to readers;
 * a **manifest** must verify against that pending signature, be for the name and version of
   its path, be signed by a key the uploader owns whose scope covers it, belong to the
-  uploader (a device writes only ``NAME@*+DEVICE_ID.*``; those belong to no one else) and
-  name only chunks already stored. Under a per-model lock it then gets its sequence checked
-  against the counter (a device's must be the very next one, upstream's any higher one; a
-  loser of a race gets 409 and signs again with the next), the counter moves on, the
-  signature and then the manifest appear;
+  uploader (a device writes only ``NAME@*+DEVICE_ID.*``; those belong to no one else),
+  descend from an upstream release stored here when a device sends it or a device-scoped key
+  signed it, and name only chunks already stored. Under a per-model lock it then gets its
+  sequence checked against the counter (a device's must be the very next one, upstream's any
+  higher one; a loser of a race gets 409 and signs again with the next), the counter moves
+  on, the signature and then the manifest appear;
 * the **counter** belongs to the server: a client's write of it is accepted, and ignored,
   only when it repeats what a committed manifest says.
 
 Nothing is ever overwritten: an object that exists answers 409, except a byte-identical
 repeat (a retried request whose answer was lost), which answers 200.
 
-Who may write what is decided by three functions, each stating its rule: :func:`owns_key`
+Who may write what is decided by four functions, each stating its rule: :func:`owns_key`
 (whose signatures an uploader may send), :func:`check_may_write_version` (whose versions are
-whose) and :func:`check_sequence_moves_on` (the counter only moves on).
+whose), :func:`check_descends_from_upstream` (a device never publishes an upstream release)
+and :func:`check_sequence_moves_on` (the counter only moves on).
 """
 
 from __future__ import annotations
@@ -42,12 +44,14 @@ from typing import Literal
 from registry.atomic import fsync_dir, write_bytes_atomic
 from registry.errors import (
     KeyScopeError,
+    LineageError,
     MalformedJsonError,
     RefusedError,
     SignatureError,
     UnknownKeyError,
 )
 from registry.jsonsafe import loads_strict
+from registry.lineage import SignedRelease, device_signed, verify_release
 from registry.manifest import MAX_MANIFEST_BYTES, Manifest
 from registry.names import (
     CHUNK_PREFIX,
@@ -103,6 +107,35 @@ def check_may_write_version(who: Principal, authority: Authority, name: str,
     if who.kind == "upstream" and device is not None:
         raise Refused(403, f"{label}: versions *+{device.device_id}.* belong to device "
                            f"{device.device_id}")
+
+
+def check_descends_from_upstream(who: Principal, authority: Authority, manifest: Manifest,
+                                 key: TrustedKey, base: SignedRelease | None) -> None:
+    """A version a device uploads, or one a device-scoped key signed, is a device version: it
+    must name an upstream ``base`` (403 otherwise: a device can never publish an upstream
+    release), stored here (``base`` None: 409), signed by a key that may release the model
+    and that no device owns, naming no base of its own, with the very version and sequence
+    the child claims (403 otherwise). ``base``: that release as read from the folder and
+    verified (:func:`registry.lineage.verify_release`)."""
+    if who.kind != "device" and not device_signed(manifest, key):
+        return
+    label = manifest.ref
+    if manifest.base is None:
+        raise Refused(403, f"{label}: a device version must name the upstream release it was "
+                           "made from (base); a device can never publish an upstream release")
+    claimed = f"{manifest.name}@{manifest.base.version}"
+    if base is None:
+        raise Refused(409, f"{label}: its base {claimed} is not an upstream release in this "
+                           "registry: a device version descends from one published here")
+    owner = authority.owner_of(base.key)
+    if owner is not None and owner.kind == "device":
+        raise Refused(403, f"{label}: its base {claimed} is signed by {base.key.name}, a "
+                           f"device's key ({owner.name}): not an upstream release")
+    got = base.manifest
+    if (got.version, got.sequence) != (manifest.base.version, manifest.base.sequence):
+        raise Refused(403, f"{label}: it names the base {claimed} with sequence "
+                           f"{manifest.base.sequence}; the upstream release has sequence "
+                           f"{got.sequence}")
 
 
 def check_sequence_moves_on(who: Principal, manifest: Manifest, highest: int) -> None:
@@ -264,6 +297,8 @@ class RegistryFolder:
         if not owns_key(who, authority, key):
             raise Refused(403, f"{label}: signed by {key.name}, a key {who.name} does not own")
         check_may_write_version(who, authority, ok.name, ok.version)
+        check_descends_from_upstream(who, authority, manifest, key,
+                                     self._upstream_base(authority, manifest))
         missing = [c.sha256 for c in manifest.chunks
                    if not (self.root / chunk_key(c.sha256)).is_file()]
         if missing:
@@ -284,6 +319,28 @@ class RegistryFolder:
             self._place(body, final, same_if_exists=False)
             pending.unlink(missing_ok=True)
         return 201
+
+    def _upstream_base(self, authority: Authority, manifest: Manifest) -> SignedRelease | None:
+        """The upstream release ``manifest`` names as its base, read from this folder and
+        verified as one; None when it names none or it is not here. 403 when what is there
+        is not an upstream release (a device's version, an untrusted or scoped-out key)."""
+        if manifest.base is None:
+            return None
+        name, version = manifest.name, manifest.base.version
+        try:
+            data = (self.root / manifest_key(name, version)).read_bytes()
+            signature = (self.root / signature_key(name, version)).read_bytes()
+        except FileNotFoundError:
+            return None
+        where = f"{name}@{version} (the base of {manifest.ref})"
+        with self._verifying:
+            try:
+                return verify_release(data, signature, authority.keys, where)
+            except LineageError as e:
+                raise Refused(403, str(e)) from None
+            except RefusedError as e:  # its own message may name the server's files
+                raise Refused(403, f"{where} does not verify as an upstream release signed by "
+                                   f"a key this registry trusts ({type(e).__name__})") from None
 
     def highest_sequence(self, name: str) -> int:
         """The model's counter; if it is missing or unreadable, the highest sequence of the

@@ -11,12 +11,13 @@ import argparse
 import json
 import re
 import signal
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from agent.cli.common import add_state_args, fail, state_dir_of
-from agent.jobs.protocol import EX_TEMPFAIL
+from agent.jobs.protocol import EX_BUSY, EX_TEMPFAIL
 from agent.jobs.spec import DeviceJob
 from hpc_core.config import ConfigError
 from hpc_core.job_args import add_job_arguments, job_tree, validate_job
@@ -44,10 +45,16 @@ carries names and numbers only: --data is a data set under the daemon's data_roo
 --registry, --trusted-keys, --signing-key, --upload-to and --trt-timing-cache are refused (the
 daemon's come from agent.yaml).
 
+One job runs per state dir at a time: another job running there (in the foreground or the
+daemon's) refuses this one at once with exit 5 and nothing created, or after --wait-s
+seconds of waiting for it to end. Refused rather than queued: a fine-tune holds the state
+dir for minutes to hours, and the daemon is the queue (--daemon: it starts the job when the
+running one ends, a foreground one included).
+
 exit codes: 0 committed, 1 the job failed or rolled back (the summary says why), 2 invalid
 arguments (nothing created; or found by a step before anything trained, e.g. a --micro-batch
-the probes say --budget-mb cannot hold: the job ends BAD_ARGS), 75 suspended by SIGTERM
-(resume with --resume)
+the probes say --budget-mb cannot hold: the job ends BAD_ARGS), 5 another job is running on
+the state dir (nothing created), 75 suspended by SIGTERM (resume with --resume)
 """
 
 
@@ -67,6 +74,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue the job --job-id where it stopped (its spec is the stored one)")
     p.add_argument("--timeout-s", type=float, metavar="S", help="fail the job after S seconds")
+    p.add_argument("--wait-s", type=float, default=0.0, metavar="S",
+                   help="wait up to S seconds for a job already running on the state dir to "
+                   "end (default 0: refuse at once, exit 5)")
     p.add_argument("--progress", choices=("auto", "live", "json", "plain"), default="auto",
                    help="progress display: live line at a terminal, JSON lines otherwise")
     add_state_args(p, trusted=False)
@@ -87,12 +97,50 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, term: dict[str, bool]) -> int:
-    from agent.jobs.store import JobStore
-
     state_dir = state_dir_of(args)
     job_id = args.job_id or "ft-" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     if not JOB_ID_RE.match(job_id):
         return fail(2, f"finetune: --job-id {job_id!r}: letters, digits, . _ - (max 64)")
+    if args.wait_s < 0:
+        return fail(2, f"finetune: --wait-s {args.wait_s}: a number of seconds, 0 or more")
+    refused = _check_job(args, state_dir, job_id)
+    if refused is not None:
+        return refused
+    spec = None
+    if not args.resume:
+        try:
+            spec = _checked_spec(args, state_dir)
+        except ValueError as e:
+            return fail(2, f"finetune: {e}")
+    if term["seen"]:
+        return fail(128 + signal.SIGTERM, "finetune: SIGTERM during start-up: nothing done")
+    from agent.storage.lock import JobBusyError, JobLock
+
+    def waiting(holder: str) -> None:
+        print(f"finetune: waiting up to {args.wait_s:g} s for {holder} to end (one job per "
+              f"state dir)", file=sys.stderr)
+
+    # Held from here (before the job is stored, so before its version is named) to the end
+    # of the job: a second job on this state dir waits or is refused, never runs beside it.
+    try:
+        with JobLock(state_dir, job_id, args.wait_s,
+                     on_wait=waiting if args.wait_s > 0 else None):
+            # Again under the lock: another process may have stored this id meanwhile.
+            refused = _check_job(args, state_dir, job_id)
+            if refused is not None:
+                return refused
+            return _submit_and_execute(args, state_dir, job_id, spec, term)
+    except JobBusyError as e:
+        hint = ("nothing was created; run it again once that one ends, wait for it with "
+                "--wait-s, or queue this job behind it with --daemon")
+        return fail(EX_BUSY, f"finetune: {e}: one job runs per state dir at a time: {hint}")
+
+
+def _check_job(args: argparse.Namespace, state_dir: Path, job_id: str) -> int | None:
+    """The exit status refusing ``--job-id`` as given (exists without --resume, or --resume
+    of no such finetune job), or None."""
+    from agent.jobs.store import JobStore
+
     db = state_dir / "jobs.db"
     existing = JobStore(state_dir).get(job_id) if db.is_file() else None
     folder = state_dir / "jobs" / job_id
@@ -101,33 +149,44 @@ def _run(args: argparse.Namespace, term: dict[str, bool]) -> int:
             return fail(2, f"finetune: --resume: no job {job_id!r} in {db}")
         if existing.type != "finetune":
             return fail(2, f"finetune: --resume: job {job_id!r} is a {existing.type} job")
-    else:
-        if existing is not None or folder.exists():
-            where = existing.state.value if existing is not None else str(folder)
-            return fail(2, f"finetune: job {job_id!r} exists ({where}): pass --resume to "
-                        "continue it or another --job-id")
-        try:
-            spec = validate_job(DeviceJob, job_tree(args), "device job")
-        except ConfigError as e:
-            return fail(2, f"finetune: {_one_line(e)}")
-        from agent.jobs.preflight import check_inputs, check_signing_key
+        return None
+    if existing is not None or folder.exists():
+        where = existing.state.value if existing is not None else str(folder)
+        return fail(2, f"finetune: job {job_id!r} exists ({where}): pass --resume to "
+                    "continue it or another --job-id")
+    return None
+
+
+def _checked_spec(args: argparse.Namespace, state_dir: Path) -> DeviceJob:
+    """The job the flags describe, checked on the file system; ValueError naming the flag."""
+    try:
+        spec = validate_job(DeviceJob, job_tree(args), "device job")
+    except ConfigError as e:
+        raise ValueError(_one_line(e)) from None
+    from agent.jobs.preflight import check_inputs, check_signing_key
+
+    check_inputs(spec, state_dir)
+    check_signing_key(spec, state_dir)
+    if spec.finetune.profile != "auto":  # type: ignore[attr-defined]
+        from device_profiles import ProfileError, load_profile
 
         try:
-            check_inputs(spec, state_dir)
-            check_signing_key(spec, state_dir)
-        except ValueError as e:
-            return fail(2, f"finetune: {e}")
-        if spec.finetune.profile != "auto":  # type: ignore[attr-defined]
-            from device_profiles import ProfileError, load_profile
+            load_profile(spec.finetune.profile)  # type: ignore[attr-defined]
+        except ProfileError as e:
+            raise ValueError(f"--profile: {e}") from None
+    return spec
 
-            try:
-                load_profile(spec.finetune.profile)  # type: ignore[attr-defined]
-            except ProfileError as e:
-                return fail(2, f"finetune: --profile: {e}")
-        if term["seen"]:
-            return fail(128 + signal.SIGTERM, "finetune: SIGTERM during start-up: nothing done")
-        JobStore(state_dir).submit(job_id, "finetune", spec.model_dump(mode="json"),
-                                   timeout_s=args.timeout_s, source="cli")
+
+def _submit_and_execute(args: argparse.Namespace, state_dir: Path, job_id: str,
+                        spec: DeviceJob | None, term: dict[str, bool]) -> int:
+    from agent.jobs.store import JobStore
+
+    if spec is not None:
+        _, created = JobStore(state_dir).submit(job_id, "finetune", spec.model_dump(mode="json"),
+                                                timeout_s=args.timeout_s, source="cli")
+        if not created:  # stored by the daemon meanwhile: never run one job twice
+            return fail(2, f"finetune: job {job_id!r} exists: pass --resume to continue it or "
+                        "another --job-id")
     if term["seen"]:  # the job is stored (QUEUED): --resume picks it up
         return fail(EX_TEMPFAIL, f"finetune: SIGTERM: job {job_id} not started; continue it "
                     "with --resume")

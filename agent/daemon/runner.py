@@ -7,6 +7,11 @@ announces what the store says: IN_PROGRESS with throttled progress, then the one
 status the worker persisted. The daemon's own decisions (expired in the queue, timed out,
 canceled while queued, crashed too often) are persisted here before they are announced.
 
+One job per state dir: while another process holds the state dir's job lock (``agentctl
+finetune`` in the foreground), no worker is started and the queue waits; a worker that
+finds the lock taken all the same exits 5 (``EX_BUSY``) with its job untouched, and the job
+starts once the lock is free.
+
 The worker starts with ``python -P`` (3.11+) in the state dir under umask 077: neither the
 daemon's working directory nor anyone else's files can shadow a module, and what it creates
 is the service user's alone. Between jobs (and every ``PRUNE_EVERY_S`` when idle) this thread
@@ -30,7 +35,7 @@ from typing import Any
 from agent.daemon.announce import Announcer
 from agent.daemon.config import LimitsConfig
 from agent.daemon.device import governor_of
-from agent.jobs.protocol import EX_TEMPFAIL, python_argv
+from agent.jobs.protocol import EX_BUSY, EX_TEMPFAIL, python_argv
 from agent.jobs.store import JobRecord, JobState, JobStore, JobStoreError
 
 log = logging.getLogger("agent.daemon.runner")
@@ -75,6 +80,8 @@ class JobRunner:
         self._env = worker_env
         self._prune = prune
         self._next_prune = 0.0
+        self._held_by: str | None = None
+        """The job (of another process) holding the state dir's job lock, last we looked."""
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -157,6 +164,8 @@ class JobRunner:
             log.exception("pruning the job history failed")
 
     def _next(self) -> JobRecord | None:
+        if self._lock_taken():
+            return None
         unfinished = self.store.unfinished()
         if unfinished:
             return unfinished[0]
@@ -176,6 +185,20 @@ class JobRunner:
                 else:
                     return rec
             return None
+
+    def _lock_taken(self) -> bool:
+        """Whether another process runs a job on this state dir (logged when it starts and
+        ends): the queue waits for it."""
+        from agent.storage.lock import job_holder
+
+        holder = job_holder(self.state_dir)
+        if holder != self._held_by:
+            if holder is not None:
+                log.info("the state dir is busy with %s: queued jobs wait for it", holder)
+            else:
+                log.info("the state dir is free again: the queue moves on")
+            self._held_by = holder
+        return holder is not None
 
     def _spawn(self, rec: JobRecord) -> subprocess.Popen[bytes]:
         self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -274,6 +297,10 @@ class JobRunner:
             return
         if code is None or (code == EX_TEMPFAIL and self._stop.is_set()):
             log.info("job %s suspended; it resumes on the next start", rec.id)
+            return
+        if code == EX_BUSY:  # another job took the state dir first: this one waits its turn
+            log.info("job %s waits: another job runs on the state dir", rec.id)
+            self._stop.wait(1.0)
             return
         if cur.why == "timeout":
             self._end(rec, JobState.TIMED_OUT, _err(

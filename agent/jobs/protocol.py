@@ -39,6 +39,11 @@ not started) and stays in the job store, unfinished; it resumes on the next star
 exits with it, the daemon's runner tells a suspended job from a crashed one by it, and
 ``agentctl finetune`` passes it on."""
 
+EX_BUSY = 5
+"""Another job holds the state dir's job lock (``agent.storage.lock.JobLock``): this one was
+not touched and runs once that one ends. ``agentctl`` reports the same exit code for a busy
+state lock (``registry.errors.StateBusyError``)."""
+
 CONTEXT = "context.json"
 """JOB_DIR/context.json: the :class:`StepContext` of the child step about to run."""
 

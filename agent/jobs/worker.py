@@ -5,8 +5,14 @@ the worker with ``-P`` in the state dir; the children it starts for the torch st
 ``PYTHONSAFEPATH``, so no working directory ever shadows a module.
 
 Exit codes: 0 the job reached a terminal state (read it from the store), 75 suspended by
-SIGTERM (the job stays IN_PROGRESS and resumes on the next start), anything else: crashed.
+SIGTERM (the job stays IN_PROGRESS and resumes on the next start), 5 another job holds the
+state dir (this one was not touched: it runs once that one ends), anything else: crashed.
 The worker dies with its parent, so a kill -9 of the daemon never leaves two workers behind.
+
+One job per state dir: the worker runs its job holding the state dir's job lock
+(``agent.storage.lock.JobLock``), from before the job's version is named to its end, whoever
+started it (the daemon's runner, or ``agentctl finetune`` in the foreground, which calls
+:func:`run_job` in its own process).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 
 from agent.jobs.machine import TRANSITIONS, WORKER_STEPS, planned_steps, run
 from agent.jobs.protocol import (
+    EX_BUSY,
     EX_TEMPFAIL,
     JobContext,
     StopFlag,
@@ -42,8 +49,24 @@ def run_job(
     state_dir: Path, job_id: str, on_event: Callable[[str, dict[str, Any]], None] | None = None,
     stop: StopFlag | None = None,
 ) -> int:
-    """Run (or resume) ``job_id`` in this process; returns the worker exit code. ``stop``: the
-    flag this process's SIGTERM handler sets (the job suspends at the next check)."""
+    """Run (or resume) ``job_id`` in this process, holding the state dir's job lock; returns
+    the worker exit code (:data:`EX_BUSY`, the job untouched, when another job holds it).
+    ``stop``: the flag this process's SIGTERM handler sets (the job suspends at the next
+    check)."""
+    from agent.storage.lock import JobBusyError, JobLock
+
+    try:
+        with JobLock(state_dir, job_id):
+            return _run_locked(state_dir, job_id, on_event, stop)
+    except JobBusyError as e:
+        print(f"worker: job {job_id} not started: {e}", file=sys.stderr)
+        return EX_BUSY
+
+
+def _run_locked(
+    state_dir: Path, job_id: str, on_event: Callable[[str, dict[str, Any]], None] | None,
+    stop: StopFlag | None,
+) -> int:
     store = JobStore(state_dir)
     rec = store.get(job_id)
     if rec is None:

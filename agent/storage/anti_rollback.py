@@ -6,9 +6,13 @@ own memory can. ``models/<name>/installed.json``, beside the model's slots, reco
 committed; :func:`refuse_downgrade` holds every pull, stage and commit to it, and
 :func:`after_commit` moves it on (never back).
 
-Versions are compared like with like, along the manifest's lineage
-(``Manifest.base_release``): upstream releases by their own sequence, a device's fine-tunes
-within the release they start from. So a device that fine-tuned release 1 (its version signed 4)
+Versions are compared like with like, along the manifest's lineage (:func:`release_of`):
+upstream releases by their own sequence, a device's fine-tunes within the release they start
+from. Which one a version is, is decided by the key that verified it, never by the manifest:
+a version a device-scoped key signed is a device version, its release the ``base`` it names
+(checked against that release's own signed manifest when it was accepted,
+:mod:`registry.lineage`), so a device-signed version never moves the upstream sequence, and
+one naming no base is refused here too. So a device that fine-tuned release 1 (its version signed 4)
 still takes release 2 (signed 3 upstream), and a replay of release 1 stays refused. The explicit
 ways back are ``agentctl rollback`` (to the standby slot, re-verified) and a pull with
 ``--allow-downgrade``, which is logged; neither lowers the record.
@@ -24,9 +28,9 @@ from pathlib import Path
 
 from agent.storage.nofollow import read_bytes
 from registry.atomic import write_json_atomic
-from registry.errors import CorruptSlotError, DowngradeError, MalformedJsonError
+from registry.errors import CorruptSlotError, DowngradeError, LineageError, MalformedJsonError
 from registry.jsonsafe import loads_strict
-from registry.manifest import Manifest
+from registry.manifest import BaseRelease, Manifest
 
 log = logging.getLogger("agent.storage")
 
@@ -74,15 +78,29 @@ def read_record(path: Path, active_base: Callable[[], int | None]) -> InstalledR
     return InstalledRecord(highest, **out)
 
 
+def release_of(manifest: Manifest, *, device_signed: bool) -> BaseRelease:
+    """The upstream release ``manifest``'s lineage starts from, as anti-rollback compares it:
+    an upstream release is its own; a device-signed version's is the ``base`` it names, never
+    itself (LineageError when it names none: a device key cannot make an upstream release).
+    ``device_signed``: the key that verified it is device-scoped
+    (:func:`registry.lineage.device_signed`)."""
+    if device_signed and manifest.base is None:
+        raise LineageError(
+            f"{manifest.ref} was signed by a device-scoped key and names no upstream base: it "
+            "can never count as an upstream release here"
+        )
+    return manifest.base_release
+
+
 def refuse_downgrade(manifest: Manifest, record: InstalledRecord, *, model: str,
-                     allow_downgrade: bool = False) -> None:
+                     device_signed: bool, allow_downgrade: bool = False) -> None:
     """Refuse ``manifest`` as a possible rollback attack (DowngradeError) unless it is no older
-    than what ``record`` says was committed here: its upstream release is newer than the newest
-    committed, or it is that same release's lineage at a sequence no lower than the highest
-    committed from it. An older release, a version of an older base, or a lower sequence
-    within the newest base's lineage is refused. ``allow_downgrade``: installed on purpose,
-    logged instead of refused."""
-    base = manifest.base_release.sequence
+    than what ``record`` says was committed here: its upstream release (:func:`release_of`)
+    is newer than the newest committed, or it is that same release's lineage at a sequence no
+    lower than the highest committed from it. An older release, a version of an older base,
+    or a lower sequence within the newest base's lineage is refused. ``allow_downgrade``:
+    installed on purpose, logged instead of refused."""
+    base = release_of(manifest, device_signed=device_signed).sequence
     if base > record.base_sequence or (
             base == record.base_sequence and manifest.sequence >= record.lineage_sequence):
         return
@@ -104,11 +122,13 @@ def refuse_downgrade(manifest: Manifest, record: InstalledRecord, *, model: str,
                 extra={"fields": {"event": "downgrade", **fields}})
 
 
-def after_commit(record: InstalledRecord, manifest: Manifest) -> InstalledRecord:
+def after_commit(record: InstalledRecord, manifest: Manifest, *,
+                 device_signed: bool) -> InstalledRecord:
     """The record once ``manifest`` is committed: the highest sequence moves up to it; a newer
-    release becomes the base with its own sequence as the lineage's highest; a version of the
-    same release raises the lineage's highest. Nothing ever moves down."""
-    base = manifest.base_release.sequence
+    release (:func:`release_of`: a device-signed version's base, never itself) becomes the
+    base with the version's sequence as the lineage's highest; a version of the same release
+    raises the lineage's highest. Nothing ever moves down."""
+    base = release_of(manifest, device_signed=device_signed).sequence
     new = dataclasses.replace(
         record, highest_sequence=max(record.highest_sequence, manifest.sequence))
     if base > record.base_sequence:

@@ -1,10 +1,12 @@
 """Bring a registry version onto the device: the steps of ``agentctl pull``, and staging a
 version the device produced itself.
 
-:func:`pull` verifies the manifest (signature, key scope, name), the sequence against the
-highest installed and the tensors against the model spec (torch-free; a custom factory in a
-child process, so the caller never imports torch) - all before a chunk moves - then checks
-free disk and fetches the missing chunks, under the state lock. :func:`update` adds install
+:func:`pull` verifies the manifest (signature, key scope, name, and for a version a
+device-scoped key signed, the upstream release it names as its base, fetched from the same
+registry: :mod:`registry.lineage`), the sequence against the highest installed and the tensors
+against the model spec (torch-free; a custom factory in a child process, so the caller never
+imports torch) - all before a chunk moves - then checks free disk and fetches the missing
+chunks, under the state lock. :func:`update` adds install
 (stage + commit) and garbage collection. :func:`fetch_training_source` brings the version a
 fine-tune starts from into the job's folder, never into a slot. :func:`stage_local` cuts a
 locally fine-tuned checkpoint into the chunk store, signs it with the device key and stages
@@ -32,14 +34,16 @@ from agent.storage.slots import (
     read_installed,
 )
 from agent.storage.spec_check import check_model_spec
+from agent.storage.verify import slot_release
 from registry.chunks import ArtefactSource
-from registry.errors import ChunkHashError, InsufficientDiskError
+from registry.errors import ChunkHashError, InsufficientDiskError, LineageError, RefError
+from registry.lineage import SignedRelease, check_descends, check_release, device_signed
 from registry.manifest import ChunkRef, Manifest
 from registry.publish import VersionContent, sign_version
 from registry.pull import Progress, VerifiedManifest, download, fetch_verified_manifest
 from registry.refs import Ref
 from registry.signing import SigningKey, TrustedKey, verify_signed_manifest
-from registry.stores import open_store
+from registry.stores import RegistryStore, open_store
 from registry.transfer import TransferConfig
 
 log = logging.getLogger("agent.storage")
@@ -53,6 +57,9 @@ class PullResult:
     chunks_reused: int
     bytes_fetched: int
     """Chunk bytes moved over the network in this pull (resumed bytes are not counted twice)."""
+    release: SignedRelease | None = None
+    """A device version's upstream release (its ``base``), verified; None for an upstream
+    release (:func:`fetch_release`)."""
 
     @property
     def manifest(self) -> Manifest:
@@ -72,11 +79,10 @@ class UpdateResult:
 
 
 def check_disk(state_dir: Path, manifest: Manifest, missing_bytes: int,
-               cfg: TransferConfig, *, into_slot: bool = True) -> None:
-    slots = ModelSlots(state_dir, manifest.name)
+               cfg: TransferConfig) -> None:
+    # The standby slot (the rollback target) stays until the new version is complete beside
+    # it (ModelSlots.stage): its bytes are not counted as free, into a slot or not.
     free = shutil.disk_usage(state_dir).free
-    if into_slot:  # the standby slot is discarded before the new one is written
-        free += slots.slot_bytes(slots.standby_slot_name())
     slot_bytes = manifest.total_bytes + 64 * len(manifest.tensors) + (1 << 16)
     need = missing_bytes + slot_bytes + cfg.free_disk_margin_bytes
     if need > free:
@@ -110,9 +116,11 @@ def pull(
     with StateLock(state_dir):
         verified = fetch_verified_manifest(source, ref, trusted, cfg)
         manifest = verified.manifest
+        release = fetch_release(source, ref, verified, trusted, cfg)
         slots = ModelSlots(state_dir, ref.name)
         if not training_source:
             refuse_downgrade(manifest, slots.installed_record(), model=slots.name,
+                             device_signed=device_signed(manifest, verified.key),
                              allow_downgrade=cfg.allow_downgrade)
         elif manifest.sequence < slots.highest_sequence():
             log.info("fetching %s below the highest installed sequence %d as a training "
@@ -126,11 +134,35 @@ def pull(
         store = ChunkStore(state_dir)
         missing = store.missing(manifest.chunks)
         missing_bytes = sum(c.size for c in missing)
-        check_disk(state_dir, manifest, missing_bytes - store.partial_bytes(missing), cfg,
-                   into_slot=not training_source)
+        check_disk(state_dir, manifest, missing_bytes - store.partial_bytes(missing), cfg)
         fetched = download(source, store, missing, cfg, total=missing_bytes, progress=progress)
     unique = len({c.sha256 for c in manifest.chunks})
-    return PullResult(ref, verified, len(missing), unique - len(missing), fetched)
+    return PullResult(ref, verified, len(missing), unique - len(missing), fetched, release)
+
+
+def fetch_release(source: RegistryStore, ref: Ref, verified: VerifiedManifest,
+                  trusted: dict[str, TrustedKey], cfg: TransferConfig) -> SignedRelease | None:
+    """For a version a device-scoped key signed: the upstream release its ``base`` names,
+    fetched from the same registry and verified as one, then checked against the version
+    (:func:`registry.lineage.check_descends`); LineageError when it names none, the registry
+    lacks it, or it is not that upstream release. None for an upstream-signed version."""
+    manifest, key = verified.manifest, verified.key
+    label = f"{ref.name}@{ref.version}"
+    if not device_signed(manifest, key) or manifest.base is None:
+        return check_descends(manifest, key, None, label)  # None, or the refusal
+    base_ref = Ref(manifest.name, manifest.base.version, ref.registry)
+    try:
+        got = fetch_verified_manifest(source, base_ref, trusted, cfg)
+    except RefError:
+        raise LineageError(
+            f"{label}: signed by device-scoped key {key.name}, it names the base "
+            f"{manifest.name}@{manifest.base.version}, which {ref.registry} does not hold: a "
+            "device version is installed only with the upstream release it descends from"
+        ) from None
+    check_release(got.manifest, got.key, f"{base_ref.name}@{base_ref.version} (the base of "
+                  f"{label})")
+    release = SignedRelease(got.manifest, got.manifest_bytes, got.signature_bytes, got.key)
+    return check_descends(manifest, key, release, label)
 
 
 def update(
@@ -150,7 +182,7 @@ def update(
         def install(p: PullResult) -> SwitchResult:
             v = p.verified
             return slots.install(v.manifest, v.manifest_bytes, v.signature_bytes,
-                                 ChunkStore(state_dir), v.key,
+                                 ChunkStore(state_dir), v.key, release=p.release,
                                  allow_downgrade=cfg.allow_downgrade)
 
         try:
@@ -187,7 +219,7 @@ def fetch_training_source(
     def build(p: PullResult) -> Path:
         v, folder = p.verified, dest.parent / f".new-{dest.name}-{secrets.token_hex(4)}"
         build_version(v.manifest, v.manifest_bytes, v.signature_bytes, ChunkStore(state_dir),
-                      v.key, folder)
+                      v.key, folder, p.release)
         return folder
 
     with StateLock(state_dir):
@@ -230,9 +262,10 @@ def stage_local(
     ``NAME@VERSION`` (e.g. ``digits-cnn@*+jetson-07.*``), or the version is refused. The
     sequence is one above both the parent's and the highest installed
     (:func:`next_local_sequence`); the manifest names the upstream release the lineage
-    starts from (``base``). ``current`` is not
-    touched: commit with ``ModelSlots.commit(version)`` once the gates pass, or
-    ``discard_staged()``.
+    starts from (``base``), verified from the parent's slot (the parent itself, or the release
+    kept beside it: :func:`agent.storage.verify.slot_release`) and kept in the new slot.
+    ``current`` is not touched: commit with ``ModelSlots.commit(version)`` once the gates
+    pass, or ``discard_staged()``.
     """
     state_dir = Path(state_dir)
     slots = ModelSlots(state_dir, parent.manifest.name)
@@ -259,5 +292,9 @@ def stage_local(
             signed.manifest_bytes, signed.signature_bytes, trusted,
             source=f"{parent.manifest.name}@{version}",
         )
+        # A device key's version descends from the parent's upstream release: the parent
+        # itself, or the release its slot keeps.
+        release = slot_release(parent.path, trusted) if device_signed(manifest, verified_by) \
+            else None
         return slots.stage(manifest, signed.manifest_bytes, signed.signature_bytes, store,
-                           verified_by)
+                           verified_by, release=release)

@@ -204,7 +204,8 @@ def test_a_device_key_signs_only_its_own_uploads(
     (trusted / "jetson-07.scope").write_text("# its own uploads only\ndigits@*+jetson-07.*\n")
     publisher.publish(model, "1")
     publisher.publish(changed(model, 1), "2", parent="1", key=device.signing)  # not its own
-    publisher.publish(changed(model, 2), "1+jetson-07.x", parent="1", key=device.signing)
+    publisher.publish(changed(model, 2), "1+jetson-07.x", parent="1", key=device.signing,
+                      base="1")
     state = tmp_path / "state"
     pull(registry_server, state, "1", fast_transfers, trusted)
     with pytest.raises(KeyScopeError, match=r"jetson-07.*does not cover it"):

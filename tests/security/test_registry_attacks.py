@@ -25,6 +25,7 @@ import pytest
 from agent.storage.update import update
 from registry.credentials import REGISTRY_ENV, TOKEN_ENV
 from registry.errors import FetchFailedError, KeyFileError, PublishError, RefError, StoreError
+from registry.manifest import BaseRelease
 from registry.names import chunk_key, manifest_key, sequence_key, signature_key
 from registry.publish import publish_version, sign_version
 from registry.refs import parse_ref
@@ -36,6 +37,8 @@ from tests.support.registry_serve import MODEL, ServedRegistry, fast, make_conte
 from tests.support.registry_server import RegistryServer
 
 _installs = itertools.count()
+RELEASE_1 = BaseRelease(version="1", sequence=1)
+"""Upstream's digits@1, as a device version names its lineage's start."""
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +273,7 @@ def test_a_device_cannot_push_sequences_out_of_upstreams_reach(
             publish_version(store, name=MODEL, version=f"1+dev-a.s{sequence}",
                             model=contents[1].model, tensors=contents[1].tensors,
                             key=reg.who["dev-a"].key, parent="1", parent_seq=sequence - 1,
-                            chunk_size=16 << 10, pack_below=4 << 10)
+                            base=RELEASE_1, chunk_size=16 << 10, pack_below=4 << 10)
     assert json.loads((reg.root / sequence_key(MODEL)).read_text())["sequence"] == 1
     nothing_lost(reg, before, contents, tmp_path)
     assert reg.manifest("2").sequence == 2
@@ -296,7 +299,7 @@ def test_racing_manifests_never_share_a_sequence(
             signed[dev] = sign_version(
                 name=MODEL, version=f"1+{dev}.race", sequence=2, model=contents[1 + i % 4].model,
                 tensors=contents[1 + i % 4].tensors, key=reg.who[dev].key, on_chunk=send,
-                parent="1", chunk_size=16 << 10, pack_below=4 << 10)
+                parent="1", base=RELEASE_1, chunk_size=16 << 10, pack_below=4 << 10)
             assert put(reg, signature_key(MODEL, f"1+{dev}.race"), signed[dev].signature_bytes,
                        dev)[0] == 201
         gate, statuses = threading.Barrier(len(devices)), {}

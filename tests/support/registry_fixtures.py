@@ -104,15 +104,33 @@ class Publisher:
 
     def publish(self, model: Any, version: str, *, parent: str | None = None,
                 artefacts: tuple[Path, ...] = (), key: SigningKey | None = None,
-                store: Any = None) -> Any:
+                store: Any = None, base: str | None = None) -> Any:
+        """``base``: the upstream release a device version names as its lineage's start
+        (what a device's upload names), taken with its sequence from the store."""
         from hpc_core.model_spec import read_checkpoint
-        from registry.publish import publish_content
+        from registry.manifest import BaseRelease
+        from registry.publish import (
+            collect_artefacts,
+            parent_sequence,
+            publish_content,
+            publish_version,
+        )
         from registry.stores import LocalStore
 
-        return publish_content(read_checkpoint(self.checkpoint(model, f"v{version}")),
-                               store or LocalStore(self.root), name="digits", version=version,
-                               key=key or self.key.signing, parent=parent, artefacts=artefacts,
-                               chunk_size=self.chunk_size, pack_below=self.pack_below)
+        content = read_checkpoint(self.checkpoint(model, f"v{version}"))
+        store = store or LocalStore(self.root)
+        if base is None:
+            return publish_content(content, store, name="digits", version=version,
+                                   key=key or self.key.signing, parent=parent,
+                                   artefacts=artefacts, chunk_size=self.chunk_size,
+                                   pack_below=self.pack_below)
+        return publish_version(
+            store, name="digits", version=version, parent=parent,
+            parent_seq=parent_sequence(store, "digits", parent) if parent else 0,
+            base=BaseRelease(version=base, sequence=parent_sequence(store, "digits", base)),
+            model=content.model, training=content.training, tensors=content.tensors,
+            artefacts=collect_artefacts(artefacts), key=key or self.key.signing,
+            chunk_size=self.chunk_size, pack_below=self.pack_below)
 
 
 @pytest.fixture

@@ -39,8 +39,11 @@ def run(ctx: JobContext) -> dict[str, Any]:
 
     slots = ModelSlots(ctx.state_dir, ctx.spec.model)
     active, staged = slots.active(), slots.standby()
-    if staged is None or staged.version != ctx.outputs["stage"]["version"]:
-        raise StepFailed("health", "the staged version is not in the standby slot")
+    mine = ctx.outputs["stage"]
+    if staged is None or staged.version != mine["version"] or (
+            mine.get("manifest_sha256", staged.manifest_sha256) != staged.manifest_sha256):
+        raise StepFailed("health", f"the version this job staged, {mine['version']}, is no "
+                         "longer in the standby slot: another job or a pull replaced it")
     # A device with no active model yet compares against the upstream it started from.
     reference = active.path if active is not None else ctx.outputs["pull"].get("path")
     return run_child(ctx, __name__, "health", step_context(

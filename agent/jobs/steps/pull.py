@@ -107,9 +107,10 @@ def child_fetch(c: StepContext) -> dict[str, Any]:
         staged = active
     else:
         staged = slots.stage(v.manifest, v.manifest_bytes, v.signature_bytes,
-                             ChunkStore(c.state_dir), v.key)
+                             ChunkStore(c.state_dir), v.key, release=pulled.release)
     return {"version": staged.version, "path": str(Path(staged.path)), "slot": staged.slot,
-            "sequence": staged.manifest.sequence, "fetched": True,
+            "sequence": staged.manifest.sequence, "manifest_sha256": staged.manifest_sha256,
+            "fetched": True,
             "chunks_fetched": pulled.chunks_fetched, "bytes_fetched": pulled.bytes_fetched}
 
 

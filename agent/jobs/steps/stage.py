@@ -26,7 +26,9 @@ def run(ctx: JobContext) -> dict[str, Any]:
         pulled = ctx.outputs["pull"]
         if pulled.get("fetched"):
             return {"version": pulled["version"], "slot": pulled["slot"],
-                    "sequence": pulled["sequence"]}
+                    "sequence": pulled["sequence"],
+                    **({"manifest_sha256": pulled["manifest_sha256"]}
+                       if "manifest_sha256" in pulled else {})}
         # The version is active already: nothing new to stage.
         return run_child(ctx, pull.__name__, "fetch", step_context(ctx))
     return run_child(ctx, __name__, "stage", step_context(ctx))
@@ -66,8 +68,10 @@ def child(c: StepContext) -> dict[str, Any]:
         # fine-tune on the device is held to the same forgetting gate.
         artefacts=collect_artefacts([*c.artefacts, *anchor_of(parent.path)]),
     )
+    # The digest of what was staged: commit switches only to these very weights.
     return {"version": staged.version, "slot": staged.slot,
-            "sequence": staged.manifest.sequence, "signer": key.name}
+            "sequence": staged.manifest.sequence, "signer": key.name,
+            "manifest_sha256": staged.manifest_sha256}
 
 
 CHILDREN: dict[str, Callable[[StepContext], dict[str, Any]]] = {"stage": child}
