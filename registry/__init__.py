@@ -6,9 +6,11 @@ and scoped trusted keys (``signing``), stores behind one ``open_store`` (``store
 behaviour and the one retry loop (``transfer``), a client's token bound to one registry
 (``credentials``), references (``refs``), and the three operations: ``publish``, ``pull``
 (verify + fetch chunks) and ``upload`` (device -> cloud). ``serve`` is the HTTP registry,
-with its principals (``principals``), per-object write rules (``write_rules``) and bounds
-(``bounded_http``). What every other package shares from here: crash-safe file writes
-(``atomic``), the model spec (``model_config``) and strict models with their error lines
-(``validation``). It imports no other package of this repository.
+with its principals (``principals``) and per-object write rules (``write_rules``). What every
+other package shares from here: the bounded HTTP server (``http_server``: ASGI on uvicorn,
+every connection, head, body and write under a deadline; ``registry.serve`` and
+``agentctl serve`` run on it), crash-safe file writes (``atomic``), the model spec
+(``model_config``) and strict models with their error lines (``validation``). It imports no
+other package of this repository.
 Every error is a ``registry.errors.RegistryError`` carrying its exit code.
 """

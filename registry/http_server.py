@@ -41,12 +41,14 @@ import anyio.to_thread
 import h11
 import uvicorn
 from pydantic import ConfigDict, Field, model_validator
+from starlette.responses import Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from registry.validation import StrictModel
 
 log = logging.getLogger("registry.http_server")
 T = TypeVar("T")
+R = TypeVar("R", bound=Response)
 ASGIApp = Callable[..., Any]
 
 _BUSY_BODY = json.dumps({"error": "server busy: every connection slot is taken, retry"}).encode()
@@ -282,6 +284,15 @@ async def receive_body(receive: Callable[[], Any], length: int, *, timeout_s: fl
 async def read_body(receive: Callable[[], Any], length: int, *, timeout_s: float) -> bytes:
     """The whole body (:func:`receive_body`), for one that fits in memory."""
     return b"".join([c async for c in receive_body(receive, length, timeout_s=timeout_s)])
+
+
+def as_written(response: R, headers: Mapping[str, str]) -> R:
+    """``response`` with the names of ``headers`` in their case as written (Starlette lowers
+    them): HTTP says case does not matter, yet clients that look a header up by its exact
+    name (``Content-Range``) exist."""
+    names = {k.lower().encode("latin-1"): k.encode("latin-1") for k in headers}
+    response.raw_headers = [(names.get(k, k), v) for k, v in response.raw_headers]
+    return response
 
 
 class WorkerThreads:

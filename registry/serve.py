@@ -7,8 +7,9 @@ started with a principals file, PUT from upstream publishers and devices, each w
 bearer token. Every write is authorized per object (:mod:`registry.write_rules`): nothing is
 overwritten, a chunk must hash to its key, a manifest must be signed by a key its uploader
 owns and a device writes only its own versions. Every connection, request and body has a
-bound (:mod:`registry.bounded_http`). In production put it behind a TLS proxy, or use S3 with
-the bucket policy the docs describe (Explanation, "The model registry": "The same on S3").
+bound (:class:`ServerLimits`, served by :mod:`registry.http_server`). In production put it
+behind a TLS proxy, or use S3 with the bucket policy the docs describe (Explanation, "The
+model registry": "The same on S3").
 """
 
 from __future__ import annotations
@@ -19,13 +20,29 @@ import logging
 import os
 import re
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+from typing import IO, Any
+from urllib.parse import unquote
 
-from registry.bounded_http import BoundedHandler, BoundedHTTPServer, ServerLimits
+from pydantic import ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
 from registry.credentials import is_loopback
 from registry.errors import KeyFileError
+from registry.http_server import (
+    BodyRefused,
+    ClientGone,
+    HttpLimits,
+    HttpServer,
+    WorkerThreads,
+    as_written,
+    receive_body,
+    request_length,
+)
 from registry.principals import AuthoritySource, Principal, add_principal
+from registry.validation import StrictModel
 from registry.write_rules import ObjectKey, Refused, RegistryFolder, parse_key
 
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
@@ -37,71 +54,132 @@ _BLOCK = 256 << 10
 log = logging.getLogger("registry.serve")
 
 
+class ServerLimits(StrictModel):
+    """Bounds of ``registry.serve``: connections, time per request, body sizes, free disk."""
+
+    model_config = ConfigDict(frozen=True)
+
+    workers: int = Field(default=32, ge=1, le=1024)
+    """Threads for the disk work of requests (reading, hashing and storing bodies, serving
+    files); connections wait for one as coroutines, not threads."""
+    backlog: int = Field(default=480, ge=0)
+    """Connections held beyond ``workers`` (workers + backlog at once, idle or waiting); one
+    more is answered 503 at accept and closed."""
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    """A request's line and headers must arrive within this, counted from accept (or from the
+    previous response), however they trickle in."""
+    keepalive_s: float = Field(default=5.0, gt=0)
+    """An idle kept-alive connection is closed after this (or after header_timeout_s, if
+    shorter: the next request's head is due within it, idle time included)."""
+    io_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest silence while a body is read or a response written."""
+    min_upload_bytes_per_s: int = Field(default=16 << 10, ge=1)
+    """An upload's body must arrive within io_timeout_s + its length at this rate."""
+    max_chunk_bytes: int = Field(default=256 << 20, ge=4096)
+    """Largest chunk body accepted (413 beyond); manifests and signatures have their own
+    limits (registry.manifest.MAX_MANIFEST_BYTES, registry.signing.MAX_SIGNATURE_BYTES)."""
+    min_free_bytes: int = Field(default=256 << 20, ge=0)
+    """An upload that would leave less free disk than this is refused (507)."""
+
+    def http(self) -> HttpLimits:
+        """The server's bounds (:mod:`registry.http_server`); a body's own deadline grows with
+        its length (:meth:`body_deadline_s`)."""
+        return HttpLimits(header_timeout_s=self.header_timeout_s,
+                          keep_alive_s=min(self.keepalive_s, self.header_timeout_s),
+                          body_timeout_s=self.io_timeout_s, write_timeout_s=self.io_timeout_s,
+                          max_connections=self.workers + self.backlog,
+                          max_body_bytes=self.max_chunk_bytes)
+
+    def body_deadline_s(self, length: int) -> float:
+        return self.io_timeout_s + length / self.min_upload_bytes_per_s
+
+
 class _BadPath(Exception):
     """A request path that names nothing a registry could hold (400)."""
 
 
-class _Handler(BoundedHandler):
-    folder: RegistryFolder
-    authority: AuthoritySource | None
-    private_reads: bool
+class _Answer(Exception):
+    """Answer ``status`` with the one-line ``message`` (closing the connection if ``close``)."""
 
-    def log_message(self, format: str, *args: object) -> None:
-        log.info("%s %s", self.address_string(), format % args)
+    def __init__(self, status: int, message: str = "", headers: dict[str, str] | None = None,
+                 close: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers, self.close = status, message, headers, close
+
+
+_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="edgetrain-registry"'}
+
+
+class RegistryApp:
+    """The registry over HTTP, as an ASGI application: GET and HEAD of the layout (single byte
+    ranges), PUT authorized per principal and per object. Disk work runs on ``limits.workers``
+    threads."""
+
+    def __init__(self, folder: RegistryFolder, authority: AuthoritySource | None,
+                 private_reads: bool, limits: ServerLimits) -> None:
+        self.folder, self.authority, self.private_reads = folder, authority, private_reads
+        self.limits = limits
+        self.threads = WorkerThreads(limits.workers)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        request = Request(scope, receive)
+        method = request.method
+        response: Response | None
+        try:
+            if method in ("GET", "HEAD"):
+                response = await self._get(request, body=method == "GET")
+            elif method == "PUT":
+                response = await self._put(request)
+            else:
+                raise _Answer(501, f"method {method[:20]!r} is not served: GET, HEAD, PUT",
+                              close=True)
+        except _Answer as a:
+            response = self._answer(request, a)
+        if response is not None:  # None: the client is gone, nothing to answer
+            await response(scope, receive, send)
 
     # -- answers
 
-    def _answer(self, status: int, message: str = "", headers: dict[str, str] | None = None,
-                close: bool = False) -> None:
-        body = (message + "\n").encode() if message else b""
-        if status >= 400 and message:
-            log.warning("%s %s %s: %d %s", self.address_string(), self.command, self.path[:200],
-                        status, message)
-        self.send_response(status)
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
+    def _answer(self, request: Request, a: _Answer) -> Response:
+        body = (a.message + "\n").encode() if a.message else b""
+        if a.status >= 400 and a.message:
+            log.warning("%s %s %s: %d %s", _client(request), request.method,
+                        _target(request)[:200], a.status, a.message)
+        headers = dict(a.headers or {})
         if body:
-            self.send_header("Content-Type", "text/plain; charset=utf-8")
-        self.send_header("Content-Length", str(len(body)))
-        if close:
-            self.close_connection = True
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if body and self.command != "HEAD":
-            self.wfile.write(body)
+            headers["Content-Type"] = "text/plain; charset=utf-8"
+        if a.close:
+            headers["Connection"] = "close"
+        return as_written(Response(body, a.status, headers), headers)
 
-    def _refuse_unread(self, status: int, message: str, length: int | None,
-                       headers: dict[str, str] | None = None) -> None:
+    async def _refuse_unread(self, request: Request, status: int, message: str,
+                             length: int | None, headers: dict[str, str] | None = None) -> _Answer:
         """Refuse a PUT whose body is still on the wire: drop a small body so the connection
         stays usable and the client reads the answer; close after a large or unknown one."""
-        drained = length is not None and length <= _DRAIN_MAX and self._discard(length)
-        self._answer(status, message, headers, close=not drained)
+        drained = length is not None and length <= _DRAIN_MAX and await self._discard(
+            request, length)
+        return _Answer(status, message, headers, close=not drained)
 
-    def _discard(self, length: int) -> bool:
-        self._arm_body(length)
-        left = length
+    async def _discard(self, request: Request, length: int) -> bool:
         try:
-            while left:
-                block = self.rfile.read(min(left, _BLOCK))
-                if not block:
-                    return False
-                left -= len(block)
-        except OSError:
+            async for _ in receive_body(request.receive, length,
+                                        timeout_s=self.limits.body_deadline_s(length),
+                                        idle_s=self.limits.io_timeout_s):
+                pass
+        except (TimeoutError, ClientGone):
             return False
         return True
 
-    def _arm_body(self, length: int) -> None:
-        lim = self.limits
-        self.rfile.arm(lim.io_timeout_s + length / lim.min_upload_bytes_per_s, lim.io_timeout_s)
-
     # -- who and what
 
-    def _object_key(self) -> ObjectKey | None:
+    def _object_key(self, request: Request) -> ObjectKey | None:
         """The registry object the path names; None: a well-formed path outside the layout.
         Raises _BadPath for a malformed one."""
-        raw = self.path
+        raw = _target(request)
         try:
-            key = unquote(urlparse(raw).path, errors="strict")[1:] if raw.startswith("/") else ""
+            key = unquote(raw, errors="strict")[1:] if raw.startswith("/") else ""
         except UnicodeDecodeError:
             key = ""
         parts = key.split("/")
@@ -111,60 +189,59 @@ class _Handler(BoundedHandler):
             raise _BadPath(f"malformed path {raw[:100]!r}")
         return parse_key(key)
 
-    def _principal(self) -> Principal | None:
+    async def _principal(self, request: Request) -> Principal | None:
         if self.authority is None:
             return None
-        return self.authority.current().authenticate(self.headers.get("Authorization"))
-
-    def _challenge(self) -> dict[str, str]:
-        return {"WWW-Authenticate": 'Bearer realm="edgetrain-registry"'}
+        # The files are re-read when they change: disk work, so on a worker thread.
+        authority = await self.threads.run(self.authority.current)
+        return authority.authenticate(request.headers.get("Authorization"))
 
     # -- reads
 
-    def do_HEAD(self) -> None:
-        self._get(body=False)
-
-    def do_GET(self) -> None:
-        self._get(body=True)
-
-    def _get(self, body: bool) -> None:
-        if self.private_reads and self._principal() is None:
-            self._answer(401, "this registry needs a principal's token to read",
-                         self._challenge())
-            return
+    async def _get(self, request: Request, body: bool) -> Response:
+        if self.private_reads and await self._principal(request) is None:
+            raise _Answer(401, "this registry needs a principal's token to read", _CHALLENGE)
         try:
-            ok = self._object_key()
+            ok = self._object_key(request)
         except _BadPath as e:
-            self._answer(400, str(e))
-            return
+            raise _Answer(400, str(e)) from None
         if ok is None:
-            self._answer(404)
-            return
+            raise _Answer(404)
+        f = await self.threads.run(_open, self.folder.path(ok))
+        if f is None:
+            raise _Answer(404)
         try:
-            f = open(self.folder.path(ok), "rb")  # noqa: SIM115 - closed below
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            self._answer(404)
-            return
-        with f:
             size = os.fstat(f.fileno()).st_size
-            span = self._range(size)
-            if span is None:
-                return
-            start, end, status = span
-            self.send_response(status)
-            self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Accept-Ranges", "bytes")
-            self.send_header("Content-Length", str(end - start + 1))
-            if status == 206:
-                self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
-            self.end_headers()
-            if body:
-                f.seek(start)
-                _copy(f, self.wfile, end - start + 1)
+            start, end, status = self._range(request, size)
+        except BaseException:
+            f.close()
+            raise
+        headers = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes",
+                   "Content-Length": str(end - start + 1)}
+        if status == 206:
+            headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+        if not body:
+            f.close()
+            return as_written(Response(b"", status, headers), headers)
+        return as_written(StreamingResponse(self._stream(f, start, end - start + 1), status,
+                                            headers), headers)
 
-    def _range(self, size: int) -> tuple[int, int, int] | None:
-        """(first byte, last byte, status) of the answer; None when 416 was sent."""
-        rng = self.headers.get("Range")
+    async def _stream(self, f: IO[bytes], start: int, n: int) -> AsyncIterator[bytes]:
+        try:
+            await self.threads.run(f.seek, start)
+            left = n
+            while left > 0:
+                block = await self.threads.run(f.read, min(left, _BLOCK))
+                if not block:
+                    return
+                left -= len(block)
+                yield block
+        finally:
+            f.close()
+
+    def _range(self, request: Request, size: int) -> tuple[int, int, int]:
+        """(first byte, last byte, status) of the answer; raises the 416."""
+        rng = request.headers.get("Range")
         if not rng:
             return 0, size - 1, 200
         m = _RANGE_RE.match(rng.strip())
@@ -175,127 +252,135 @@ class _Handler(BoundedHandler):
         elif m and m[2]:  # suffix range: the last N bytes
             start = max(0, size - int(m[2]))
         if not m or (not m[1] and not m[2]) or start >= size or start > end:
-            self._answer(416, headers={"Content-Range": f"bytes */{size}"})
-            return None
+            raise _Answer(416, headers={"Content-Range": f"bytes */{size}"})
         return start, end, 206
 
     # -- writes
 
-    def do_PUT(self) -> None:
-        text = self.headers.get("Content-Length")
+    async def _put(self, request: Request) -> Response | None:
+        text = request.headers.get("Content-Length")
         length = int(text) if text is not None and _LENGTH_RE.match(text) else None
         if self.authority is None:
-            self._refuse_unread(403, "this registry is read-only (started without "
-                                     "--principals)", length)
-            return
-        who = self._principal()
+            raise await self._refuse_unread(request, 403, "this registry is read-only (started "
+                                            "without --principals)", length)
+        who = await self._principal(request)
         if who is None:
-            self._refuse_unread(401, "unknown or missing token: send 'Authorization: Bearer "
-                                     "TOKEN' with a principal's own token", length,
-                                self._challenge())
-            return
+            raise await self._refuse_unread(
+                request, 401, "unknown or missing token: send 'Authorization: Bearer TOKEN' "
+                "with a principal's own token", length, _CHALLENGE)
         try:
-            ok = self._object_key()
+            ok = self._object_key(request)
         except _BadPath as e:
-            self._answer(400, str(e), close=True)
-            return
+            raise _Answer(400, str(e), close=True) from None
         if ok is None:
-            self._refuse_unread(403, f"{who.name}: not a registry object; only chunks, "
-                                     "manifests, signatures and counters are stored", length)
-            return
-        if self.headers.get("Transfer-Encoding") or text is None:
-            self._answer(411, "send the body with a Content-Length", close=True)
-            return
-        if length is None:
-            self._answer(400, f"Content-Length {text[:32]!r} is not a number", close=True)
-            return
+            raise await self._refuse_unread(
+                request, 403, f"{who.name}: not a registry object; only chunks, manifests, "
+                "signatures and counters are stored", length)
         limit = ok.max_bytes or self.limits.max_chunk_bytes
-        if length > limit:
-            self._answer(413, f"{ok.key}: {length} bytes, over the {limit}-byte limit",
-                         close=True)
-            return
-        if self.folder.free_bytes() - length < self.limits.min_free_bytes:
-            self._answer(507, "the registry's disk is full", close=True)
-            return
-        self._receive(who, ok, length)
-
-    def _receive(self, who: Principal, ok: ObjectKey, length: int) -> None:
-        """Stream the body to a temporary file, hashing it, then hand it to the rules."""
+        try:
+            length = request_length(request.headers, limit)
+        except BodyRefused as e:
+            raise _Answer(e.status, f"{ok.key}: {e}", close=True) from None
+        free = await self.threads.run(self.folder.free_bytes)
+        if free - length < self.limits.min_free_bytes:
+            raise _Answer(507, "the registry's disk is full", close=True)
         tmp = self.folder.incoming()
         try:  # the temporary file is gone before the client hears anything
-            answer = self._store(who, ok, length, tmp)
+            answer = await self._store(request, who, ok, length, tmp)
         finally:
-            tmp.unlink(missing_ok=True)
-        if answer is None:  # the client went away: nothing to answer
-            self.close_connection = True
-            return
-        status, message, close = answer
-        self._answer(status, message, close=close)
+            await self.threads.run(lambda: tmp.unlink(missing_ok=True))
+        return None if answer is None else self._answer(request, answer)
 
-    def _store(self, who: Principal, ok: ObjectKey, length: int,
-               tmp: Path) -> tuple[int, str, bool] | None:
-        """(status, message, close the connection) for the upload, None if it was cut."""
+    async def _store(self, request: Request, who: Principal, ok: ObjectKey, length: int,
+                     tmp: Path) -> _Answer | None:
+        """The answer to the upload; None if the client went away."""
         try:
-            digest = self._body_to(tmp, length)
-            if digest is None:
-                return None
+            digest = await self._body_to(request, tmp, length)
             assert self.authority is not None
-            status = self.folder.accept(who, self.authority.current(), ok, tmp, digest)
+            authority = await self.threads.run(self.authority.current)
+            status = await self.threads.run(self.folder.accept, who, authority, ok, tmp, digest)
             log.info("%s: %s stored (%d)", who.name, ok.key, status)
-            return status, "", False
+            return _Answer(status)
+        except ClientGone:
+            return None
         except TimeoutError:
-            return 408, f"{ok.key}: the body did not arrive in time", True
+            return _Answer(408, f"{ok.key}: the body did not arrive in time", close=True)
         except Refused as e:
-            return e.status, f"{who.name}: {e}", False
+            return _Answer(e.status, f"{who.name}: {e}")
         except OSError:  # the registry's own disk, not the client: say so, keep serving
             log.exception("%s: storing %s failed", who.name, ok.key)
-            return 500, f"{ok.key}: the registry could not store it", True
+            return _Answer(500, f"{ok.key}: the registry could not store it", close=True)
 
-    def _body_to(self, tmp: Path, length: int) -> str | None:
-        """Stream ``length`` body bytes into ``tmp``; their sha256, or None if the client
-        closed first. TimeoutError past the body's deadline."""
-        digest = hashlib.sha256()
-        self._arm_body(length)
-        with open(tmp, "xb") as out:
-            left = length
-            while left:
-                try:
-                    block = self.rfile.read(min(left, _BLOCK))
-                except TimeoutError:
-                    raise
-                except OSError:
-                    return None
-                if not block:
-                    return None
-                digest.update(block)
-                out.write(block)
-                left -= len(block)
-        return digest.hexdigest()
+    async def _body_to(self, request: Request, tmp: Path, length: int) -> str:
+        """Stream ``length`` body bytes into ``tmp`` (in blocks, on a worker thread); their
+        sha256. TimeoutError past the body's deadline, ClientGone if the client closed."""
+        sink = _HashingFile(await self.threads.run(_create, tmp))
+        try:
+            pending: list[bytes] = []
+            held = 0
+            async for chunk in receive_body(request.receive, length,
+                                            timeout_s=self.limits.body_deadline_s(length),
+                                            idle_s=self.limits.io_timeout_s):
+                pending.append(chunk)
+                held += len(chunk)
+                if held >= _BLOCK:
+                    await self.threads.run(sink.write, b"".join(pending))
+                    pending, held = [], 0
+            if pending:
+                await self.threads.run(sink.write, b"".join(pending))
+        finally:
+            await self.threads.run(sink.close)
+        return sink.hexdigest()
 
 
-def _copy(src: object, dst: object, n: int) -> None:
-    left = n
-    while left > 0:
-        block = src.read(min(left, _BLOCK))  # type: ignore[attr-defined]
-        if not block:
-            return
-        dst.write(block)  # type: ignore[attr-defined]
-        left -= len(block)
+class _HashingFile:
+    """A file being written, and the sha256 of what went into it."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f, self._sha = f, hashlib.sha256()
+
+    def write(self, data: bytes) -> None:
+        self._sha.update(data)
+        self._f.write(data)
+
+    def close(self) -> None:
+        self._f.close()
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
+
+
+def _open(path: Path) -> IO[bytes] | None:
+    try:
+        return open(path, "rb")  # the caller closes it
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+
+
+def _create(path: Path) -> IO[bytes]:
+    return open(path, "xb")  # closed by _HashingFile.close
+
+
+def _target(request: Request) -> str:
+    """The request target as sent (before any '?'), undecoded."""
+    return request.scope.get("raw_path", b"").decode("latin-1")
+
+
+def _client(request: Request) -> str:
+    return request.client.host if request.client else "unix"
 
 
 def make_server(root: Path, host: str = "127.0.0.1", port: int = 0, *,
                 authority: AuthoritySource | None = None, private_reads: bool = False,
-                limits: ServerLimits | None = None) -> BoundedHTTPServer:
-    """A server bound to (host, port); uploads need ``authority``. Call ``serve_forever()``."""
+                limits: ServerLimits | None = None) -> HttpServer:
+    """A server bound to (host, port); uploads need ``authority``. Call ``serve_forever()``
+    (or ``start()``)."""
     if private_reads and authority is None:
         raise KeyFileError("private reads need principals: give --principals")
     root.mkdir(parents=True, exist_ok=True)
     limits = limits or ServerLimits()
-    handler = type("Handler", (_Handler,), {
-        "folder": RegistryFolder(root), "authority": authority, "private_reads": private_reads,
-        "limits": limits,
-    })
-    return BoundedHTTPServer((host, port), handler, limits)
+    app = RegistryApp(RegistryFolder(root), authority, private_reads, limits)
+    return HttpServer(app, limits=limits.http(), host=host, port=port, name="edgetrain-registry")
 
 
 # -- command line ----------------------------------------------------------------------------
@@ -406,13 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     if authority is not None and not is_loopback(args.host):
         log.warning("serving plain http on %s: clients send tokens only over https or to "
                     "loopback; put a TLS proxy in front", args.host)
-    print(f"http://{args.host}:{httpd.server_address[1]}", flush=True)
-    try:
-        httpd.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        httpd.server_close()
+    print(f"http://{args.host}:{httpd.port}", flush=True)
+    httpd.serve_forever()  # until SIGTERM or SIGINT
     return 0
 
 
