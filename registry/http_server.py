@@ -29,6 +29,7 @@ import logging
 import resource
 import signal
 import socket
+import struct
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -218,6 +219,11 @@ class _BoundedH11Protocol(H11Protocol):
         self._write_timer = None
         log.info("%s: the response was not read for %.1f s: connection cut",
                  _peer(self.client), self.limits.write_timeout_s)
+        sock = self.transport.get_extra_info("socket")
+        with contextlib.suppress(OSError, AttributeError):
+            # A reset, not a close: the kernel drops the unsent bytes now rather than keep
+            # them (megabytes) for a peer that does not read.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.transport.abort()  # close() would wait for the unread buffer to drain
 
 
