@@ -15,9 +15,9 @@ uvicorn does not bound by itself is added by :class:`_BoundedH11Protocol`:
 - one connection over ``max_connections`` is answered 503 at accept and closed;
 - a response the client stops reading is cut after ``write_timeout_s`` without progress.
 
-A body is the application's to read, under a deadline (:func:`receive_body`), after checking
-its length (:func:`request_length`); blocking work goes to a bounded pool of threads
-(:class:`WorkerThreads`), so the event loop never waits on a disk or a model.
+A body is the application's to read, under a deadline, after checking its length; blocking
+work goes to a bounded pool of threads, so the event loop never waits on a disk or a model
+(:mod:`registry.http_request`).
 """
 
 from __future__ import annotations
@@ -31,25 +31,19 @@ import signal
 import socket
 import struct
 import threading
-import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio
-import anyio.to_thread
 import h11
 import uvicorn
 from pydantic import ConfigDict, Field, model_validator
-from starlette.responses import Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from registry.validation import StrictModel
 
 log = logging.getLogger("registry.http_server")
-T = TypeVar("T")
-R = TypeVar("R", bound=Response)
 ASGIApp = Callable[..., Any]
 
 _BUSY_BODY = json.dumps({"error": "server busy: every connection slot is taken, retry"}).encode()
@@ -229,89 +223,6 @@ class _BoundedH11Protocol(H11Protocol):
 
 def _peer(client: tuple[str, int] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "unix"
-
-
-# -- what an application uses --------------------------------------------------------------------
-
-
-class BodyRefused(Exception):
-    """A request body refused on its headers: ``status`` is the answer (400, 411, 413)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class ClientGone(Exception):
-    """The client closed its connection before the whole body came."""
-
-
-def request_length(headers: Mapping[str, str], max_bytes: int) -> int:
-    """The body's length from its headers: Content-Length is required (a chunked body is not
-    taken) and at most ``max_bytes``. Raises :class:`BodyRefused` before a byte is read."""
-    text = headers.get("content-length")
-    if text is None or headers.get("transfer-encoding"):
-        raise BodyRefused(411, "Content-Length is required (a chunked body is not taken)")
-    if not text.strip().isdigit() or len(text) > 15:
-        raise BodyRefused(400, f"Content-Length {text[:32]!r} is not a byte count")
-    n = int(text)
-    if n > max_bytes:
-        raise BodyRefused(413, f"body of {n} bytes is over the server's limit of {max_bytes}")
-    return n
-
-
-async def receive_body(receive: Callable[[], Any], length: int, *, timeout_s: float,
-                       idle_s: float | None = None) -> AsyncIterator[bytes]:
-    """The ``length`` bytes of a request body, as they arrive: all within ``timeout_s``, none
-    after more than ``idle_s`` of silence. TimeoutError past either; :class:`ClientGone` if the
-    client closes first."""
-    deadline = time.monotonic() + timeout_s
-    left = length
-    while left > 0:
-        wait = deadline - time.monotonic()
-        if idle_s is not None:
-            wait = min(wait, idle_s)
-        if wait <= 0:
-            raise TimeoutError("the request body did not arrive in time")
-        try:
-            message = await asyncio.wait_for(receive(), wait)
-        except asyncio.TimeoutError:  # not the builtin TimeoutError on Python 3.10
-            raise TimeoutError("the request body did not arrive in time") from None
-        if message["type"] == "http.disconnect":
-            raise ClientGone(f"the client closed with {left} of {length} body bytes unsent")
-        chunk = message.get("body", b"")
-        if chunk:
-            left -= len(chunk)
-            yield chunk
-        if not message.get("more_body", False) and left > 0:
-            raise ClientGone(f"the body ended {left} bytes short of Content-Length")
-
-
-async def read_body(receive: Callable[[], Any], length: int, *, timeout_s: float) -> bytes:
-    """The whole body (:func:`receive_body`), for one that fits in memory."""
-    return b"".join([c async for c in receive_body(receive, length, timeout_s=timeout_s)])
-
-
-def as_written(response: R, headers: Mapping[str, str]) -> R:
-    """``response`` with the names of ``headers`` in their case as written (Starlette lowers
-    them): HTTP says case does not matter, yet clients that look a header up by its exact
-    name (``Content-Range``) exist."""
-    names = {k.lower().encode("latin-1"): k.encode("latin-1") for k in headers}
-    response.raw_headers = [(names.get(k, k), v) for k, v in response.raw_headers]
-    return response
-
-
-class WorkerThreads:
-    """At most ``n`` threads for the blocking work of requests (disk, inference), called from
-    the event loop, which goes on serving other connections meanwhile."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self._limiter = anyio.CapacityLimiter(n)
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on one of the threads; waits for a free one."""
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
 
 # -- the server ----------------------------------------------------------------------------------

@@ -43,16 +43,15 @@ from starlette.responses import Response
 from agent.runtime.active_model import ActiveModel, NoSpoolError
 from agent.runtime.oip_codec import HEADER_LENGTH, ProtocolError, encode_infer, parse_infer
 from registry.errors import NoActiveModelError
-from registry.http_server import (
+from registry.http_request import (
     BodyRefused,
     ClientGone,
-    HttpLimits,
-    HttpServer,
     WorkerThreads,
     as_written,
     read_body,
     request_length,
 )
+from registry.http_server import HttpLimits, HttpServer
 
 log = logging.getLogger("agent.runtime.oip")
 

@@ -29,7 +29,8 @@ from agent.runtime.active_model import ActiveModel
 from agent.runtime.oip import OipLimits, OipServer
 from registry.names import chunk_key
 from registry.principals import AuthoritySource
-from registry.serve import ServerLimits, make_server
+from registry.serve import make_server
+from registry.serve_app import ServerLimits
 from tests.support.registry_serve import provision
 
 BLOB = bytes(range(256)) * 64
