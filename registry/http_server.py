@@ -59,23 +59,20 @@ answered 503 past the limit) rather than left in SYN retransmits."""
 
 
 class HttpLimits(StrictModel):
-    """What a connection, a request and the server as a whole may take."""
+    """What a connection, a request head and the server as a whole may take. A body's size and
+    deadline are the application's to set, per route (:mod:`registry.http_request`)."""
 
     model_config = ConfigDict(frozen=True)
 
     header_timeout_s: float = Field(default=10.0, gt=0)
     """A request's line and headers must all arrive within this, counted from accept (and from
     the end of the previous response on a kept-alive connection), however they trickle in."""
-    body_timeout_s: float = Field(default=30.0, gt=0)
-    """A request body must arrive within this (whole, not per read)."""
     keep_alive_s: float = Field(default=5.0, gt=0)
     """An idle kept-alive connection is closed after this."""
     write_timeout_s: float = Field(default=30.0, gt=0)
     """A response the client stops reading is cut after this long without progress."""
     max_connections: int = Field(default=512, ge=1)
     """Client connections held at once; one more is answered 503 at accept and closed."""
-    max_body_bytes: int = Field(default=16 << 20, ge=0)
-    """Largest request body; a larger Content-Length is answered 413 with the body unread."""
     max_head_bytes: int = Field(default=64 << 10, ge=1024)
     """Largest request line plus headers; a larger head is answered 400 and closed."""
 

@@ -72,9 +72,8 @@ class ServerLimits(StrictModel):
         its length (:meth:`body_deadline_s`)."""
         return HttpLimits(header_timeout_s=self.header_timeout_s,
                           keep_alive_s=min(self.keepalive_s, self.header_timeout_s),
-                          body_timeout_s=self.io_timeout_s, write_timeout_s=self.io_timeout_s,
-                          max_connections=self.workers + self.backlog,
-                          max_body_bytes=self.max_chunk_bytes)
+                          write_timeout_s=self.io_timeout_s,
+                          max_connections=self.workers + self.backlog)
 
     def body_deadline_s(self, length: int) -> float:
         return self.io_timeout_s + length / self.min_upload_bytes_per_s

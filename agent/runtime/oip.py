@@ -85,10 +85,8 @@ class OipLimits(BaseModel):
         head = self.header_timeout_s or self.request_timeout_s
         return HttpLimits(header_timeout_s=head,
                           keep_alive_s=min(self.keep_alive_s or self.request_timeout_s, head),
-                          body_timeout_s=self.request_timeout_s,
                           write_timeout_s=self.request_timeout_s,
-                          max_connections=self.max_connections,
-                          max_body_bytes=self.max_body_bytes)
+                          max_connections=self.max_connections)
 
 
 def _version() -> str:
