@@ -26,8 +26,11 @@ and serves the first version committed.
 
 endpoints (Open Inference Protocol v2): GET /v2/health/live, /v2/health/ready,
 /v2/models/MODEL, /v2/models/MODEL/ready; POST /v2/models/MODEL/infer (JSON, or the binary
-tensor data extension tritonclient uses). Every N, T and byte count is bounded: --max-body-mb,
---max-connections, --request-timeout-s.
+tensor data extension tritonclient uses). Every connection, request and body is bounded:
+--max-body-mb, --max-connections (503 beyond, at accept), --request-timeout-s (a whole body;
+and a whole request head, from accept, unless --header-timeout-s), --infer-threads. Waiting
+connections are coroutines (uvicorn), not threads: a client dripping its headers is cut at
+the deadline and holds nothing but its socket until then.
 
 gRPC (the protocol's GRPCInferenceService, as Triton serves it on 8001; tritonclient.grpc
 works unchanged): off unless --grpc-port is given, on --host like HTTP. Bounded too: a
@@ -99,9 +102,14 @@ def run_serve(args: argparse.Namespace) -> int:
                         "least 1")
     if args.slo_ms is not None and args.slo_ms <= 0:
         return fail(2, f"serve: --slo-ms {args.slo_ms}: give a positive number of ms")
-    limits = OipLimits(max_body_bytes=int(args.max_body_mb * (1 << 20)),
-                       max_connections=args.max_connections,
-                       request_timeout_s=args.request_timeout_s)
+    try:
+        limits = OipLimits(max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                           max_connections=args.max_connections,
+                           request_timeout_s=args.request_timeout_s,
+                           header_timeout_s=args.header_timeout_s,
+                           infer_threads=args.infer_threads)
+    except ValueError as e:
+        return fail(2, f"serve: {' '.join(str(e).split())[:300]}")
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -181,10 +189,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "TensorRT > CUDA > CPU)")
     p.add_argument("--max-body-mb", type=float, default=16.0,
                    help="largest request body (and gRPC message) in MiB (default 16)")
-    p.add_argument("--max-connections", type=int, default=32,
-                   help="connections served at once, per protocol (default 32)")
+    p.add_argument("--max-connections", type=int, default=512,
+                   help="connections held at once, per protocol; one more is answered 503 "
+                   "(gRPC: refused) (default 512)")
     p.add_argument("--request-timeout-s", type=float, default=10.0,
-                   help="per-read and whole-body timeout in seconds (default 10)")
+                   help="a whole request body must arrive within this many seconds; also the "
+                   "header deadline and the idle keep-alive unless given (default 10)")
+    p.add_argument("--header-timeout-s", type=float, metavar="S",
+                   help="a request's whole line and headers must arrive within this many "
+                   "seconds from accept, or from the previous response (default: "
+                   "--request-timeout-s)")
+    p.add_argument("--infer-threads", type=int, default=4,
+                   help="requests run through the model at once, each on a thread (default 4)")
     # Off unless asked: a second unauthenticated listener is the operator's choice, and its
     # port (Triton's 8001 by convention) the operator's too.
     p.add_argument("--grpc-port", type=int, metavar="N",

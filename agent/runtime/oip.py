@@ -11,45 +11,52 @@
                                          ``parameters.label`` (an int, optional); the samples
                                          go to the spool the model was given (404 without)
 
-Errors are ``{"error": "..."}``: 400 a request the model cannot take, 404 an unknown model,
-version or route (or no spool, for record), 405 a wrong method, 408 a body not received in
-time, 411 no Content-Length, 413 a body over the limit, 415 a compressed body, 503 no
-version serving yet (or every connection slot busy). Ready answers 400 when not ready, as
-the protocol says ("a 4xx status indicates false").
+Errors are ``{"error": "..."}``: 400 a request the model cannot take (or a malformed HTTP
+request), 404 an unknown model, version or route (or no spool, for record), 405 a wrong
+method, 408 a request head or body not received in time, 411 no Content-Length, 413 a body
+over the limit, 415 a compressed body, 503 no version serving yet (or every connection slot
+busy). Ready answers 400 when not ready, as the protocol says ("a 4xx status indicates
+false").
 
 Every resource is bounded (:class:`OipLimits`): body bytes (Content-Length required, checked
-before a byte of the body is read), connections served at once (one more is answered 503 and
-closed) and a timeout on each read from a client and on the whole body, so a slow or silent
-client holds a thread for seconds, not forever. Standard library only (``http.server``):
-nothing to install on a device.
+before a byte of the body is read), connections held at once (one more is answered 503 at
+accept and closed), the time a request's whole head may take from accept (a client dripping
+its headers is cut at it, however steadily it drips), the time a whole body may take, idle
+keep-alive, and the threads running the model. The server is :mod:`registry.http_server`
+(uvicorn, h11): waiting connections are coroutines, not threads.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import json
 import logging
-import socket
-import socketserver
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import TracebackType
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import Response
 
 from agent.runtime.active_model import ActiveModel, NoSpoolError
 from agent.runtime.oip_codec import HEADER_LENGTH, ProtocolError, encode_infer, parse_infer
 from agent.runtime.oip_request import ModelSignature
 from registry.errors import NoActiveModelError
+from registry.http_request import (
+    BodyRefused,
+    ClientGone,
+    WorkerThreads,
+    as_written,
+    read_body,
+    request_length,
+)
+from registry.http_server import HttpLimits, HttpServer
 
 log = logging.getLogger("agent.runtime.oip")
 
-Response = tuple[int, bytes, dict[str, str]]
+Answer = tuple[int, bytes, dict[str, str]]
 
 
 class OipLimits(BaseModel):
@@ -59,11 +66,28 @@ class OipLimits(BaseModel):
 
     max_body_bytes: int = Field(default=16 << 20, ge=1024)
     """Largest request body (bytes); a larger Content-Length is answered 413 unread."""
-    max_connections: int = Field(default=32, ge=1)
-    """Client connections served at once; one more is answered 503 and closed."""
+    max_connections: int = Field(default=512, ge=1)
+    """Client connections held at once (idle ones cost a coroutine, not a thread); one more is
+    answered 503 at accept and closed."""
     request_timeout_s: float = Field(default=10.0, gt=0)
-    """Longest wait for any read from a client (an idle keep-alive connection too), and for
-    a whole request body."""
+    """Longest wait for a whole request body; also the header and keep-alive deadlines unless
+    they are given."""
+    header_timeout_s: float | None = Field(default=None, gt=0)
+    """A request's line and headers must all arrive within this, counted from accept (or from
+    the previous response on a kept-alive connection); None: request_timeout_s."""
+    keep_alive_s: float | None = Field(default=None, gt=0)
+    """An idle kept-alive connection is closed after this (at most the header deadline);
+    None: request_timeout_s."""
+    infer_threads: int = Field(default=4, ge=1, le=256)
+    """Requests run through the model at once (each on a thread); more wait their turn."""
+
+    def http(self) -> HttpLimits:
+        """The server's bounds (:mod:`registry.http_server`)."""
+        head = self.header_timeout_s or self.request_timeout_s
+        return HttpLimits(header_timeout_s=head,
+                          keep_alive_s=min(self.keep_alive_s or self.request_timeout_s, head),
+                          write_timeout_s=self.request_timeout_s,
+                          max_connections=self.max_connections)
 
 
 def _version() -> str:
@@ -73,86 +97,89 @@ def _version() -> str:
         return "unknown"
 
 
-def _json(status: int, doc: dict[str, Any]) -> Response:
+def _json(status: int, doc: dict[str, Any]) -> Answer:
     return status, json.dumps(doc, allow_nan=False).encode(), {"Content-Type": "application/json"}
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: tritonclient reuses its connections
-    server: _Server
+class _BodyLate(Exception):
+    """The request body did not arrive within its deadline (408, and close)."""
 
-    # Buffered: the status line, headers and body leave in one write (flushed after each
-    # request), so Nagle's algorithm never holds a body back behind a delayed ACK.
-    wbufsize = -1
 
-    def setup(self) -> None:
-        self.timeout = self.server.limits.request_timeout_s
-        super().setup()
-        if self.server.address_family != socket.AF_UNIX:
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+class OipApp:
+    """The protocol as an ASGI application over ``model``; the model runs on at most
+    ``limits.infer_threads`` threads, the rest of a request on the event loop."""
 
-    def do_GET(self) -> None:
-        self._dispatch("GET")
+    def __init__(self, model: ActiveModel, limits: OipLimits) -> None:
+        self.model, self.limits = model, limits
+        self.threads = WorkerThreads(limits.infer_threads)
 
-    def do_POST(self) -> None:
-        self._dispatch("POST")
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        request = Request(scope, receive)
+        status, body, headers, close = await self._dispatch(request)
+        if close:  # an unread body would be parsed as the next request
+            headers["Connection"] = "close"
+        await as_written(Response(body, status, headers), headers)(scope, receive, send)
 
-    def version_string(self) -> str:
-        return "edgetrain-oip"  # not the Python version http.server would add
-
-    def address_string(self) -> str:
-        return str(self.client_address[0]) if isinstance(self.client_address, tuple) else "unix"
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
-
-    def _dispatch(self, method: str) -> None:
-        self._body_read = method != "POST"
+    async def _dispatch(self, request: Request) -> tuple[int, bytes, dict[str, str], bool]:
+        method, path = request.method, _target(request)
+        body_read = method != "POST"
         try:
+            if method not in ("GET", "POST"):
+                raise ProtocolError(501, f"method {method[:20]!r} is not served: GET or POST")
             # The body first, whatever the route: an error answered with the body unread
-            # would have to close the connection (the rest would parse as the next request).
-            request = self._body() if method == "POST" else b""
-            parts = [unquote(p) for p in urlsplit(self.path).path.strip("/").split("/")]
-            status, body, headers = self._route(method, parts, request)
+            # must close the connection (the rest would parse as the next request).
+            body = await self._body(request) if method == "POST" else b""
+            body_read = True
+            parts = [unquote(p) for p in path.strip("/").split("/")]
+            status, out, headers = await self._route(request, method, parts, body)
         except ProtocolError as e:
-            status, body, headers = _json(e.status, {"error": str(e)})
+            status, out, headers = _json(e.status, {"error": str(e)})
         except NoActiveModelError as e:
-            status, body, headers = _json(503, {"error": str(e)})
+            status, out, headers = _json(503, {"error": str(e)})
         except NoSpoolError as e:
-            status, body, headers = _json(404, {"error": str(e)})
+            status, out, headers = _json(404, {"error": str(e)})
         except ValueError as e:  # what ActiveModel.predict refuses (shape, dtype)
-            status, body, headers = _json(400, {"error": str(e)})
-        except TimeoutError:
-            self.close_connection = True
-            status, body, headers = _json(408, {"error": "request not received in time"})
+            status, out, headers = _json(400, {"error": str(e)})
+        except _BodyLate:
+            status, out, headers = _json(408, {"error": "request not received in time"})
         except Exception as e:  # one bad request never takes the server down
-            log.exception("%s %s failed", method, self.path)
-            status, body, headers = _json(500, {"error": f"internal error: {e}"})
-        if not self._body_read:  # an unread body would be parsed as the next request
-            self.close_connection = True
-        self.send_response(status)
-        for k, v in headers.items():
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(body)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
+            log.exception("%s %s failed", method, path[:200])
+            status, out, headers = _json(500, {"error": f"internal error: {e}"})
+        return status, out, headers, not body_read
 
-    def _route(self, method: str, parts: list[str], body: bytes) -> Response:
-        model = self.server.model
+    async def _body(self, request: Request) -> bytes:
+        headers = request.headers
+        if "chunked" in (headers.get("Transfer-Encoding") or "").lower():
+            raise ProtocolError(411, "chunked bodies are not taken: send Content-Length")
+        if (headers.get("Content-Encoding") or "identity") != "identity":
+            raise ProtocolError(415, "compressed request bodies are not taken")
+        try:
+            n = request_length(headers, self.limits.max_body_bytes)
+            return await read_body(request.receive, n, timeout_s=self.limits.request_timeout_s)
+        except BodyRefused as e:
+            raise ProtocolError(e.status, str(e)) from None
+        except TimeoutError:
+            raise _BodyLate from None
+        except ClientGone as e:  # nobody to answer; said for the log
+            raise ProtocolError(400, str(e)) from None
+
+    async def _route(self, request: Request, method: str, parts: list[str],
+                     body: bytes) -> Answer:
+        model, path = self.model, _target(request)
         if parts[:2] == ["v2", "health"] and len(parts) == 3 and parts[2] in ("live", "ready"):
-            self._method(method, "GET")
+            _method(path, method, "GET")
             if parts[2] == "live":
                 return _json(200, {"live": True})
             ready = model.version is not None
             return _json(200 if ready else 400, {"ready": ready})
         if parts == ["v2"]:
-            self._method(method, "GET")
+            _method(path, method, "GET")
             return _json(200, {"name": "edgetrain", "version": _version(),
                                "extensions": ["binary_tensor_data"]})
         if parts[:2] != ["v2", "models"] or len(parts) < 3:
-            raise ProtocolError(404, f"no route {self.path!r}")
+            raise ProtocolError(404, f"no route {path!r}")
         name, rest, version = parts[2], parts[3:], None
         if rest[:1] == ["versions"] and len(rest) >= 2:
             version, rest = rest[1], rest[2:]
@@ -163,23 +190,21 @@ class _Handler(BaseHTTPRequestHandler):
             raise ProtocolError(404, f"version {version!r} of {name!r} is not served (serving "
                                 f"{model.version!r})")
         if rest == []:
-            self._method(method, "GET")
+            _method(path, method, "GET")
             return _json(200, self._metadata())
         if rest == ["ready"]:
-            self._method(method, "GET")
+            _method(path, method, "GET")
             ready = model.version is not None
             return _json(200 if ready else 400, {"name": name, "ready": ready})
         if rest in (["infer"], ["record"]):
-            self._method(method, "POST")
-            return self._infer(body, record=rest == ["record"])
-        raise ProtocolError(404, f"no route {self.path!r}")
-
-    def _method(self, method: str, allowed: str) -> None:
-        if method != allowed:
-            raise ProtocolError(405, f"{self.path} takes {allowed}, not {method}")
+            _method(path, method, "POST")
+            # Parsing, the model and encoding are CPU work: on a thread, the loop serving on.
+            return await self.threads.run(self._infer, body, request.headers.get(HEADER_LENGTH),
+                                          rest == ["record"])
+        raise ProtocolError(404, f"no route {path!r}")
 
     def _metadata(self) -> dict[str, Any]:
-        model, engine = self.server.model, self.server.model.engine
+        model, engine = self.model, self.model.engine
         if engine is None:
             raise NoActiveModelError(f"no version of {model.name!r} serves yet")
         sig = ModelSignature.of(engine)  # what requests are checked against, declared
@@ -187,40 +212,12 @@ class _Handler(BaseHTTPRequestHandler):
                 "inputs": [t.metadata() for t in sig.inputs],
                 "outputs": [t.metadata() for t in sig.outputs]}
 
-    def _body(self) -> bytes:
-        limits = self.server.limits
-        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-            raise ProtocolError(411, "chunked bodies are not taken: send Content-Length")
-        if (self.headers.get("Content-Encoding") or "identity") != "identity":
-            raise ProtocolError(415, "compressed request bodies are not taken")
-        text = self.headers.get("Content-Length")
-        if text is None:
-            raise ProtocolError(411, "Content-Length is required")
-        if not text.strip().isdigit():
-            raise ProtocolError(400, f"Content-Length {text!r} is not a byte count")
-        n = int(text)
-        if n > limits.max_body_bytes:
-            raise ProtocolError(413, f"body of {n} bytes is over the server's limit of "
-                                f"{limits.max_body_bytes}")
-        deadline = time.monotonic() + limits.request_timeout_s
-        chunks, left = [], n
-        while left:
-            if time.monotonic() > deadline:
-                raise TimeoutError
-            chunk = self.rfile.read1(min(left, 1 << 16))  # type: ignore[attr-defined]
-            if not chunk:
-                raise ProtocolError(400, f"the body ended {left} bytes short of Content-Length")
-            chunks.append(chunk)
-            left -= len(chunk)
-        self._body_read = True
-        return b"".join(chunks)
-
-    def _infer(self, body: bytes, *, record: bool) -> Response:
-        model = self.server.model
+    def _infer(self, body: bytes, header_length: str | None, record: bool) -> Answer:
+        model = self.model
         engine = model.engine
         if engine is None:
             raise NoActiveModelError(f"no version of {model.name!r} serves yet")
-        req = parse_infer(body, self.headers.get(HEADER_LENGTH), ModelSignature.of(engine))
+        req = parse_infer(body, header_length, ModelSignature.of(engine))
         if record:
             label = req.parameters.get("label")
             if label is not None and (not isinstance(label, int) or isinstance(label, bool)):
@@ -229,100 +226,36 @@ class _Handler(BaseHTTPRequestHandler):
             return _json(200, {"model_name": model.name, "model_version": model.version,
                                "stored": stored})
         logits, version = model.predict_versioned(req.x)
-        body, headers = encode_infer({engine.output_name: logits}, req, model_name=model.name,
-                                     model_version=version)
-        return 200, body, headers
+        out, headers = encode_infer({engine.output_name: logits}, req, model_name=model.name,
+                                    model_version=version)
+        return 200, out, headers
 
 
-class _Server(ThreadingHTTPServer):
-    """Threads per connection, at most ``limits.max_connections`` of them."""
-
-    daemon_threads = True
-
-    def __init__(self, address: Any, model: ActiveModel, limits: OipLimits) -> None:
-        self.model, self.limits = model, limits
-        self._slots = threading.BoundedSemaphore(limits.max_connections)
-        self._open_lock = threading.Lock()
-        self.open_connections = 0
-        super().__init__(address, _Handler)
-
-    def _count(self, step: int) -> None:
-        with self._open_lock:
-            self.open_connections += step
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            body = json.dumps({"error": "server busy: every connection slot is taken, retry"},
-                              allow_nan=False)
-            with contextlib.suppress(OSError):  # the client may be gone already
-                request.sendall(
-                    f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n{body}".encode())
-            self.shutdown_request(request)
-            return
-        self._count(+1)
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            self._count(-1)
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:  # the slot first: a count of 0 means every slot is free again
-            self._slots.release()
-            self._count(-1)
+def _method(path: str, method: str, allowed: str) -> None:
+    if method != allowed:
+        raise ProtocolError(405, f"{path} takes {allowed}, not {method}")
 
 
-class _UnixServer(_Server):
-    address_family = socket.AF_UNIX
-    allow_reuse_address = False
-
-    def server_bind(self) -> None:
-        socketserver.TCPServer.server_bind(self)  # HTTPServer's would split a (host, port)
-        self.server_name, self.server_port = "localhost", 0
-
-
-def _clear_stale_socket(path: Path) -> None:
-    """Remove a socket left by a dead server; refuse a live one or anything else."""
-    if not path.exists() and not path.is_symlink():
-        return
-    if path.is_symlink() or not path.is_socket():
-        raise FileExistsError(f"{path} exists and is not a socket: choose another path")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(path))
-        except OSError:
-            path.unlink()
-            return
-    raise OSError(f"another server listens on {path}")
+def _target(request: Request) -> str:
+    """The request target as sent, undecoded (before any '?')."""
+    return request.scope.get("raw_path", b"").decode("latin-1")
 
 
 class OipServer:
-    """The protocol over ``host:port`` (TCP) or ``unix_socket``; :meth:`start` serves from a
-    thread, :meth:`serve_forever` from the caller's."""
+    """The protocol over ``host:port`` (TCP) or ``unix_socket`` (mode 0660); :meth:`start`
+    serves from a thread, :meth:`serve_forever` from the caller's."""
 
     def __init__(self, model: ActiveModel, *, host: str = "127.0.0.1", port: int = 8000,
                  unix_socket: Path | None = None, limits: OipLimits | None = None) -> None:
         self.model, self.unix_socket = model, unix_socket
-        limits = limits or OipLimits()
-        if unix_socket is not None:
-            _clear_stale_socket(Path(unix_socket))
-            self._http: _Server = _UnixServer(str(unix_socket), model, limits)
-            Path(unix_socket).chmod(0o660)  # the application's user and group, nobody else
-        else:
-            self._http = _Server((host, port), model, limits)
-        self._thread: threading.Thread | None = None
+        self.limits = limits or OipLimits()
+        self._http = HttpServer(OipApp(model, self.limits), limits=self.limits.http(),
+                                host=host, port=port, uds=unix_socket, name="edgetrain-oip")
 
     @property
     def address(self) -> str:
         """``http://host:port`` or ``unix:PATH``."""
-        if self.unix_socket is not None:
-            return f"unix:{self.unix_socket}"
-        host, port = self._http.server_address[:2]
-        return f"http://{host}:{port}"
+        return self._http.address
 
     @property
     def open_connections(self) -> int:
@@ -331,28 +264,21 @@ class OipServer:
 
     @property
     def port(self) -> int:
-        return int(self._http.server_address[1]) if self.unix_socket is None else 0
+        return self._http.port
 
     def serve_forever(self) -> None:
-        self._http.serve_forever(poll_interval=0.2)
+        """Serve from this thread until SIGTERM or SIGINT (in the main thread) or
+        :meth:`shutdown`."""
+        self._http.serve_forever()
 
     def start(self) -> OipServer:
-        self._thread = threading.Thread(target=self.serve_forever, name="oip-server",
-                                        daemon=True)
-        self._thread.start()
+        self._http.start()
         return self
 
     def close(self) -> None:
-        """Stop accepting and close the listening socket. Connections being served finish
-        on their own threads. (Stop a :meth:`serve_forever` running in another thread with
-        ``shutdown()`` first; a :meth:`start`-ed server is stopped here.)"""
-        if self._thread is not None:
-            self._http.shutdown()
-            self._thread.join()
-            self._thread = None
-        self._http.server_close()
-        if self.unix_socket is not None:
-            Path(self.unix_socket).unlink(missing_ok=True)
+        """Stop accepting and close the listening socket (removing a Unix socket's file); the
+        requests in flight finish first, for a few seconds at most."""
+        self._http.close()
 
     def shutdown(self) -> None:
         """End :meth:`serve_forever` (call from another thread)."""

@@ -30,6 +30,8 @@ BENCHMARKS = REPO / "benchmarks"
 NOT_BENCHMARKS = {
     "fleet_tier.py": "benchmarks/fleet.py's brokers, simulated devices and counters: no main",
     "harness.py": "--quick and the verdict line every script shares: no main",
+    "oip_threaded.py": "the former threaded agentctl serve server, http_server.py's baseline: "
+                       "no main",
 }
 DEVICE_JOB = ("device_job.py", "job_budget.py")
 """Whole device jobs (worker, probes, fine-tune, INT8 export, health): the heaviest."""

@@ -461,6 +461,16 @@ def test_malformed_requests_are_answered_400_and_others_keep_being_served(
         (b"GET http://elsewhere/digits/1/manifest.json HTTP/1.1\r\n\r\n", 400),
         (b"DELETE /digits/1/manifest.json HTTP/1.1\r\n\r\n", 501),
     ]
+    # Each case carries a Host header, so it is refused for what it names: HTTP/1.1 without
+    # one is a 400 of its own (RFC 9112 §3.2), below with the framing errors.
+    cases = [(r.replace(b"\r\n", b"\r\nHost: x\r\n", 1), want) for r, want in cases] + [
+        (b"GET /digits/1/manifest.json HTTP/1.1\r\n\r\n", 400),
+        (b"PUT " + key.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
+         b"Content-Length: 5\r\nAuthorization: Bearer " + token.encode() + b"\r\n\r\nabcd", 400),
+        (b"PUT " + key.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+         b"Transfer-Encoding: chunked\r\nAuthorization: Bearer " + token.encode()
+         + b"\r\n\r\n0\r\n\r\n", 400),
+    ]
     for request, want in cases:
         assert status_of(raw(reg.url, request)) == want, request[:80]
         honest.request("GET", f"/{MODEL}/1/manifest.sig")

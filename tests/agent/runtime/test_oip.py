@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -245,3 +246,40 @@ def test_a_live_unix_socket_is_not_taken_over(serve: Callable[..., Any], tmp_pat
     (tmp_path / "file").write_text("x")
     with pytest.raises(FileExistsError, match="not a socket"):
         OipServer(server.model, unix_socket=tmp_path / "file")
+
+
+def test_commits_under_load_over_http_fail_no_request(serve: Callable[..., Any],
+                                                      device: Device) -> None:
+    """Four kept-alive clients infer without pause while three versions are committed: every
+    request is answered 200, each client sees versions only move forward, every one serves."""
+    _, connect = serve()
+    stop = threading.Event()
+    seen: list[list[int]] = [[] for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def client(i: int) -> None:
+        c = connect()
+        try:
+            while not stop.is_set():
+                status, out = call(c, "POST", "/v2/models/digits/infer",
+                                   infer_body([1 + i, 1, 8, 8]))
+                assert status == 200, out
+                data = np.array(out["outputs"][0]["data"], np.float32).reshape(1 + i, 10)
+                seen[i].append(served_version(data))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        for k in (2, 3, 4):
+            device.install(k)
+            wait_for(lambda k=k: any(k in s for s in seen) or bool(errors), what=f"v{k}")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert errors == []
+    assert set().union(*seen) == {1, 2, 3, 4}
+    assert all(s == sorted(s) for s in seen)
