@@ -1,0 +1,114 @@
+"""The synthetic set: deterministic per seed, boxes inside the images and tight around what
+was drawn, every class present, cameras applied with boxes kept right, and the COCO and YOLO
+folders it writes loading back equal."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import stat
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpc_core.tasks.detection.coco import load_coco
+from hpc_core.tasks.detection.synthetic import CLASS_NAMES, synthesize, write_synthetic
+from hpc_core.tasks.detection.yolo import load_yolo
+
+ROOT = Path(__file__).resolve().parents[4]
+SIZE = 96
+SCRIPT = str(ROOT / "scripts" / "make_detection_data.py")
+
+
+def test_the_same_seed_gives_the_same_set_and_another_seed_another() -> None:
+    a_images, a = synthesize(4, SIZE, seed=3)
+    b_images, b = synthesize(4, SIZE, seed=3)
+    c_images, _ = synthesize(4, SIZE, seed=4)
+    for x, y in zip(a_images, b_images, strict=True):
+        assert np.array_equal(x, y)
+    for r, s in zip(a.records, b.records, strict=True):
+        assert np.array_equal(r.boxes, s.boxes) and np.array_equal(r.labels, s.labels)
+    assert not np.array_equal(a_images[0], c_images[0])
+    # a smaller set is the start of a larger one
+    assert np.array_equal(synthesize(2, SIZE, seed=3)[0][1], a_images[1])
+
+
+def test_boxes_lie_inside_the_images_and_every_class_appears() -> None:
+    images, d = synthesize(len(CLASS_NAMES), SIZE, seed=0)
+    assert d.class_names == CLASS_NAMES
+    seen = set()
+    for pixels, r in zip(images, d.records, strict=True):
+        assert pixels.shape == (SIZE, SIZE, 3) and pixels.dtype == np.uint8
+        assert len(r.boxes) >= 1 and r.boxes.dtype == np.float32
+        assert (r.boxes[:, :2] >= 0).all() and (r.boxes[:, 2:] <= SIZE).all()
+        assert (r.boxes[:, 2:] > r.boxes[:, :2]).all()
+        seen |= set(r.labels.tolist())
+    assert seen == set(range(len(CLASS_NAMES)))
+
+
+def test_the_invert_camera_inverts_and_rotate_turns_boxes_with_pixels() -> None:
+    plain_images, plain = synthesize(3, SIZE, seed=5)
+    inv_images, inv = synthesize(3, SIZE, seed=5, cameras=["invert"])
+    assert np.abs(inv_images[0].astype(int) - (255 - plain_images[0].astype(int))).max() <= 1
+    rot_images, rot = synthesize(3, SIZE, seed=5, cameras=["rotate"])
+    for p_img, r_img, p, r in zip(plain_images, rot_images, plain.records, rot.records,
+                                  strict=True):
+        assert np.array_equal(np.rot90(p_img, 1, axes=(0, 1)), r_img)
+        # a box's lit pixels, found in the plain image, are under the rotated box in the
+        # rotated one: the same pixel values, read in the rotated layout
+        for pb, rb in zip(p.boxes.astype(int), r.boxes.astype(int), strict=True):
+            x1, y1, x2, y2 = pb
+            rx1, ry1, rx2, ry2 = rb
+            assert np.array_equal(np.rot90(p_img[y1:y2, x1:x2], 1, axes=(0, 1)),
+                                  r_img[ry1:ry2, rx1:rx2])
+    with pytest.raises(ValueError, match="unknown camera 'sepia'"):
+        synthesize(1, SIZE, cameras=["sepia"])
+
+
+def test_written_coco_and_yolo_load_back_equal(tmp_path: Path) -> None:
+    out = write_synthetic(tmp_path / "det", 6, SIZE, seed=2, cameras=["noise"],
+                          formats=["coco", "yolo"])
+    _, d = synthesize(6, SIZE, seed=2, cameras=["noise"])
+    coco, yolo = load_coco(out), load_yolo(out)
+    assert coco.class_names == yolo.class_names == CLASS_NAMES
+    for r, c, y in zip(d.records, coco.records, yolo.records, strict=True):
+        np.testing.assert_array_equal(c.boxes, r.boxes)
+        np.testing.assert_allclose(y.boxes, r.boxes, atol=1e-3)
+        assert r.labels.tolist() == c.labels.tolist() == y.labels.tolist()
+        assert c.image_id == y.image_id == r.image_id
+    # private: folders 0700, files 0600; nothing left behind beside it
+    for p in [out, *out.rglob("*")]:
+        mode = stat.S_IMODE(os.stat(p).st_mode)
+        assert mode == (0o700 if p.is_dir() else 0o600), p
+    assert [p.name for p in tmp_path.iterdir()] == ["det"]
+    with pytest.raises(FileExistsError, match="choose a new --out"):
+        write_synthetic(out, 1, SIZE)
+
+
+def _cli(*args: str) -> int:
+    """scripts/make_detection_data.py run as ``python script args``, in this process."""
+    argv = sys.argv
+    sys.argv = [SCRIPT, *args]
+    try:
+        runpy.run_path(SCRIPT, run_name="__main__")
+    except SystemExit as e:
+        return int(e.code or 0)
+    finally:
+        sys.argv = argv
+    return 0
+
+
+def test_the_command_line_teaches_and_writes_a_set(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli("--help") == 0
+    help_text = capsys.readouterr().out
+    assert "--camera" in help_text and "digit_0" in help_text
+    assert "annotations.json" in help_text
+    assert _cli("--out", str(tmp_path / "d"), "--images", "2", "--size", "64",
+                "--camera", "blur,rotate", "--format", "yolo") == 0
+    assert len(load_yolo(tmp_path / "d").records) == 2
+    assert _cli("--out", str(tmp_path / "e"), "--format", "voc") == 2
+    assert "use one or more of coco, yolo" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
