@@ -111,7 +111,7 @@ def render(index: int, size: int, seed: int) -> tuple[np.ndarray, np.ndarray, np
     rng = np.random.default_rng([seed, index])
     image = _background(size, rng)
     n = int(rng.integers(1, MAX_OBJECTS + 1))
-    labels = [index % len(CLASS_NAMES)] + list(rng.integers(0, len(CLASS_NAMES), n - 1))
+    labels = [index % len(CLASS_NAMES), *rng.integers(0, len(CLASS_NAMES), n - 1)]
     placed: list[np.ndarray] = []
     kept: list[int] = []
     for label in labels:

@@ -29,7 +29,7 @@ def test_synthetic_to_coco_to_dataset_to_batches(det_folder: Path) -> None:
     pixels, expected = synthesize(5, 80, seed=1)
     image, target = ds[0]
     assert image.dtype == torch.float32 and image.shape == (3, 80, 80)
-    assert 0 <= image.min() and image.max() <= 1
+    assert image.min() >= 0 and image.max() <= 1
     # the pixels are the generator's, through PNG, losslessly
     assert torch.equal((image * 255).round().to(torch.uint8).permute(1, 2, 0),
                        torch.from_numpy(pixels[0]))

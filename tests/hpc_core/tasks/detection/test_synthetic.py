@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hpc_core.tasks.detection import synthetic
 from hpc_core.tasks.detection.coco import load_coco
 from hpc_core.tasks.detection.synthetic import CLASS_NAMES, synthesize, write_synthetic
 from hpc_core.tasks.detection.yolo import load_yolo
@@ -50,7 +51,7 @@ def test_boxes_lie_inside_the_images_and_every_class_appears() -> None:
 
 def test_the_invert_camera_inverts_and_rotate_turns_boxes_with_pixels() -> None:
     plain_images, plain = synthesize(3, SIZE, seed=5)
-    inv_images, inv = synthesize(3, SIZE, seed=5, cameras=["invert"])
+    inv_images, _ = synthesize(3, SIZE, seed=5, cameras=["invert"])
     assert np.abs(inv_images[0].astype(int) - (255 - plain_images[0].astype(int))).max() <= 1
     rot_images, rot = synthesize(3, SIZE, seed=5, cameras=["rotate"])
     for p_img, r_img, p, r in zip(plain_images, rot_images, plain.records, rot.records,
@@ -112,3 +113,18 @@ def test_the_command_line_teaches_and_writes_a_set(tmp_path: Path,
     assert _cli("--out", str(tmp_path / "e"), "--format", "voc") == 2
     assert "use one or more of coco, yolo" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()
+
+
+def test_each_box_is_tight_around_its_drawn_object(monkeypatch: pytest.MonkeyPatch) -> None:
+    # one object per image on a black background: every pixel the object changed is its own
+    monkeypatch.setattr(synthetic, "MAX_OBJECTS", 1)
+    monkeypatch.setattr(synthetic, "_background",
+                        lambda size, rng: np.zeros((size, size, 3), dtype=np.float32))
+    for i in range(len(CLASS_NAMES)):  # image i's object is of class i
+        pixels, boxes, labels = synthetic.render(i, SIZE, seed=0)
+        assert labels.tolist() == [i]
+        ys, xs = np.nonzero(pixels.max(axis=2) > 0.35)  # over half covered (colour >= 0.7)
+        lit = [xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]
+        # the box is the extent of the pixels more than half covered; a bilinear edge may
+        # light one more pixel a little
+        np.testing.assert_allclose(boxes[0], lit, atol=1)
