@@ -21,7 +21,7 @@ import io
 import os
 import secrets
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -158,22 +158,33 @@ def apply_cameras(image: torch.Tensor, boxes: np.ndarray, cameras: Sequence[str]
     return image, boxes
 
 
-def synthesize(n_images: int, size: int = 320, seed: int = 0,
-               cameras: Sequence[str] = ()) -> tuple[list[np.ndarray], DetectionSet]:
-    """``n_images`` images (uint8 HxWx3) and their records (image ids 1 .. n, file names
-    ``000000.png`` ..); the set's ``images_dir`` is ``images`` (relative, until written)."""
+def _check_cameras(cameras: Sequence[str]) -> None:
     for kind in cameras:
         if kind not in CAMERAS:
             raise ValueError(f"unknown camera {kind!r}: use {', '.join(CAMERAS)}")
-    images, records = [], []
+
+
+def generate(n_images: int, size: int = 320, seed: int = 0,
+             cameras: Sequence[str] = ()) -> Iterator[tuple[np.ndarray, ImageRecord]]:
+    """The images (uint8 HxWx3) and their records one at a time (image ids 1 .. n, file names
+    ``000000.png`` ..): a large set is written without holding it in memory."""
+    _check_cameras(cameras)
     for i in range(n_images):
         pixels, boxes, labels = render(i, size, seed)
         g = torch.Generator().manual_seed(seed * 1_000_003 + i)
         chw, boxes = apply_cameras(torch.from_numpy(pixels).permute(2, 0, 1), boxes, cameras, g)
-        images.append((chw.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
-        records.append(ImageRecord(image_id=i + 1, file_name=f"{i:06d}.png", width=size,
-                                   height=size, boxes=boxes, labels=labels))
-    return images, DetectionSet(Path(IMAGES_DIR), list(CLASS_NAMES), records)
+        yield ((chw.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8),
+               ImageRecord(image_id=i + 1, file_name=f"{i:06d}.png", width=chw.shape[2],
+                           height=chw.shape[1], boxes=boxes, labels=labels))
+
+
+def synthesize(n_images: int, size: int = 320, seed: int = 0,
+               cameras: Sequence[str] = ()) -> tuple[list[np.ndarray], DetectionSet]:
+    """:func:`generate`'s images and records, all in memory; the set's ``images_dir`` is
+    ``images`` (relative, until written)."""
+    items = list(generate(n_images, size, seed, cameras))
+    return ([p for p, _ in items],
+            DetectionSet(Path(IMAGES_DIR), list(CLASS_NAMES), [r for _, r in items]))
 
 
 def _png(pixels: np.ndarray) -> bytes:
@@ -198,13 +209,16 @@ def write_synthetic(out: Path, n_images: int, size: int = 320, seed: int = 0,
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty folder: choose a new --out "
                               "or remove it")
-    images, dataset = synthesize(n_images, size, seed, cameras)
+    _check_cameras(cameras)
     make_dirs(out.parent)
     tmp = out.parent / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{out.name}"
     try:
         images_dir = make_dirs(tmp / IMAGES_DIR)
-        for pixels, record in zip(images, dataset.records, strict=True):
+        records = []
+        for pixels, record in generate(n_images, size, seed, cameras):
             write_bytes_atomic(images_dir / record.file_name, _png(pixels))
+            records.append(record)
+        dataset = DetectionSet(images_dir, list(CLASS_NAMES), records)
         if "coco" in formats:
             write_coco(tmp, dataset)
         if "yolo" in formats:
