@@ -42,6 +42,10 @@ def resolve_factory(name: str) -> ModelFactory:
     """A registry name, or ``package.module:factory`` for a user model."""
     if name in _REGISTRY:
         return _REGISTRY[name]
+    if "/" in name and ":" not in name:
+        from hpc_core.vision.builders import resolve  # torchvision/timm: imported on demand
+
+        return resolve(name)
     if ":" in name:
         module_name, _, attr = name.partition(":")
         try:
@@ -53,7 +57,8 @@ def resolve_factory(name: str) -> ModelFactory:
             raise ValueError(f"model {name!r}: {module_name} has no callable {attr!r}")
         return factory
     raise ValueError(
-        f"unknown model {name!r}: use one of {available_models()} or 'package.module:factory'"
+        f"unknown model {name!r}: use one of {available_models()}, 'torchvision/NAME', "
+        "'timm/NAME' or 'package.module:factory'"
     )
 
 
