@@ -5,7 +5,8 @@ plain tensors, a torchvision/timm ``.pth`` only with ``torch.load(weights_only=T
 pickle: safetensors is preferred, :func:`convert_to_safetensors`). Then the state dict is
 fitted to the module the spec built:
 
-* a tensor the module lacks is reported as unexpected, one the file lacks as missing;
+* a tensor the module lacks is reported as unexpected (an auxiliary head, ...); one the
+  file lacks refuses it, except BatchNorm's batch counter and the head;
 * a classification head of another class count (the module's last parameters of a different
   shape) is left at its fresh initialisation and reported;
 * the first convolution of a module built for ``in_channels`` other than the file's takes
@@ -146,11 +147,14 @@ def fit_state_dict(module: nn.Module, state: dict[str, torch.Tensor],
         raise WeightsError(f"model.weights: {source} shares no tensor with the model "
                            f"(it has e.g. {', '.join(list(state)[:3])}; the model "
                            f"{', '.join(keys[:3])})")
-    backbone_missing = [k for k in report.missing if k not in head]
-    if len(backbone_missing) > len(keys) // 2:
+    # BatchNorm's batch counter is absent from older checkpoints; any other gap is another
+    # model's weights (resnet18's file under resnet34 would leave its extra blocks random).
+    backbone_missing = [k for k in report.missing
+                        if k not in head and not k.endswith("num_batches_tracked")]
+    if backbone_missing:
         raise WeightsError(f"model.weights: {source} lacks {len(backbone_missing)} of the "
-                           f"model's {len(keys)} tensors (e.g. {backbone_missing[0]}): another "
-                           "model's weights")
+                           f"model's {len(keys)} tensors (e.g. {backbone_missing[0]}): not "
+                           "this model's backbone")
     module.load_state_dict(fitted, strict=False)
     report.loaded = len(fitted)
     return report
