@@ -129,7 +129,9 @@ def record_layout(spec: ModelConfig) -> LayoutRecord:
 def _libraries(name: str) -> str:
     import importlib.metadata
 
-    libs = ["torch"] + [name.partition("/")[0]] + (["torchvision"] if name.startswith("timm/") else [])
+    libs = ["torch", name.partition("/")[0]]
+    if name.startswith("timm/"):
+        libs.append("torchvision")
     return ", ".join(f"{lib} {importlib.metadata.version(lib)}" for lib in dict.fromkeys(libs))
 
 

@@ -42,9 +42,8 @@ def resolve_factory(name: str) -> ModelFactory:
     """A registry name, or ``package.module:factory`` for a user model."""
     if name in _REGISTRY:
         return _REGISTRY[name]
-    if "/" in name and ":" not in name:
-        from hpc_core.vision.builders import resolve  # torchvision/timm: imported on demand
-
+    if "/" in name and ":" not in name:  # torchvision/timm: imported on demand
+        from hpc_core.vision.builders import resolve
         return resolve(name)
     if ":" in name:
         module_name, _, attr = name.partition(":")
@@ -56,10 +55,8 @@ def resolve_factory(name: str) -> ModelFactory:
         if not callable(factory):
             raise ValueError(f"model {name!r}: {module_name} has no callable {attr!r}")
         return factory
-    raise ValueError(
-        f"unknown model {name!r}: use one of {available_models()}, 'torchvision/NAME', "
-        "'timm/NAME' or 'package.module:factory'"
-    )
+    raise ValueError(f"unknown model {name!r}: use one of {available_models()}, "
+                     "'torchvision/NAME', 'timm/NAME' or 'package.module:factory'")
 
 
 def model_spec_errors(name: str, kwargs: dict[str, Any]) -> list[str]:

@@ -72,9 +72,11 @@ def test_retinanet_and_grey_detector_input() -> None:
 
 
 def test_unknown_names_listed_with_close_ones() -> None:
-    with pytest.raises(ValueError, match=r"model.name 'torchvision/resnet81'.*close names: .*resnet18"):
+    with pytest.raises(ValueError,
+                       match=r"model.name 'torchvision/resnet81'.*close names: .*resnet18"):
         build("torchvision/resnet81")
-    with pytest.raises(ValueError, match=r"timm has no model 'mobilenetv3_smal_100'.*mobilenetv3_small_100"):
+    with pytest.raises(ValueError,
+                       match=r"timm has no model 'mobilenetv3_smal_100'.*mobilenetv3_small_100"):
         build("timm/mobilenetv3_smal_100")
     assert model_spec_errors("torchvision/resnet81", {})[0].startswith("  model.name:")
     with pytest.raises(ValidationError, match="torchvision/NAME"):
@@ -151,7 +153,7 @@ def test_wrong_hash_and_wrong_backbone_refused(tmp_path: Path) -> None:
     wrong = WeightsFile(path=str(path), sha256="0" * 64)
     with pytest.raises(WeightsError, match=f"has sha256 {good.sha256}, the config pins {'0' * 64}"):
         load_pretrained(build("torchvision/resnet18"), wrong)
-    with pytest.raises(WeightsError, match="not this model's backbone|shares no tensor|lacks"):
+    with pytest.raises(WeightsError, match=r"not this model's backbone|shares no tensor|lacks"):
         load_pretrained(build("torchvision/resnet34"), good)
-    with pytest.raises(WeightsError, match="shares no tensor|lacks"):
+    with pytest.raises(WeightsError, match=r"shares no tensor|lacks"):
         load_pretrained(build("torchvision/mobilenet_v3_small"), good)

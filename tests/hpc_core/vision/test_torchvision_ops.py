@@ -73,7 +73,7 @@ def test_qnms_refused_clearly_without_compiled_ops() -> None:
     import_torchvision()
     if compiled_ops_missing() is None:
         pytest.skip("torchvision's compiled operators load here: qnms is torchvision's own")
-    with pytest.raises(RuntimeError, match="qnms.*compiled operators"):
+    with pytest.raises(RuntimeError, match=r"qnms.*compiled operators"):
         torch.ops.torchvision.qnms(torch.zeros(1, 4), torch.zeros(1), 0.5)
 
 
