@@ -23,7 +23,8 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --upgrade pip >/dev/null
 	$(PIP) install torch==2.13.0 || $(PIP) install torch
-	$(PIP) install -e '.[dev]'
+	@# torch pinned to what was just installed: torchvision resolves to its matching release.
+	$(PIP) install -e '.[dev]' -c <(echo "torch==$$($(PY) -c 'import torch;print(torch.__version__.split("+")[0])')")
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from registry.errors import SpecMismatchError
-from registry.manifest import Manifest
-from registry.model_config import ModelConfig
+from registry.manifest import LayoutRecord, Manifest
+from registry.model_config import ECOSYSTEM_SOURCES, ModelConfig
 
 Shape = tuple[int, ...]
 Layout = dict[str, tuple[str, Shape]]
@@ -260,10 +260,8 @@ def expected_tensors(spec: ModelConfig) -> Layout:
         raise SpecMismatchError(f"model spec {spec.name!r} does not build: {e}") from None
 
 
-def compare_tensors(manifest: Manifest, want: Layout) -> None:
-    """Tensor names, dtypes and shapes must be exactly ``want``; the refusal names the first
-    five differences."""
-    have = {t.name: (t.dtype, tuple(t.shape)) for t in manifest.tensors}
+def _differences(have: Layout, want: Layout, model: str) -> str | None:
+    """The first five differences between two layouts, or None when they are equal."""
     problems = []
     for k in sorted(set(want) - set(have)):
         problems.append(f"missing tensor {k} ({want[k][0]}{list(want[k][1])})")
@@ -273,16 +271,61 @@ def compare_tensors(manifest: Manifest, want: Layout) -> None:
         if want[k] != have[k]:
             problems.append(
                 f"tensor {k}: manifest has {have[k][0]}{list(have[k][1])}, "
-                f"model {manifest.model.name} needs {want[k][0]}{list(want[k][1])}"
+                f"model {model} needs {want[k][0]}{list(want[k][1])}"
             )
-    if problems:
-        more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
-        shown = "; ".join(problems[:5]) + more
+    if not problems:
+        return None
+    more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+    return "; ".join(problems[:5]) + more
+
+
+def compare_tensors(manifest: Manifest, want: Layout) -> None:
+    """Tensor names, dtypes and shapes must be exactly ``want``; the refusal names the first
+    five differences."""
+    have = {t.name: (t.dtype, tuple(t.shape)) for t in manifest.tensors}
+    shown = _differences(have, want, manifest.model.name)
+    if shown:
         raise SpecMismatchError(f"{manifest.ref} does not match its model spec: {shown}")
 
 
-def check_layout(manifest: Manifest) -> None:
-    """The torch-free spec check of a registered model: its manifest's tensors must be exactly
-    those :func:`expected_tensors` gives."""
-    compare_tensors(manifest, expected_tensors(manifest.model))
+def is_ecosystem(name: str) -> bool:
+    """A torchvision or timm model (``torchvision/NAME``, ``timm/NAME``): its layout is
+    recorded in the manifest at publish, as no table here can follow those libraries."""
+    return ":" not in name and name.partition("/")[0] in ECOSYSTEM_SOURCES and "/" in name
 
+
+def compare_tensors_to_layout(record: LayoutRecord, have: Layout, source: str) -> None:
+    """``have`` (a checkpoint's or a version's tensors) must be exactly the recorded layout."""
+    want = {k: (dtype, tuple(shape)) for k, (dtype, shape) in record.tensors.items()}
+    shown = _differences(have, want, record.built_from.name)
+    if shown:
+        raise SpecMismatchError(f"{source} does not match its model spec: {shown}")
+
+
+def check_recorded_layout(manifest: Manifest) -> None:
+    """The torch-free spec check of a torchvision/timm version: the manifest must carry the
+    layout its publisher built from exactly this spec, and its tensors must be that layout."""
+    record = manifest.layout
+    if record is None:
+        raise SpecMismatchError(
+            f"{manifest.ref}: model {manifest.model.name!r} is a torchvision/timm model and the "
+            "manifest records no layout (publish it with hpc-train publish, which builds the "
+            "module and records its tensors)"
+        )
+    if record.built_from != manifest.model:
+        raise SpecMismatchError(
+            f"{manifest.ref}: the recorded layout was built from "
+            f"{record.built_from.model_dump(exclude_none=True)}, not from the manifest's model "
+            f"{manifest.model.model_dump(exclude_none=True)}"
+        )
+    have = {t.name: (t.dtype, tuple(t.shape)) for t in manifest.tensors}
+    compare_tensors_to_layout(record, have, manifest.ref)
+
+
+def check_layout(manifest: Manifest) -> None:
+    """The torch-free spec check: a registered model's manifest tensors must be exactly those
+    :func:`expected_tensors` gives; a torchvision/timm model's, its recorded layout."""
+    if is_ecosystem(manifest.model.name):
+        check_recorded_layout(manifest)
+        return
+    compare_tensors(manifest, expected_tensors(manifest.model))

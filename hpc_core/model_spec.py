@@ -24,9 +24,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hpc_core.model_layout import compare_tensors, custom_refused, is_custom
+from hpc_core.model_layout import (
+    compare_tensors,
+    compare_tensors_to_layout,
+    custom_refused,
+    is_custom,
+    is_ecosystem,
+)
 from registry.errors import PublishError, RegistryError, SpecMismatchError
-from registry.manifest import Manifest, TrainingInfo
+from registry.manifest import LayoutRecord, Manifest, PretrainedWeights, TrainingInfo
 from registry.model_config import ModelConfig
 from registry.publish import VersionContent
 from registry.safetensors_io import read_safetensors_index
@@ -97,10 +103,36 @@ def read_checkpoint(source: Path) -> VersionContent:
         k: float(v) for k, v in (state.get("metrics") or {}).items()
         if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
     }
+    pretrained = None
+    if m.weights is not None:  # the manifest records which file, never where it was
+        pretrained = PretrainedWeights(sha256=m.weights.sha256, file=Path(m.weights.path).name)
     training = TrainingInfo(config_sha256=cfg.digest(), step=state.get("step"),
-                            epoch=state.get("epoch"), metrics=metrics)
+                            epoch=state.get("epoch"), metrics=metrics, pretrained=pretrained)
     tensors = read_safetensors_index(ckpt / "model.safetensors")
-    return VersionContent(ckpt, m.model_copy(), training, tensors)
+    spec = m.model_copy(update={"weights": None})
+    layout = record_layout(spec) if is_ecosystem(spec.name) else None
+    if layout is not None:
+        compare_tensors_to_layout(layout, {t.name: (t.dtype, tuple(t.shape)) for t in tensors},
+                                  source=str(ckpt / "model.safetensors"))
+    return VersionContent(ckpt, spec, training, tensors, layout)
+
+
+def record_layout(spec: ModelConfig) -> LayoutRecord:
+    """Build the module (meta tensors) and record its state dict's layout, with the
+    libraries that built it: what a device checks a torchvision/timm version against."""
+    module = build_module(spec, meta=True)
+    tensors = {k: (torch_dtype_name(v.dtype), tuple(v.shape))
+               for k, v in module.state_dict().items()}
+    return LayoutRecord(built_from=spec, built_with=_libraries(spec.name), tensors=tensors)
+
+
+def _libraries(name: str) -> str:
+    import importlib.metadata
+
+    libs = ["torch", name.partition("/")[0]]
+    if name.startswith("timm/"):
+        libs.append("torchvision")
+    return ", ".join(f"{lib} {importlib.metadata.version(lib)}" for lib in dict.fromkeys(libs))
 
 
 def _peak_rss_mb() -> float:

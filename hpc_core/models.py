@@ -42,6 +42,9 @@ def resolve_factory(name: str) -> ModelFactory:
     """A registry name, or ``package.module:factory`` for a user model."""
     if name in _REGISTRY:
         return _REGISTRY[name]
+    if "/" in name and ":" not in name:  # torchvision/timm: imported on demand
+        from hpc_core.vision.builders import resolve
+        return resolve(name)
     if ":" in name:
         module_name, _, attr = name.partition(":")
         try:
@@ -52,9 +55,8 @@ def resolve_factory(name: str) -> ModelFactory:
         if not callable(factory):
             raise ValueError(f"model {name!r}: {module_name} has no callable {attr!r}")
         return factory
-    raise ValueError(
-        f"unknown model {name!r}: use one of {available_models()} or 'package.module:factory'"
-    )
+    raise ValueError(f"unknown model {name!r}: use one of {available_models()}, "
+                     "'torchvision/NAME', 'timm/NAME' or 'package.module:factory'")
 
 
 def model_spec_errors(name: str, kwargs: dict[str, Any]) -> list[str]:

@@ -189,6 +189,10 @@ class Trainer:
                 image_size=m.image_size,
                 **m.kwargs,  # type: ignore[arg-type]
             )
+            if m.weights is not None:  # sha256 checked; a resume below loads over it
+                from hpc_core.vision.weights import load_pretrained
+
+                load_pretrained(model, m.weights)
         self.raw_model = model.to(self.device)
         self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
         if not self.params:

@@ -211,6 +211,40 @@ class TrainingData(_Strict):
         return self
 
 
+class PretrainedWeights(_Strict):
+    """The local weights file a training run started from (its config's model.weights)."""
+
+    sha256: str
+    """sha256 of the file, as pinned in the training config."""
+    file: str = Field(min_length=1, max_length=255)
+    """Its file name (no folder): a label for people; the sha256 is the identity."""
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, v: str) -> str:
+        return check_sha256(v)
+
+    @field_validator("file")
+    @classmethod
+    def _plain(cls, v: str) -> str:
+        if "/" in v or "\\" in v or any(ord(c) < 32 for c in v):
+            raise ValueError("a file name only, with no folder or control characters")
+        return v
+
+
+class LayoutRecord(_Strict):
+    """The tensors the model spec builds, recorded at publish by building the module in torch:
+    state-dict key -> [safetensors dtype, shape]. A device checks the version's tensors
+    against it torch-free, for the models whose layout it cannot work out itself (torchvision,
+    timm)."""
+
+    built_from: ModelConfig
+    """The spec the module was built from: the manifest's model, exactly."""
+    built_with: str = Field(min_length=1, max_length=200)
+    """The libraries that built it, e.g. 'torch 2.13.0, torchvision 0.28.0'."""
+    tensors: dict[str, tuple[Dtype, tuple[int, ...]]] = Field(min_length=1)
+
+
 class TrainingInfo(_Strict):
     config_sha256: str | None = None
     """TrainConfig.digest() of the run that produced the weights."""
@@ -223,6 +257,9 @@ class TrainingInfo(_Strict):
     """Set on a device fine-tune: the data it learned from. Optional and left out of the
     signed bytes when None, so every manifest without it reads as before; a reader whose
     schema predates the field (unknown keys forbidden) refuses a manifest that has it."""
+    pretrained: PretrainedWeights | None = None
+    """The pretrained weights the run started from (model.weights of its config); None: it
+    started from a random initialisation, or from a parent version. Left out when None."""
 
 
 class Signer(_Strict):
@@ -251,6 +288,10 @@ class Manifest(_Strict):
     model: ModelConfig
     """The model spec, as in a training config; sizes must be resolved."""
     training: TrainingInfo = Field(default_factory=TrainingInfo)
+    layout: LayoutRecord | None = None
+    """For a torchvision or timm model: the tensors its spec builds, recorded at publish; a
+    device refuses a version whose tensors differ. Left out when None (the project's own
+    models are checked from the spec alone)."""
     chunk_size: int = Field(ge=4096, le=1 << 30)
     pack_below: int = Field(ge=0)
     chunks: tuple[ChunkRef, ...]
@@ -281,6 +322,11 @@ class Manifest(_Strict):
         if unset:
             raise ValueError(
                 f"model.{unset[0]} must be set: a device rebuilds the module from the spec alone"
+            )
+        if v.weights is not None:
+            raise ValueError(
+                "model.weights is a training input (a local file path): a manifest records "
+                "its sha256 in training.pretrained instead"
             )
         return v
 
@@ -348,9 +394,14 @@ class Manifest(_Strict):
             del doc["base"]
         # Left out unless set, for the same reason: a device whose schema predates a field
         # (extra keys forbidden) still takes every version that does not set it.
-        for optional in ("aggregate", "data"):
+        for optional in ("aggregate", "data", "pretrained"):
             if doc["training"][optional] is None:
                 del doc["training"][optional]
+        if doc["layout"] is None:
+            del doc["layout"]
+        else:
+            doc["layout"]["built_from"].pop("weights", None)
+        doc["model"].pop("weights", None)  # always None here (_resolved)
         return (json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 
     @classmethod

@@ -44,6 +44,7 @@ from registry.manifest import (
     MAX_MANIFEST_BYTES,
     BaseRelease,
     ChunkRef,
+    LayoutRecord,
     Manifest,
     TrainingInfo,
     utc_now,
@@ -70,6 +71,8 @@ class VersionContent:
     model: ModelConfig
     training: TrainingInfo
     tensors: list[TensorSource]
+    layout: LayoutRecord | None = None
+    """The tensors the spec builds, for a torchvision/timm model (see Manifest.layout)."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ def sign_version(
     artefacts: Sequence[ArtefactSource] = (),
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     pack_below: int = DEFAULT_PACK_BELOW,
+    spec_layout: LayoutRecord | None = None,
 ) -> SignedVersion:
     """Cut the content into chunks (each handed to ``on_chunk``), then build and sign the
     manifest. Publishing and a device staging its own fine-tune both go through here."""
@@ -138,7 +142,7 @@ def sign_version(
         created_at=utc_now(),
         signer=key.signer, model=model, training=training or TrainingInfo(),
         chunk_size=chunk_size, pack_below=pack_below, chunks=layout.chunks,
-        tensors=layout.tensors, artefacts=layout.artefacts,
+        tensors=layout.tensors, artefacts=layout.artefacts, layout=spec_layout,
     )
     manifest_bytes = manifest.to_bytes()
     return SignedVersion(manifest, manifest_bytes, key.sign_manifest(manifest_bytes))
@@ -190,6 +194,7 @@ def publish_version(
     pack_below: int = DEFAULT_PACK_BELOW,
     known_chunks: Iterable[str] = (),
     on_chunk: ChunkProgress | None = None,
+    spec_layout: LayoutRecord | None = None,
 ) -> PublishReport:
     """Write the chunks the store lacks, then the signature, then the manifest.
 
@@ -226,7 +231,7 @@ def publish_version(
     signed = sign_version(
         name=name, version=version, sequence=sequence, model=model, tensors=tensors, key=key,
         on_chunk=put_chunk, parent=parent, base=base, training=training, artefacts=artefacts,
-        chunk_size=chunk_size, pack_below=pack_below,
+        chunk_size=chunk_size, pack_below=pack_below, spec_layout=spec_layout,
     )
     signed = _commit(store, signed, key, parent_seq)
     sequence = signed.manifest.sequence
@@ -316,5 +321,5 @@ def publish_content(
         store, name=name, version=version, parent=parent, parent_seq=parent_seq,
         model=content.model, training=content.training, tensors=content.tensors,
         artefacts=collect_artefacts(artefacts), key=key, chunk_size=chunk_size,
-        pack_below=pack_below,
+        pack_below=pack_below, spec_layout=content.layout,
     )

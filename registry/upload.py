@@ -76,7 +76,8 @@ def merge_metrics(content: VersionContent, metrics: dict[str, float] | None) -> 
             raise PublishError(f"metric {k} is {v!r}: only finite numbers can be published")
         merged[k] = float(v)
     training = content.training.model_copy(update={"metrics": merged})
-    return VersionContent(content.path, content.model, training, content.tensors)
+    return VersionContent(content.path, content.model, training, content.tensors,
+                          content.layout)
 
 
 def upload(
@@ -115,7 +116,7 @@ def upload(
         store, name=parent.name, version=version, parent=parent.version,
         parent_seq=parent.sequence, base=parent.base_release, model=content.model,
         training=content.training,
-        tensors=content.tensors, artefacts=arts, key=key,
+        tensors=content.tensors, artefacts=arts, key=key, spec_layout=content.layout,
         # The parent's cutting rule: unchanged tensors must give the very same chunks.
         chunk_size=parent.chunk_size, pack_below=parent.pack_below, on_chunk=on_chunk,
     )

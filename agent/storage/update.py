@@ -287,6 +287,7 @@ def stage_local(
             parent=parent.version, base=parent.manifest.base_release,
             training=content.training, artefacts=artefacts,
             chunk_size=parent.manifest.chunk_size, pack_below=parent.manifest.pack_below,
+            spec_layout=content.layout,
         )
         manifest, verified_by = verify_signed_manifest(
             signed.manifest_bytes, signed.signature_bytes, trusted,
