@@ -1,6 +1,7 @@
 """Write a "device" data set: sklearn's digits as a particular device's camera sees them.
 
-The distortions model real sensor differences between the upstream data and one device:
+The distortions (hpc_core.cameras) model real sensor differences between the upstream data
+and one device:
   invert   an IR / backlit camera: dark strokes on a bright field (x -> 1 - x)
   noise    sensor read noise: additive Gaussian, sigma 0.15, clipped to [0, 1]
   blur     a soft lens: 3x3 box blur
@@ -15,29 +16,10 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
+from hpc_core.cameras import KINDS, distort
 from hpc_core.data import load_digits_tensors
 from registry.atomic import private_umask
-
-KINDS = ("invert", "noise", "blur", "rotate")
-
-
-def distort(x: torch.Tensor, kinds: list[str], seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    for kind in kinds:
-        if kind == "invert":
-            x = 1.0 - x
-        elif kind == "noise":
-            x = (x + 0.15 * torch.randn(x.shape, generator=g)).clamp(0, 1)
-        elif kind == "blur":
-            x = F.avg_pool2d(F.pad(x, (1, 1, 1, 1), mode="replicate"), 3, stride=1)
-        elif kind == "rotate":
-            x = torch.rot90(x, 1, dims=(2, 3))
-        else:
-            raise ValueError(f"unknown distortion {kind!r}: use {', '.join(KINDS)}")
-    return x
 
 
 def make_device_data(out: Path, kinds: list[str], image_size: int = 16, seed: int = 0) -> Path:

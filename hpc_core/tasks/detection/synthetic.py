@@ -29,13 +29,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hpc_core.cameras import KINDS, check_kinds, distort
 from hpc_core.tasks.detection.coco import IMAGES_DIR, write_coco
 from hpc_core.tasks.detection.records import DetectionSet, ImageRecord
 from hpc_core.tasks.detection.yolo import write_yolo
 from registry.atomic import TMP_PREFIX, fsync_dir, make_dirs, write_bytes_atomic
 
 CLASS_NAMES = [f"digit_{d}" for d in range(10)] + ["square", "circle", "triangle"]
-CAMERAS = ("invert", "noise", "blur", "rotate")
+CAMERAS = KINDS
+"""The device cameras (:mod:`hpc_core.cameras`) a set may be seen through."""
 FORMATS = ("coco", "yolo")
 MAX_OBJECTS = 6
 MAX_COVERED = 0.3
@@ -138,37 +140,23 @@ def render(index: int, size: int, seed: int) -> tuple[np.ndarray, np.ndarray, np
 
 def apply_cameras(image: torch.Tensor, boxes: np.ndarray, cameras: Sequence[str],
                   g: torch.Generator) -> tuple[torch.Tensor, np.ndarray]:
-    """The camera distortions on a CxHxW image, in order; ``rotate`` moves the boxes too."""
+    """The camera distortions (:mod:`hpc_core.cameras`) on a CxHxW image, in order;
+    ``rotate`` turns the boxes with the pixels."""
     for kind in cameras:
-        if kind == "invert":
-            image = 1.0 - image
-        elif kind == "noise":
-            image = (image + 0.15 * torch.randn(image.shape, generator=g)).clamp(0, 1)
-        elif kind == "blur":
-            padded = F.pad(image[None], (1, 1, 1, 1), mode="replicate")
-            image = F.avg_pool2d(padded, 3, stride=1)[0]
-        elif kind == "rotate":
+        image = distort(image, [kind], generator=g)
+        if kind == "rotate":
             # rot90 turns pixel (row r, col c) of a W-wide image to (row W-1-c, col r)
             w = image.shape[-1]
-            image = torch.rot90(image, 1, dims=(1, 2))
             boxes = np.stack([boxes[:, 1], w - boxes[:, 2], boxes[:, 3], w - boxes[:, 0]],
                              axis=1).astype(np.float32)
-        else:
-            raise ValueError(f"unknown camera {kind!r}: use {', '.join(CAMERAS)}")
     return image, boxes
-
-
-def _check_cameras(cameras: Sequence[str]) -> None:
-    for kind in cameras:
-        if kind not in CAMERAS:
-            raise ValueError(f"unknown camera {kind!r}: use {', '.join(CAMERAS)}")
 
 
 def generate(n_images: int, size: int = 320, seed: int = 0,
              cameras: Sequence[str] = ()) -> Iterator[tuple[np.ndarray, ImageRecord]]:
     """The images (uint8 HxWx3) and their records one at a time (image ids 1 .. n, file names
     ``000000.png`` ..): a large set is written without holding it in memory."""
-    _check_cameras(cameras)
+    check_kinds(cameras)
     for i in range(n_images):
         pixels, boxes, labels = render(i, size, seed)
         g = torch.Generator().manual_seed(seed * 1_000_003 + i)
@@ -209,7 +197,7 @@ def write_synthetic(out: Path, n_images: int, size: int = 320, seed: int = 0,
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty folder: choose a new --out "
                               "or remove it")
-    _check_cameras(cameras)
+    check_kinds(cameras)
     make_dirs(out.parent)
     tmp = out.parent / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{out.name}"
     try:
