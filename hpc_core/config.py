@@ -17,8 +17,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from hpc_core.tasks import TASKS, TaskName, task_spec
 from registry.model_config import ModelConfig
 from registry.validation import StrictModel, format_errors
+
+CameraKind = Literal["invert", "noise", "blur", "rotate"]
+"""The device cameras of :mod:`hpc_core.cameras` (kept torch-free here)."""
 
 
 class RunConfig(StrictModel):
@@ -32,15 +36,49 @@ class RunConfig(StrictModel):
     """torch.use_deterministic_algorithms(True): slower on GPU, needed for bitwise repeats there."""
 
 
+class SyntheticDetectionConfig(StrictModel):
+    """The synthetic detection set (:mod:`hpc_core.tasks.detection.synthetic`): digits and
+    shapes on textured backgrounds, 13 classes, drawn in memory, nothing downloaded."""
+
+    images: int = Field(default=256, ge=2)
+    """Images in the set (train and validation together, split by data.val_fraction)."""
+    size: int = Field(default=320, ge=32, le=1024)
+    """Side of each (square) image, in pixels."""
+    seed: int = 0
+    """The same seed draws the same set; image i depends only on (seed, i, size, cameras)."""
+    cameras: list[CameraKind] = Field(default_factory=list)
+    """Device cameras the whole set is seen through, in order (invert, noise, blur, rotate;
+    rotate turns the boxes with the pixels)."""
+
+
 class DataConfig(StrictModel):
-    source: Literal["digits", "image_folder", "npz"] = "digits"
-    """digits: sklearn's bundled 8x8 handwritten digits (1,797 images, no download);
-    image_folder: one sub-folder of PNG/JPEG per class;
-    npz: arrays `x` (N,C,H,W or N,H,W) and `y`."""
+    source: Literal["digits", "image_folder", "npz", "coco", "yolo", "synthetic_detection"] = (
+        "digits")
+    """Classification: digits: sklearn's bundled 8x8 handwritten digits (1,797 images, no
+    download); image_folder: one sub-folder of PNG/JPEG per class; npz: arrays `x` (N,C,H,W
+    or N,H,W) and `y`.
+    Detection (task: detection): coco: a folder with annotations.json (or
+    annotations/instances_SPLIT.json) and images/; yolo: a folder with images/, labels/ and
+    data.yaml; synthetic_detection: digits and shapes drawn in memory (data.synthetic)."""
     path: Path | None = None
-    """Folder (image_folder) or file (npz). Not used by digits."""
+    """Folder (image_folder, coco, yolo) or file (npz). Not used by digits and
+    synthetic_detection."""
     image_size: int | None = Field(default=None, ge=4, le=1024)
-    """Resize images to this many pixels square (digits: 8 natively, 32 is common)."""
+    """Resize images to this many pixels square (digits: 8 natively, 32 is common).
+    Detection: letterbox every image to this square (aspect kept, boxes moved with the
+    pixels); null keeps each image's size (the detector resizes to model.image_size)."""
+    synthetic: SyntheticDetectionConfig | None = None
+    """synthetic_detection only: {images, size, seed, cameras}; null = the defaults."""
+    split: str | None = None
+    """coco/yolo: the part of the folder to train on, e.g. train: yolo reads images/SPLIT/
+    and labels/SPLIT/, coco annotations/instances_SPLIT.json with images/SPLIT/ (or SPLIT/,
+    or images/). null: the folder as a whole."""
+    val_split: str | None = None
+    """coco/yolo: the part to evaluate on, e.g. val (as data.split). null: hold out
+    data.val_fraction of the training part."""
+    boxes_outside: Literal["refuse", "clip"] = "refuse"
+    """coco/yolo: a box reaching more than a pixel past its image is refused (the load fails
+    listing each one) or clipped to the image."""
     grayscale: bool = True
     """image_folder only: load as 1-channel (True) or RGB (False)."""
     val_fraction: float = Field(default=0.2, gt=0.0, lt=1.0)
@@ -58,11 +96,21 @@ class DataConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
-        if self.source != "digits" and self.path is None:
+        if self.source not in ("digits", "synthetic_detection") and self.path is None:
             raise ValueError(
                 f"data.path is required for source={self.source!r}: set it to the "
-                f"{'folder' if self.source == 'image_folder' else '.npz file'}"
+                f"{'.npz file' if self.source == 'npz' else 'folder'}"
             )
+        if self.synthetic is not None and self.source != "synthetic_detection":
+            raise ValueError(f"data.synthetic is set but data.source={self.source!r} does "
+                             "not read it: remove it, or set data.source=synthetic_detection")
+        folder_only = [f"data.{k}" for k in ("split", "val_split")
+                       if getattr(self, k) is not None]
+        if self.boxes_outside != "refuse":
+            folder_only.append("data.boxes_outside")
+        if folder_only and self.source not in ("coco", "yolo"):
+            raise ValueError(f"{', '.join(folder_only)}: only coco and yolo folders have "
+                             f"these, not data.source={self.source!r}: remove them")
         if self.num_workers == 0 and (self.prefetch_factor is not None or self.persistent_workers):
             raise ValueError("prefetch_factor and persistent_workers need data.num_workers > 0")
         return self
@@ -197,6 +245,11 @@ class FaultConfig(StrictModel):
 
 
 class TrainConfig(StrictModel):
+    task: TaskName = "classification"
+    """What the model learns: classification (a class per image; eval/acc is the gate's
+    metric) or detection (boxes, labels and scores from a torchvision detector; eval/map,
+    COCO's mAP@0.5:0.95, is the gate's metric). Decides the data sources allowed, the loss
+    and the metrics; model.task follows it."""
     run: RunConfig = Field(default_factory=RunConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -207,6 +260,32 @@ class TrainConfig(StrictModel):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     faults: FaultConfig = Field(default_factory=FaultConfig)
+
+    @model_validator(mode="after")
+    def _task(self) -> TrainConfig:
+        spec = task_spec(self.task)
+        if self.data.source not in spec.sources:
+            other = next(t.name for t in TASKS.values() if self.data.source in t.sources)
+            raise ValueError(
+                f"data.source={self.data.source!r} is {other} data, but task={self.task!r} "
+                f"reads {', '.join(spec.sources)}: set data.source to one of those, or "
+                f"task={other}")
+        if "task" in self.model.model_fields_set and self.model.task != self.task:
+            raise ValueError(f"model.task={self.model.task!r} disagrees with "
+                             f"task={self.task!r}: set only the top-level task")
+        self.model.task = self.task
+        gate = f"eval/{spec.gate_metric}"
+        for section, key in ((self.checkpoint, "best_metric"),
+                             (self.training.early_stopping, "metric")):
+            where = "checkpoint.best_metric" if key == "best_metric" else (
+                "training.early_stopping.metric")
+            if key not in section.model_fields_set:
+                setattr(section, key, gate)  # the default follows the task
+            elif getattr(section, key) not in (None, *spec.eval_metrics):
+                raise ValueError(
+                    f"{where}={getattr(section, key)!r}: task {self.task} reports "
+                    f"{', '.join(spec.eval_metrics)}: use one of those")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -330,7 +409,17 @@ def reference_markdown(root: type[BaseModel] = TrainConfig) -> str:
     """The config reference as Markdown tables, one per section (printed by config-docs)."""
     out = []
     defaults = TrainConfig(training=TrainingConfig(epochs=1)).to_dict()
+    top = {k: f for k, f in root.model_fields.items()
+           if not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel))}
+    if top:
+        out += ["### top level", "", "| key | default | meaning |", "|---|---|---|"]
+        for name, f in top.items():
+            desc = (f.description or "").replace("\n", " ").replace("|", "\\|")
+            out.append(f"| `{name}` | `{json.dumps(defaults[name])}` | {' '.join(desc.split())} |")
+        out.append("")
     for section, field in root.model_fields.items():
+        if section in top:
+            continue
         model = field.annotation
         assert isinstance(model, type) and issubclass(model, BaseModel)
         out += [f"### `{section}`", "", "| key | default | meaning |", "|---|---|---|"]

@@ -7,7 +7,7 @@ Nothing here downloads: digits ships inside scikit-learn. Every data set yields
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -257,7 +257,10 @@ def make_loader(
     *,
     sampler: ResumableSampler | None = None,
     seed: int = 0,
+    collate_fn: Callable[[list], object] | None = None,
 ) -> DataLoader:
+    """Batches of ``ds`` in order (or ``sampler``'s); ``collate_fn`` is the task's (None:
+    torch's default, stacked tensors)."""
     # An explicit generator keeps DataLoader from drawing its base seed from the global torch
     # RNG: creating an iterator would otherwise shift dropout masks and break exact resume.
     return DataLoader(
@@ -266,6 +269,7 @@ def make_loader(
         sampler=sampler,
         shuffle=False,
         drop_last=False,
+        collate_fn=collate_fn,
         generator=torch.Generator().manual_seed(seed),
         **loader_kwargs(cfg),  # type: ignore[arg-type]
     )

@@ -23,14 +23,13 @@ import math
 import os
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -38,19 +37,13 @@ from torch.utils.data import Dataset, Subset
 
 from hpc_core import checkpoint as ckpt
 from hpc_core.config import ScheduleConfig, TrainConfig
-from hpc_core.data import (
-    DataInfo,
-    ResumableSampler,
-    TensorImageDataset,
-    build_datasets,
-    eval_shard,
-    make_loader,
-    steps_per_epoch,
-)
-from hpc_core.distributed import all_reduce_max, all_reduce_sum, barrier, init_distributed
+from hpc_core.data import ResumableSampler, eval_shard, make_loader, steps_per_epoch
+from hpc_core.distributed import all_reduce_max, barrier, init_distributed
 from hpc_core.faults import FaultInjector, StopSignals, is_oom
 from hpc_core.metrics import MetricsLogger, peak_device_mb, peak_rss_mb, want_progress
 from hpc_core.models import build_model
+from hpc_core.tasks import get_task
+from hpc_core.tasks.base import Task
 
 if TYPE_CHECKING:
     from hpc_core.tracking import RunStatus
@@ -138,6 +131,8 @@ class Trainer:
         self._stop_request: str | None = None
         self._agreed_stop = False
         self.ckpt_root = cfg.run.output_dir / "checkpoints"
+        # Everything that differs between tasks (data, loss, metrics) goes through this.
+        self.task: Task = get_task(cfg.task)
         self._setup_data(datasets)
         self._setup_model(model)
         self._setup_optimizer()
@@ -156,10 +151,10 @@ class Trainer:
     def _setup_data(self, datasets: tuple[Dataset, Dataset] | None) -> None:
         t = self.cfg.training
         if datasets is None:
-            self.train_ds, self.val_ds, info = build_datasets(self.cfg.data)
+            self.train_ds, self.val_ds, info = self.task.build_datasets(self.cfg.data)
         else:
             self.train_ds, self.val_ds = datasets
-            info = _infer_info(self.train_ds, self.val_ds, self.cfg.model.num_classes)
+            info = self.task.infer_info(self.train_ds, self.val_ds, self.cfg.model.num_classes)
         self.info = info
         m = self.cfg.model
         m.num_classes = m.num_classes or info.num_classes
@@ -176,7 +171,8 @@ class Trainer:
         self.total_steps = t.max_steps or (t.epochs or 1) * self.steps_per_epoch
         self.sampler = ResumableSampler(self.train_ds, W, self.dist.rank, seed=self.cfg.run.seed)
         self.train_loader = make_loader(
-            self.train_ds, self.per_rank_batch, self.cfg.data, sampler=self.sampler
+            self.train_ds, self.per_rank_batch, self.cfg.data, sampler=self.sampler,
+            collate_fn=self.task.collate,
         )
 
     def _setup_model(self, model: nn.Module | None) -> None:
@@ -343,13 +339,11 @@ class Trainer:
                 self.save()
             if progress is not None:
                 progress.update(1)
+                gate = self.task.gate_metric
+                shown = self.last_eval.get(f"eval/{gate}")
                 progress.set_postfix(
                     loss=f"{out['loss']:.4f}",
-                    **(
-                        {"acc": f"{self.last_eval['eval/acc']:.3f}"}
-                        if "eval/acc" in self.last_eval
-                        else {}
-                    ),
+                    **({gate: f"{shown:.3f}"} if shown is not None else {}),
                 )
             for hook in self.hooks:
                 hook.on_step_end(self, st.step, metrics)
@@ -360,8 +354,9 @@ class Trainer:
                 return stop
         return None
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, float] | None:
-        """One optimizer step over this rank's batch; None when it was rolled back."""
+    def train_step(self, x: Any, y: Any) -> dict[str, float] | None:
+        """One optimizer step over this rank's batch (as the task's ``collate`` made it);
+        None when it was rolled back."""
         step = self.state.step + 1
         while True:
             oom = False
@@ -408,14 +403,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": float(loss), "grad_norm": grad_norm, "lr": lr}
 
-    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+    def _forward_backward(self, x: Any, y: Any, step: int) -> torch.Tensor:
         """Accumulate gradients of the mean loss over ``x`` in micro-batches; return that loss."""
-        n = len(x)
+        task = self.task
+        n = task.batch_len(x)
         mb = self.state.micro_batch_size
         total = torch.zeros((), device=self.device)
         for start in range(0, n, mb):
-            xm = x[start : start + mb].to(self.device, non_blocking=True)
-            ym = y[start : start + mb].to(self.device, non_blocking=True)
+            xm, ym = task.to_device(*task.split(x, y, start, start + mb), self.device)
+            size = task.batch_len(xm)
             last = start + mb >= n
             # Gradients are all-reduced once, on the last micro-batch.
             sync = (
@@ -424,14 +420,12 @@ class Trainer:
                 else contextlib.nullcontext()
             )
             with sync:
-                self.faults.maybe_oom(step, len(xm))
-                with self._autocast():
-                    logits = self.model(xm)
-                loss = F.cross_entropy(logits.float(), ym)
+                self.faults.maybe_oom(step, size)
+                loss = task.loss(self.model, xm, ym, autocast=self._autocast)
                 loss = self.faults.corrupt_loss(step, loss)
                 # Weight by the micro-batch's share, so the sum is the mean over the full batch.
-                self.scaler.scale(loss * (len(xm) / n)).backward()
-            total += loss.detach() * len(xm)
+                self.scaler.scale(loss * (size / n)).backward()
+            total += loss.detach() * size
         return total / n
 
     @torch.no_grad()
@@ -542,27 +536,17 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Loss and top-1 accuracy on the validation split (sharded over ranks)."""
+        """The task's metrics on the validation split (sharded over ranks, combined by the
+        task's evaluation): eval/loss and eval/acc, or eval/map, eval/map50, ..."""
         # The unwrapped module: DDP's forward would broadcast buffers, a collective that
         # uneven shards would call a different number of times per rank.
-        model = self.raw_model
-        model.eval()
         idx = eval_shard(len(self.val_ds), self.dist.rank, self.dist.world_size)  # type: ignore[arg-type]
-        loader = make_loader(Subset(self.val_ds, idx), self.state.micro_batch_size, self.cfg.data)
-        loss_sum, correct, count = 0.0, 0.0, 0.0
-        for x, y in loader:
-            x, y = x.to(self.device), y.to(self.device)
-            with self._autocast():
-                logits = model(x)
-            loss_sum += float(F.cross_entropy(logits.float(), y, reduction="sum"))
-            correct += float((logits.argmax(1) == y).sum())
-            count += len(y)
-        loss_sum, correct, count = all_reduce_sum([loss_sum, correct, count], self.dist)
+        loader = make_loader(Subset(self.val_ds, idx), self.state.micro_batch_size, self.cfg.data,
+                             collate_fn=self.task.collate)
+        result = self.task.evaluate(self.raw_model, loader, self.device, self.dist,
+                                    self._autocast)
         self._set_train_mode()
-        self.last_eval = {
-            "eval/loss": loss_sum / max(count, 1),
-            "eval/acc": correct / max(count, 1),
-        }
+        self.last_eval = {f"eval/{k}": v for k, v in result.items()}
         self._log(self.last_eval)
         self.last_eval["step"] = float(self.state.step)
         return {k: v for k, v in self.last_eval.items() if k != "step"}
@@ -715,14 +699,3 @@ class _Window:
         self._reset()
         return out
 
-
-def _infer_info(train: Dataset, val: Dataset, num_classes: int | None) -> DataInfo:
-    x0, _ = train[0]
-    if num_classes is None:
-        labels: Iterator[int]
-        if isinstance(train, TensorImageDataset):
-            labels = iter(train.y.tolist())
-        else:
-            labels = (int(train[i][1]) for i in range(len(train)))  # type: ignore[arg-type]
-        num_classes = max(labels) + 1
-    return DataInfo(num_classes, int(x0.shape[0]), int(x0.shape[-1]), len(train), len(val))  # type: ignore[arg-type]

@@ -401,7 +401,9 @@ class Manifest(_Strict):
             del doc["layout"]
         else:
             doc["layout"]["built_from"].pop("weights", None)
+            _drop_default_task(doc["layout"]["built_from"])
         doc["model"].pop("weights", None)  # always None here (_resolved)
+        _drop_default_task(doc["model"])
         return (json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 
     @classmethod
@@ -417,6 +419,14 @@ class Manifest(_Strict):
                 raise UnsafeNameError(f"{source}: {unsafe[0]['msg']}") from None
             lines = "\n".join(format_errors(e, cls))
             raise InvalidManifestError(f"{source}: does not validate\n{lines}") from None
+
+
+def _drop_default_task(spec: dict[str, Any]) -> None:
+    """Leave a classifier's ``task`` out of the signed bytes: a classifier's manifest stays
+    byte for byte what it was before the field existed, and a device whose schema predates
+    it still takes every classifier."""
+    if spec.get("task") == "classification":
+        del spec["task"]
 
 
 def utc_now() -> datetime:

@@ -8,12 +8,15 @@ is ``hpc_core.model_spec``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
 from registry.names import check_sha256
 from registry.validation import StrictModel
+
+TaskName = Literal["classification", "detection"]
+"""What a model is trained to do; each has its implementation in ``hpc_core.tasks``."""
 
 ECOSYSTEM_SOURCES = ("torchvision", "timm")
 """The libraries a ``SOURCE/NAME`` model name builds from (``hpc_core.vision.builders``)."""
@@ -38,6 +41,11 @@ class WeightsFile(StrictModel):
 
 
 class ModelConfig(StrictModel):
+    task: TaskName = "classification"
+    """What the model does: classification (one class per image) or detection (boxes, labels
+    and scores). In a training config it follows the top-level `task` (leave it out there);
+    a manifest carries it so a device knows what it holds without torch. Versions published
+    before it existed are classifiers."""
     name: str = "small_cnn"
     """A registered model (mlp, small_cnn, resnet, mobilenet_v2, vit); an ecosystem model,
     'torchvision/NAME' (any torchvision classifier, or the detectors

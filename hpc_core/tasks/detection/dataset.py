@@ -9,6 +9,8 @@ in size and in their number of objects; a fixed ``size`` letterboxes every image
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 from torch.utils.data import Dataset
@@ -33,7 +35,9 @@ class DetectionDataset(Dataset):
     Crowd regions (COCO's ``iscrowd``) are left out of the targets unless ``keep_crowd``: a
     detector must not learn one box around a crowd, and the metric reads them from the
     records. ``label_offset`` is added to every label: 1 for torchvision's Faster R-CNN and
-    SSD, which keep label 0 for the background.
+    SSD, which keep label 0 for the background. ``images`` holds the pixels in memory (uint8
+    HxWx3, one per record, as :func:`~.synthetic.synthesize` makes them) instead of reading
+    each record's file.
     """
 
     def __init__(
@@ -45,8 +49,12 @@ class DetectionDataset(Dataset):
         keep_crowd: bool = False,
         label_offset: int = 0,
         seed: int = 0,
+        images: Sequence[np.ndarray] | None = None,
     ) -> None:
+        if images is not None and len(images) != len(dataset.records):
+            raise ValueError(f"{len(images)} images for {len(dataset.records)} records")
         self.dataset = dataset
+        self.images = images
         self.transform = transform
         self.letterbox = Letterbox(size) if size else None
         self.keep_crowd = keep_crowd
@@ -73,7 +81,11 @@ class DetectionDataset(Dataset):
         return target
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, Target]:
-        image = load_image(str(self.dataset.image_path(i)))
+        if self.images is None:
+            image = load_image(str(self.dataset.image_path(i)))
+        else:
+            image = torch.from_numpy(self.images[i]).permute(2, 0, 1).float().div(255.0)
+            image = image.contiguous()
         target = self.target(i)
         # one generator per (seed, epoch, index): the same augmentation whichever worker or
         # rank loads the item, and again after a resume
