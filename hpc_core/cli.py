@@ -12,6 +12,7 @@ from hpc_core.aggregation.command import register_cli as register_aggregate_cli
 from hpc_core.batch_find import add_batch_find_args, run_batch_find
 from hpc_core.config import ConfigError, load_config, reference_markdown, summarize
 from hpc_core.estimate import add_estimate_args, run_estimate
+from hpc_core.evaluate import add_evaluate_args, run_evaluate
 from hpc_core.lr_find import add_lr_find_args, run_lr_find
 from hpc_core.train import add_train_args, run
 from hpc_core.tune.command import add_tune_args, run_tune
@@ -22,6 +23,8 @@ examples:
   hpc-train validate configs/digits.yaml
   hpc-train train --config configs/digits.yaml --set run.output_dir=runs/digits
   hpc-train train --config configs/digits.yaml --resume auto
+  hpc-train train --config configs/detection.yaml --set run.output_dir=runs/det
+  hpc-train evaluate runs/det --set data.synthetic.seed=1
   torchrun --nproc-per-node 2 -m hpc_core.train --config configs/hpc.yaml
 
 exit codes: 0 ok, 1 training failed, 2 invalid config or arguments
@@ -82,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_train_args(t)
     t.set_defaults(func=run)
+    ev = sub.add_parser(
+        "evaluate",
+        help="a checkpoint's metrics on a validation split (top-1, or COCO mAP for a detector)",
+        description="Rebuild a checkpoint's model and score it on its config's validation "
+        "split (or another config's, --config / --set) with its task's metrics; print one "
+        "JSON line.",
+    )
+    add_evaluate_args(ev)
+    ev.set_defaults(func=run_evaluate)
     tu = sub.add_parser(
         "tune",
         help="hyperparameter search with Optuna (one worker per process, shared storage)",

@@ -556,7 +556,10 @@ class Trainer:
         st, c, es = self.state, self.cfg.checkpoint, self.cfg.training.early_stopping
         if c.best_metric is not None and c.best_metric in self.last_eval:
             value = self.last_eval[c.best_metric]
-            if st.best_metric is None or _better(value, st.best_metric, c.best_mode, 0.0):
+            # nan (mAP of a split without objects) is never a best, and never improves.
+            if not math.isnan(value) and (
+                st.best_metric is None or _better(value, st.best_metric, c.best_mode, 0.0)
+            ):
                 st.best_metric, st.best_step = value, st.step
                 path = self.save()
                 if self.dist.is_main:
@@ -564,7 +567,9 @@ class Trainer:
         if es.patience is None or es.metric not in self.last_eval:
             return False
         value = self.last_eval[es.metric]
-        if st.es_best is None or _better(value, st.es_best, es.mode, es.min_delta):
+        if not math.isnan(value) and (
+            st.es_best is None or _better(value, st.es_best, es.mode, es.min_delta)
+        ):
             st.es_best = value
             st.evals_since_best = 0
             return False
