@@ -40,7 +40,7 @@ class SyntheticDetectionConfig(StrictModel):
     """The synthetic detection set (:mod:`hpc_core.tasks.detection.synthetic`): digits and
     shapes on textured backgrounds, 13 classes, drawn in memory, nothing downloaded."""
 
-    images: int = Field(default=256, ge=2)
+    images: int = Field(default=512, ge=2)
     """Images in the set (train and validation together, split by data.val_fraction)."""
     size: int = Field(default=320, ge=32, le=1024)
     """Side of each (square) image, in pixels."""

@@ -8,7 +8,8 @@ fitted to the module the spec built:
 * a tensor the module lacks is reported as unexpected (an auxiliary head, ...); one the
   file lacks refuses it, except BatchNorm's batch counter and the head;
 * a classification head of another class count (the module's last parameters of a different
-  shape) is left at its fresh initialisation and reported;
+  shape, or a torchvision detector's ``head.classification_head``) is left at its fresh
+  initialisation and reported;
 * the first convolution of a module built for ``in_channels`` other than the file's takes
   the RGB kernel summed into one channel (grey input) or repeated and rescaled;
 * anything else that does not fit - a backbone tensor of another shape, or no tensor in
@@ -36,6 +37,9 @@ log = logging.getLogger("hpc_core.vision")
 HEAD_TENSORS = 4
 """How many of the module's last state-dict entries may be a head left fresh when its shape
 differs: weight and bias of one linear layer, or of a detector's classification conv pair."""
+DETECTOR_CLASS_HEAD = "head.classification_head."
+"""Where torchvision's detectors (SSD, RetinaNet, FCOS) keep their per-class convolutions:
+before the box regression head in the state dict, so not among its last entries."""
 
 
 class WeightsError(ValueError):
@@ -121,7 +125,7 @@ def fit_state_dict(module: nn.Module, state: dict[str, torch.Tensor],
     backbone does not match."""
     own = module.state_dict()
     keys = list(own)
-    head = set(keys[-HEAD_TENSORS:])
+    head = set(keys[-HEAD_TENSORS:]) | {k for k in keys if k.startswith(DETECTOR_CLASS_HEAD)}
     first_conv = next((k for k, v in own.items() if k.endswith("weight") and v.dim() == 4), None)
     report = LoadReport()
     report.unexpected = sorted(set(state) - set(own))

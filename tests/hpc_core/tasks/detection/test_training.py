@@ -23,6 +23,7 @@ from hpc_core.config import TrainConfig, apply_overrides, config_from_dict
 from hpc_core.faults import FaultInjector
 from hpc_core.metrics import read_metrics
 from hpc_core.model_spec import read_checkpoint
+from hpc_core.tasks.detection.synthetic import write_synthetic
 from hpc_core.trainer import Trainer
 from hpc_core.vision.builders import resolve
 from registry.manifest import Manifest
@@ -194,3 +195,35 @@ def test_published_manifest_carries_the_task(cli_run: Path) -> None:
                                                                          "classification"})})})
     assert b'"task"' not in as_classifier.to_bytes()
     assert Manifest.from_bytes(as_classifier.to_bytes()).model.task == "classification"
+
+
+@pytest.mark.parametrize("name", ["retinanet_resnet18_fpn", "ssdlite320_mobilenet_v3_large"])
+def test_coco_weights_load_with_the_class_head_left_fresh(name: str) -> None:
+    """A torchvision COCO checkpoint (91 classes) starts a 14-class detector: every tensor
+    but the per-class convolutions loads; those stay fresh and are reported."""
+    from hpc_core.vision.weights import fit_state_dict
+
+    build = resolve(f"torchvision/{name}")
+    coco = build(num_classes=91, in_channels=3, image_size=64).state_dict()
+    torch.manual_seed(0)
+    model = build(num_classes=14, in_channels=3, image_size=64)
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
+    report = fit_state_dict(model, coco, "coco.pth")
+    assert report.head_reset and all(k.startswith("head.classification_head.")
+                                     for k in report.head_reset)
+    own = model.state_dict()
+    for k in own:
+        expected = fresh[k] if k in report.head_reset else coco[k]
+        assert torch.equal(own[k], expected), k
+
+
+@pytest.mark.parametrize("source", ["coco", "yolo"])
+def test_a_detector_trains_on_a_folder(tmp_path: Path, source: str) -> None:
+    folder = write_synthetic(tmp_path / "set", 6, size=64, seed=2, formats=(source,))
+    cfg = det_config(tmp_path / "run", [f"data.source={source}", f"data.path={folder}",
+                                        "data.synthetic=null", "training.max_steps=1"])
+    trainer = Trainer(cfg)
+    assert (len(trainer.train_ds), len(trainer.val_ds)) == (4, 2)
+    assert cfg.model.num_classes is None and trainer.cfg.model.num_classes == 14
+    result = trainer.train()
+    assert result.final_step == 1 and math.isfinite(result.metrics["eval/map"])
