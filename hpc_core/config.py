@@ -249,7 +249,8 @@ class TrainConfig(StrictModel):
     """What the model learns: classification (a class per image; eval/acc is the gate's
     metric) or detection (boxes, labels and scores from a torchvision detector; eval/map,
     COCO's mAP@0.5:0.95, is the gate's metric). Decides the data sources allowed, the loss
-    and the metrics; model.task follows it."""
+    and the metrics; model.task follows it (a config that sets only model.task, as a
+    manifest's model spec does, takes the task from there)."""
     run: RunConfig = Field(default_factory=RunConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -260,6 +261,17 @@ class TrainConfig(StrictModel):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     faults: FaultConfig = Field(default_factory=FaultConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _task_from_model(cls, data: Any) -> Any:
+        # A config built around a manifest's model spec (a device's fine-tune) names the task
+        # only there: the task follows it.
+        if isinstance(data, dict) and "task" not in data:
+            model = data.get("model")
+            if isinstance(model, dict) and "task" in model:
+                return {**data, "task": model["task"]}
+        return data
 
     @model_validator(mode="after")
     def _task(self) -> TrainConfig:

@@ -61,6 +61,13 @@ def test_detection_config_follows_the_task() -> None:
         is None
 
 
+def test_a_manifests_model_spec_brings_its_task() -> None:
+    spec = ModelConfig(task="detection", name="torchvision/fcos_resnet18_fpn").model_dump()
+    cfg = config_from_dict({"model": spec, "data": {"source": "synthetic_detection"}})
+    assert cfg.task == "detection" and cfg.checkpoint.best_metric == "eval/map"
+    assert "task='detection' reads coco" in refused({"model": spec})
+
+
 @pytest.mark.parametrize(("tree", "message"), [
     ({"task": "detection"}, "data.source='digits' is classification data, but task='detection' "
      "reads coco, yolo, synthetic_detection"),
