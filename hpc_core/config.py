@@ -148,6 +148,8 @@ class EarlyStoppingConfig(StrictModel):
     patience: int | None = Field(default=None, ge=1)
     """Stop after this many evaluations without improvement (null = never stop early)."""
     metric: str = "eval/acc"
+    """An evaluation metric of the task; left out, the task's gate metric (eval/acc for
+    classification, eval/map for detection)."""
     mode: Literal["max", "min"] = "max"
     min_delta: float = Field(default=0.0, ge=0.0)
 
@@ -195,7 +197,8 @@ class CheckpointConfig(StrictModel):
     keep_last: int = Field(default=2, ge=1)
     """Step checkpoints kept; older ones are deleted (the best one is always kept)."""
     best_metric: str | None = "eval/acc"
-    """Metric that picks the best checkpoint (null = no best tracking)."""
+    """Metric that picks the best checkpoint (null = no best tracking); left out, the task's
+    gate metric (eval/acc for classification, eval/map for detection)."""
     best_mode: Literal["max", "min"] = "max"
     save_final: bool = True
     """Write checkpoints/final/ when training ends."""

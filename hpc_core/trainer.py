@@ -3,7 +3,9 @@
 Read it top to bottom: ``__init__`` runs the named set-up steps, ``train`` walks epochs and
 steps, ``train_step`` does one optimizer step (micro-batches, accumulation, clipping, fault
 handling), ``evaluate`` measures, ``save``/``load`` persist. Variation comes from the config
-and from small hooks (``TrainerHook``), never from subclasses.
+and from small hooks (``TrainerHook``), never from subclasses. What differs between tasks
+(the data and its batches, the loss, the metrics) is the task's (``hpc_core.tasks``,
+``cfg.task``): the loop calls it and never asks which task it runs.
 
 Faults handled here (see ``hpc_core.faults`` for how to inject each one):
 - SIGTERM / SIGUSR1: checkpoint at the next step boundary and return (exit 0: preemption).

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -128,7 +128,7 @@ class Task(ABC):
         numpy arrays (``boxes`` xyxy, ``scores``, ``labels``; targets ``boxes``,
         ``labels``, optional ``iscrowd``), labels as the task's data sets give them."""
 
-    def evaluate(self, model: nn.Module, batches: Sequence[tuple[Any, Any]] | Any,
+    def evaluate(self, model: nn.Module, batches: Iterable[tuple[Any, Any]],
                  device: torch.device | str = "cpu", dist: DistInfo | None = None,
                  autocast: Autocast = no_autocast) -> dict[str, float]:
         """``model``'s metrics over ``batches`` (a loader of ``(inputs, targets)``), in eval

@@ -108,8 +108,10 @@ class DetectionTask(Task):
         n_train, n_val = len(train), len(val)  # type: ignore[arg-type]
         image, _ = train[0]
         if num_classes is None:
-            labels = [int(train[i][1]["labels"].max()) for i in range(n_train)
-                      if len(train[i][1]["labels"])]
+            # a DetectionDataset gives its targets without loading the images
+            target = getattr(train, "target", lambda i: train[i][1])
+            labels = [int(t["labels"].max()) for t in map(target, range(n_train))
+                      if len(t["labels"])]
             if not labels:
                 raise ValueError("the training set holds no object: set model.num_classes")
             num_classes = max(labels) + 1

@@ -187,3 +187,14 @@ def test_ranks_gather_detections_and_score_the_whole_set(
 def test_detection_task_is_the_registered_one() -> None:
     assert isinstance(TASK, DetectionTask) and TASK.gate_metric == "map"
     assert np.isfinite(TASK.score(PREDICTIONS, TARGETS)["ar100"])
+
+
+def test_info_of_data_sets_handed_in() -> None:
+    from hpc_core.config import DataConfig
+    from hpc_core.tasks.detection.sources import build_detection_datasets
+
+    cfg = DataConfig(source="synthetic_detection", synthetic={"images": 20, "size": 64},
+                     val_fraction=0.2)
+    train, val, info = build_detection_datasets(cfg)
+    assert TASK.infer_info(train, val, None) == info  # this split holds every class
+    assert TASK.infer_info(train, val, 30).num_classes == 30
