@@ -626,8 +626,9 @@ def plot(summary: dict[str, Any], path: Path) -> Path:
     for ax, (title, series, ref, ref_label) in zip(axes, panels, strict=False):
         if ref:
             ax.plot(ref, color="black", linestyle="--", label=ref_label)
-        for s in series:
-            ax.plot(s["curve"], label=s["rule"], linewidth=1.0)
+        for s in series:  # one colour per rule in every panel
+            ax.plot(s["curve"], label=s["rule"], linewidth=1.0,
+                    color=f"C{ALL_RULES.index(s['rule'])}")
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("round")
         ax.set_ylabel("test accuracy")
