@@ -1,0 +1,781 @@
+"""Fleet learning measured the way the field measures it: NIID-Bench's protocol (Li et al.
+2022, as Flower's baselines reproduce it) on the digits, with the project's own aggregation
+rules, under attack, several seeds, beside a centralized bound.
+
+* **Protocol.** 10 devices (``--devices``, any count), 50 rounds (``--rounds``, no cap), 10
+  local epochs a round (``--local-epochs``); every device takes part in every round and starts
+  it from the global model with a fresh optimizer: SGD, learning rate 0.01, momentum 0.9,
+  batch 64, weight decay 1e-5 (NIID-Bench's settings). Partitions (``--partitions``, specs of
+  :mod:`hpc_core.partitions`): ``iid``, ``dirichlet:0.5`` (label skew), ``labels:2`` (two
+  classes a device) and ``dirichlet:0.5+cameras:plain,invert,rotate`` (label and feature
+  skew). Data: sklearn's 1,797 digits (8 x 8, nothing downloaded), a seeded 20 % held out
+  as the test set nobody trains on; the rest dealt out to the devices.
+* **Model.** ``hpc_core.models``' ``mlp``, 64-128-64-10 with ReLUs (``--hidden``; McMahan
+  et al. 2017's "MNIST 2NN", ``--hidden 200,200``, costs ~3x the time for the same
+  accuracy here), built by ``build_model`` and run through ``torch.func``.
+* **Rules** (``--rules``): each round's device deltas are combined by
+  ``hpc_core.aggregation.in_memory.combine_updates``: ``hpc-train aggregate``'s own clip,
+  weights, Krum choice, ``strategies.combine_block``, DP noise and server step, on the deltas
+  held in memory (its tests check it equals ``run_round`` on a registry). ``fedavg`` (weighted
+  by sample count), ``fedprox`` (fedavg of devices training with the trainer's
+  ``training.proximal_mu`` term, mu * (w - w_global) added to the gradient), ``trimmed-mean``
+  (0.2 a side), ``median``, ``krum`` and ``multi-krum`` (f = the attackers, keeping N - f),
+  ``fedavg+clip`` (each update clipped to the round's median norm, ``--clip-norm median``),
+  ``dp-fedavg`` (central DP, fixed denominator, ``--dp-epsilon`` over the rounds; off unless
+  named).
+* **Centralized bound.** The same model and optimizer on the union of the devices' data (each
+  sample as its device's camera sees it) for rounds x local epochs epochs, batch 64: as many
+  sample gradients as the whole fleet computes. Its accuracy at the last round is the bound;
+  "round to 95 %" is the first round whose accuracy (mean over seeds) reaches 0.95 x it.
+* **Attacks** (on ``--attack-partition``, the last ``--attackers`` devices, 2 of 10): each
+  trains honestly, then uploads ``scale`` (delta x 50), ``flip`` (delta x -50, as
+  ``benchmarks/federated.py``) or ``alie`` (Baruch et al. 2019, "A little is enough": every
+  attacker sends mean - z * std per coordinate of the honest deltas, z = Phi^-1((n - s) / n),
+  s = floor(n / 2 + 1) - m: 0.253 for n = 10, m = 2).
+* **Seeds** (``--seeds``): the test split, the partition, the initial model and the batch
+  order; figures are the mean over seeds +- their standard deviation.
+
+What is simulated and what is the product path: the devices' local training is simulated,
+all in this one process, vectorized over devices and runs: ``torch.func.vmap`` of
+``grad(functional_call(model, ...))`` over stacked per-device weights, one batch of every
+active device at a time (a device with more data takes more steps; an epoch is a pass over
+its own data), with SGD written out on the stacked tensors. On a real fleet each device runs
+``agent.finetune.recipe.run_finetune`` (the trainer, its optimizer and pacing) and uploads a
+signed checkpoint to the registry; ``hpc-train aggregate`` verifies, streams and combines
+them (``benchmarks/federated.py`` runs that whole path, 8 devices, a few rounds). Here only
+the combination is the product's code; no registry, signing, transport or device recipe is
+exercised.
+
+Printed: the host's CPU (AVX2 / AVX-512 VNNI flags), per partition and rule the final
+accuracy (mean +- sd over seeds), its ratio to the centralized bound and the round it reached
+0.95 x that bound, each rule under each attack beside clean fedavg, the wall time, then the
+targets (fedavg on dirichlet:0.5 >= 0.95 x centralized by round 50, iid and labels:2 beside
+it; some shipped rule within 2 points of clean fedavg under ALIE) and the verdict line.
+
+    python benchmarks/federated_protocol.py --json fp.json --plot fp.png   # the full run
+    python benchmarks/federated_protocol.py --rules fedavg,median --partitions iid \\
+        --seeds 1 --attacks alie                                           # one partition
+    python benchmarks/federated_protocol.py --rounds 100 --devices 20      # longer, wider
+    python benchmarks/federated_protocol.py --quick     # 3 devices, 2 rounds: it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.harness import parse_args, verdict  # noqa: E402
+from hpc_core.aggregation.in_memory import Rule, combine_updates  # noqa: E402
+from hpc_core.aggregation.privacy import DpSettings, epsilon  # noqa: E402
+from hpc_core.data import load_digits_tensors  # noqa: E402
+from hpc_core.models import build_model  # noqa: E402
+from hpc_core.partitions import PartitionError, Shard, device_data, parse_spec, split  # noqa: E402
+
+HEADLINE = "dirichlet:0.5"
+BESIDE = ("iid", "labels:2")
+DEFAULT_PARTITIONS = ("iid", "dirichlet:0.5", "labels:2",
+                      "dirichlet:0.5+cameras:plain,invert,rotate")
+ALL_RULES = ("fedavg", "fedprox", "trimmed-mean", "median", "krum", "multi-krum",
+             "fedavg+clip", "dp-fedavg")
+DEFAULT_RULES = ("fedavg", "fedprox", "trimmed-mean", "median", "krum", "multi-krum",
+                 "fedavg+clip")
+ATTACKS = ("scale", "flip", "alie")
+TARGET_RATIO = 0.95
+"""federated / centralized accuracy by round 50 (headline and the partitions beside it)."""
+TARGET_BY_ROUND = 50
+ALIE_POINTS = 2.0
+"""Some shipped rule under ALIE within this many points of clean fedavg."""
+IMAGE_SIZE = 8  # the digits' own resolution: upsampling adds pixels, not information
+
+
+# --- data ----------------------------------------------------------------------------------
+
+@dataclass
+class Fleet:
+    """One partition of one seed: the devices' data (through their cameras) and the test
+    set (through every camera of the partition, equal parts)."""
+
+    spec: str
+    seed: int
+    shards: list[Shard]
+    x: list[torch.Tensor]
+    y: list[torch.Tensor]
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+
+    @property
+    def samples(self) -> list[int]:
+        return [len(t) for t in self.y]
+
+
+def make_fleet(spec: str, seed: int, devices: int, test_fraction: float) -> Fleet:
+    x, y = load_digits_tensors(IMAGE_SIZE)
+    perm = np.random.default_rng(seed).permutation(len(y))
+    n_test = round(test_fraction * len(y))
+    test, pool = perm[:n_test], perm[n_test:]
+    parsed = parse_spec(spec)
+    shards = split(parsed, y[pool].numpy(), devices, seed=seed)
+    xs, ys = [], []
+    for i, s in enumerate(shards):
+        dx, dy = device_data(x[pool], y[pool], s, seed=seed * 1000 + i)
+        xs.append(dx)
+        ys.append(dy)
+    cams = parsed.cameras or ((),)
+    tx = torch.cat([device_data(x[test], y[test], Shard(np.arange(len(test)), c),
+                                seed=seed * 1000 + 500 + j)[0] for j, c in enumerate(cams)])
+    ty = y[test].repeat(len(cams))
+    return Fleet(spec, seed, shards, xs, ys, tx, ty)
+
+
+# --- the model, functionally ----------------------------------------------------------------
+
+def make_model(hidden: Sequence[int]) -> torch.nn.Module:
+    return build_model("mlp", num_classes=10, in_channels=1, image_size=IMAGE_SIZE,
+                       hidden=tuple(hidden))
+
+
+def init_params(hidden: Sequence[int], seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {k: v.detach().clone() for k, v in make_model(hidden).named_parameters()}
+
+
+def flat(params: dict[str, torch.Tensor], lanes: int) -> torch.Tensor:
+    """lanes x D: each lane's weights in one row."""
+    return torch.cat([v.reshape(lanes, -1) for v in params.values()], dim=1)
+
+
+def unflat(row: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out, at = {}, 0
+    for k, v in like.items():
+        out[k] = row[at:at + v.numel()].reshape(v.shape)
+        at += v.numel()
+    return out
+
+
+@dataclass
+class Optim:
+    """SGD with momentum and weight decay (torch.optim.SGD's step, written out on stacked
+    weights so that one call steps every lane)."""
+
+    lr: float
+    momentum: float
+    weight_decay: float
+
+
+class Lanes:
+    """Stacked weights of L simulated devices (or centralized runs), each with its own data
+    in a shared pool, trained together: one vmapped gradient a step over the lanes that still
+    have a batch in this epoch.
+
+    Lanes come in groups (a run's devices), each group drawing its batch order from its own
+    generator, so a run's figures do not depend on which other runs share its lanes."""
+
+    def __init__(self, model: torch.nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]],
+                 batch: int, optim: Optim, groups: list[tuple[torch.Generator, int]]) -> None:
+        if sum(n for _, n in groups) != len(data):
+            raise ValueError("groups must cover the lanes")
+        self.model, self.batch, self.optim, self.groups = model, batch, optim, groups
+        self.pool_x = torch.cat([x for x, _ in data])
+        self.pool_y = torch.cat([y for _, y in data])
+        self.count = torch.tensor([len(y) for _, y in data])
+        self.start = torch.cumsum(self.count, 0) - self.count
+        self.grad = vmap(grad(self._loss))
+
+    def _loss(self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+              w: torch.Tensor) -> torch.Tensor:
+        out = functional_call(self.model, params, (x,))
+        per = F.cross_entropy(out, y, reduction="none")
+        return (per * w).sum() / w.sum().clamp(min=1.0)
+
+    def _order(self) -> torch.Tensor:
+        """Per lane, a random order of its own samples (padding sorts last)."""
+        n_max = int(self.count.max())
+        keys, at = [], 0
+        for gen, n in self.groups:
+            own = int(self.count[at:at + n].max())
+            k = torch.full((n, n_max), 3.0)
+            k[:, :own] = torch.rand(n, own, generator=gen)
+            keys.append(k)
+            at += n
+        order = torch.cat(keys)
+        order += (torch.arange(n_max)[None, :] >= self.count[:, None]).float() * 2
+        return order.argsort(dim=1)
+
+    def epoch(self, params: dict[str, torch.Tensor], buf: dict[str, torch.Tensor],
+              anchor: dict[str, torch.Tensor] | None, mu: torch.Tensor) -> None:
+        """One pass of every lane over its own data, in place: ``params`` and the momentum
+        ``buf``; ``mu`` per lane, FedProx's pull towards ``anchor``."""
+        order = self._order()
+        lanes, o = len(self.count), self.optim
+        prox = anchor is not None and bool((mu > 0).any())
+        for first in range(0, order.shape[1], self.batch):
+            active = torch.nonzero(self.count > first).squeeze(1)
+            every = len(active) == lanes  # most steps: no gather and scatter of weights
+            cols = order[active, first:first + self.batch]
+            take = (first + torch.arange(cols.shape[1]))[None, :] < self.count[active, None]
+            idx = torch.where(take, self.start[active, None] + cols, 0)
+            p = params if every else {k: v[active] for k, v in params.items()}
+            g = self.grad(p, self.pool_x[idx], self.pool_y[idx], take.float())
+            m = mu if every else mu[active]
+            for k, pk in p.items():
+                gk = g[k].add_(pk, alpha=o.weight_decay)
+                if prox:
+                    a = anchor[k] if every else anchor[k][active]  # type: ignore[index]
+                    gk += m.view(-1, *[1] * (pk.dim() - 1)) * (pk - a)
+                if every:
+                    buf[k].mul_(o.momentum).add_(gk)
+                    pk.sub_(buf[k], alpha=o.lr)
+                else:
+                    bk = buf[k][active].mul_(o.momentum).add_(gk)
+                    buf[k].index_copy_(0, active, bk)
+                    params[k].index_copy_(0, active, pk - o.lr * bk)
+
+
+def accuracy(model: torch.nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor,
+             y: torch.Tensor) -> float:
+    with torch.no_grad():
+        out = functional_call(model, params, (x,))
+    ok = torch.isfinite(out).all(1) & (out.argmax(1) == y)  # non-finite outputs count wrong
+    return float(ok.float().mean())
+
+
+# --- rules and attacks ------------------------------------------------------------------------
+
+def alie_z(n: int, m: int) -> float:
+    """Baruch et al. 2019: z_max = Phi^-1((n - s) / n), s = floor(n / 2 + 1) - m, the
+    attackers' supporters needed for a majority."""
+    s = math.floor(n / 2 + 1) - m
+    return statistics.NormalDist().inv_cdf((n - s) / n)
+
+
+def attack(deltas: np.ndarray, kind: str, attackers: int, scale: float) -> np.ndarray:
+    """The round's uploads when the last ``attackers`` rows are poisoned with ``kind``."""
+    if kind == "none" or attackers == 0:
+        return deltas
+    out = deltas.copy()
+    bad = slice(len(deltas) - attackers, None)
+    if kind == "scale":
+        out[bad] *= scale
+    elif kind == "flip":
+        out[bad] *= -scale
+    else:  # alie: inside the honest spread, every attacker the same vector
+        honest = deltas[: len(deltas) - attackers]
+        z = alie_z(len(deltas), attackers)
+        out[bad] = honest.mean(0) - z * honest.std(0)
+    return out
+
+
+@functools.cache
+def dp_noise_multiplier(target_eps: float, delta: float, rounds: int) -> float:
+    """The smallest noise multiplier (to 0.1 %) whose epsilon after ``rounds`` is within
+    ``target_eps`` (the aggregation's own accountant)."""
+    lo, hi = 0.05, 1000.0
+    while hi / lo > 1.001:
+        mid = (lo * hi) ** 0.5
+        lo, hi = (lo, mid) if epsilon(mid, delta, rounds) <= target_eps else (mid, hi)
+    return hi
+
+
+def rule_for(name: str, args: argparse.Namespace) -> tuple[Rule, float]:
+    """The aggregation rule and the devices' proximal mu of a ``--rules`` name."""
+    f = max(args.attackers, 1)
+    if name == "dp-fedavg":
+        z = dp_noise_multiplier(args.dp_epsilon, args.dp_delta, args.rounds)
+        dp = DpSettings(noise_multiplier=z, delta=args.dp_delta, rounds=args.rounds,
+                        clip_norm=args.dp_clip, expected_weight=float(args.devices))
+        return Rule(clip_norm=args.dp_clip, dp=dp), 0.0
+    return {
+        "fedavg": (Rule(), 0.0),
+        "fedprox": (Rule(), args.prox_mu),
+        "trimmed-mean": (Rule("trimmed-mean", trim=args.trim), 0.0),
+        "median": (Rule("median"), 0.0),
+        "krum": (Rule("krum", krum_f=f), 0.0),
+        "multi-krum": (Rule("krum", krum_f=f, krum_keep=args.devices - f), 0.0),
+        "fedavg+clip": (Rule(clip_norm="median"), 0.0),
+    }[name]
+
+
+def runnable(name: str, args: argparse.Namespace) -> bool:
+    """Krum needs N >= 2f + 3 (and Multi-Krum N - f >= 1)."""
+    if name in ("krum", "multi-krum"):
+        return args.devices >= 2 * max(args.attackers, 1) + 3
+    return True
+
+
+# --- runs -------------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """One federated run: a partition, a seed, a rule, an attack."""
+
+    fleet: Fleet
+    rule_name: str
+    rule: Rule
+    mu: float
+    attack: str = "none"
+    curve: list[float] = field(default_factory=list)
+    """Test accuracy of the global model after each round (index 0: the initial model)."""
+    note: str = ""
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.fleet.spec, self.rule_name, self.attack)
+
+
+@dataclass
+class Central:
+    """The centralized bound on one partition's union of device data, one seed."""
+
+    fleet: Fleet
+    curve: list[float] = field(default_factory=list)
+
+
+def run_all(runs: list[Run], centrals: list[Central], args: argparse.Namespace,
+            progress: Callable[[str], None]) -> None:
+    """The centralized runs and every federated run, ``--lanes`` devices at a time, over
+    ``--workers`` processes (one torch thread each); fills in their curves."""
+    per = max(1, args.lanes // args.devices)
+    chunks = [runs[i:i + per] for i in range(0, len(runs), per)]
+    if args.workers <= 1:
+        for c, curve in zip(centrals, _centralized(centrals, args), strict=True):
+            c.curve = curve
+        progress("centralized done")
+        for i, chunk in enumerate(chunks):
+            _fill(chunk, _federated(chunk, args))
+            progress(f"federated: {i + 1}/{len(chunks)} chunks of up to {per} runs done")
+        return
+    # spawn, not fork: a forked child of a process that has run torch may deadlock
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(args.workers, mp_context=ctx) as pool:
+        central = pool.submit(_centralized, centrals, args)  # the longest single job first
+        futures = {pool.submit(_federated, chunk, args): chunk for chunk in chunks}
+        for done, fut in enumerate(as_completed(futures), 1):
+            _fill(futures[fut], fut.result())
+            progress(f"federated: {done}/{len(chunks)} chunks of up to {per} runs done")
+        for c, curve in zip(centrals, central.result(), strict=True):
+            c.curve = curve
+        progress("centralized done")
+
+
+def _fill(runs: list[Run], results: list[tuple[list[float], str]]) -> None:
+    for r, (curve, note) in zip(runs, results, strict=True):
+        r.curve, r.note = curve, note
+
+
+def _start_process() -> None:
+    # Matrices this small gain nothing from torch's threads, and on a shared host their
+    # spin-waits cost 5-10x: one thread a process, a process a core.
+    torch.set_num_threads(1)
+
+
+def _federated(runs: list[Run], args: argparse.Namespace) -> list[tuple[list[float], str]]:
+    """Every run of the chunk in lock-step: (curve, note) per run."""
+    _start_process()
+    n, model = args.devices, make_model(args.hidden)
+    data = [(x, y) for r in runs for x, y in zip(r.fleet.x, r.fleet.y, strict=True)]
+    # a run's batch order from its seed alone: the rules of one seed see the same batches
+    groups = [(torch.Generator().manual_seed(r.fleet.seed), n) for r in runs]
+    lanes = Lanes(model, data, args.batch, Optim(args.lr, args.momentum, args.weight_decay),
+                  groups)
+    init = [init_params(args.hidden, r.fleet.seed) for r in runs]
+    glob = [flat(p, 1)[0] for p in init]  # each run's global weights, flat
+    like = init[0]
+    mu = torch.tensor([r.mu for r in runs for _ in range(n)], dtype=torch.float32)
+    rngs = [np.random.default_rng(r.fleet.seed + 17) for r in runs]  # DP noise, seeded
+    curves = [[accuracy(model, unflat(g, like), r.fleet.test_x, r.fleet.test_y)]
+              for r, g in zip(runs, glob, strict=True)]
+    notes = [""] * len(runs)
+    for rnd in range(1, args.rounds + 1):
+        start = torch.stack([g for g in glob for _ in range(n)])  # L x D
+        params = {k: v.clone() for k, v in unflat_lanes(start, like).items()}
+        anchor = unflat_lanes(start, like)
+        buf = {k: torch.zeros_like(v) for k, v in params.items()}  # a fresh optimizer
+        for _ in range(args.local_epochs):
+            lanes.epoch(params, buf, anchor, mu)
+        deltas = (flat(params, len(start)) - start).numpy()
+        for j, r in enumerate(runs):
+            rows = attack(deltas[j * n:(j + 1) * n], r.attack, args.attackers,
+                          args.attack_scale)
+            try:
+                step = combine_updates(rows, [float(s) for s in r.fleet.samples], r.rule,
+                                       rng=rngs[j])
+            except ValueError as e:  # every update non-finite: the model stays where it is
+                notes[j] = notes[j] or f"round {rnd}: {e}"
+                step = np.zeros(rows.shape[1])
+            glob[j] = glob[j] + torch.from_numpy(step).float()
+            curves[j].append(accuracy(model, unflat(glob[j], like), r.fleet.test_x,
+                                      r.fleet.test_y))
+    return list(zip(curves, notes, strict=True))
+
+
+def unflat_lanes(rows: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """L x D rows as stacked weights (L x each shape)."""
+    out, at = {}, 0
+    for k, v in like.items():
+        out[k] = rows[:, at:at + v.numel()].reshape(len(rows), *v.shape)
+        at += v.numel()
+    return out
+
+
+def _centralized(centrals: list[Central], args: argparse.Namespace) -> list[list[float]]:
+    """One lane per (union, seed): rounds x local epochs epochs, one optimizer throughout;
+    the curve is read every local_epochs epochs, as a round of the fleet."""
+    _start_process()
+    model = make_model(args.hidden)
+    data = [(torch.cat(c.fleet.x), torch.cat(c.fleet.y)) for c in centrals]
+    groups = [(torch.Generator().manual_seed(c.fleet.seed), 1) for c in centrals]
+    lanes = Lanes(model, data, args.batch, Optim(args.lr, args.momentum, args.weight_decay),
+                  groups)
+    init = [init_params(args.hidden, c.fleet.seed) for c in centrals]
+    like = init[0]
+    rows = torch.stack([flat(p, 1)[0] for p in init])
+    params = {k: v.clone() for k, v in unflat_lanes(rows, like).items()}
+    buf = {k: torch.zeros_like(v) for k, v in params.items()}
+    none = torch.zeros(len(centrals))
+    curves: list[list[float]] = [[] for _ in centrals]
+
+    def score() -> None:
+        for curve, c, row in zip(curves, centrals, flat(params, len(centrals)), strict=True):
+            curve.append(accuracy(model, unflat(row, like), c.fleet.test_x, c.fleet.test_y))
+
+    score()
+    for _ in range(args.rounds):
+        for _ in range(args.local_epochs):
+            lanes.epoch(params, buf, None, none)
+        score()
+    return curves
+
+
+# --- report -----------------------------------------------------------------------------------
+
+def cpu_line() -> str:
+    model, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    has = {"AVX2": "avx2" in flags, "AVX-512F": "avx512f" in flags,
+           "AVX-512 VNNI": "avx512_vnni" in flags, "AVX-VNNI": "avx_vnni" in flags}
+    shown = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in has.items())
+    return f"CPU: {model} ({os.cpu_count()} logical CPUs visible); {shown}"
+
+
+def mean_sd(values: Sequence[float]) -> tuple[float, float]:
+    v = np.asarray(values, dtype=np.float64)
+    return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0
+
+
+def mean_curve(curves: list[list[float]]) -> list[float]:
+    return np.mean(np.asarray(curves, dtype=np.float64), axis=0).tolist()
+
+
+def first_round(curve: Sequence[float], level: float) -> int | None:
+    return next((i for i, a in enumerate(curve) if a >= level), None)
+
+
+def summarize(runs: list[Run], centrals: dict[str, list[Central]],
+              args: argparse.Namespace) -> dict[str, Any]:
+    """Per (partition, rule, attack): accuracy at the last round and at round 50 (mean, sd
+    over seeds), the mean curve, the round it reaches 0.95 x centralized."""
+    at = min(TARGET_BY_ROUND, args.rounds)
+    out: dict[str, Any] = {"centralized": {}, "federated": {}}
+    for spec, cs in centrals.items():
+        final, sd = mean_sd([c.curve[-1] for c in cs])
+        at50 = mean_sd([c.curve[at] for c in cs])[0]
+        out["centralized"][spec] = {"final": final, "sd": sd, "at_target_round": at50,
+                                    "curve": mean_curve([c.curve for c in cs])}
+    groups: dict[tuple[str, str, str], list[Run]] = {}
+    for r in runs:
+        groups.setdefault(r.key, []).append(r)
+    for (spec, rule, att), rs in groups.items():
+        bound = out["centralized"][spec]["final"]
+        curve = mean_curve([r.curve for r in rs])
+        final, sd = mean_sd([r.curve[-1] for r in rs])
+        at_round, at_sd = mean_sd([r.curve[at] for r in rs])
+        out["federated"][f"{spec} | {rule} | {att}"] = {
+            "partition": spec, "rule": rule, "attack": att, "final": final, "sd": sd,
+            "at_target_round": at_round, "at_target_round_sd": at_sd,
+            "ratio_at_target_round": at_round / out["centralized"][spec]["at_target_round"],
+            "round_to_95": first_round(curve, TARGET_RATIO * bound), "curve": curve,
+            "seeds": [r.curve[-1] for r in rs], "notes": sorted({r.note for r in rs} - {""}),
+        }
+    return out
+
+
+def row(s: dict[str, Any], clean: float | None = None) -> str:
+    r95 = "-" if s["round_to_95"] is None else str(s["round_to_95"])
+    extra = "" if clean is None else f" {100 * (s['final'] - clean):+7.1f}"
+    return (f"  {s['rule']:<13} {s['final']:.4f} +- {s['sd']:.4f} {s['ratio_at_target_round']:7.3f}"
+            f" {r95:>6}{extra}{'  ' + '; '.join(s['notes']) if s['notes'] else ''}")
+
+
+def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> None:
+    at = min(TARGET_BY_ROUND, args.rounds)
+    fed = summary["federated"]
+    for spec, c in summary["centralized"].items():
+        print(f"\n{spec}: centralized {c['final']:.4f} +- {c['sd']:.4f} (round {at}: "
+              f"{c['at_target_round']:.4f})")
+        print(f"  {'rule':<13} {'acc (mean +- sd)':<17} {'/cent@' + str(at):>7} {'r->95%':>6}")
+        for s in fed.values():
+            if s["partition"] == spec and s["attack"] == "none":
+                print(row(s))
+    attacked = [s for s in fed.values() if s["attack"] != "none"]
+    if attacked:
+        spec = attacked[0]["partition"]
+        clean = fed.get(f"{spec} | fedavg | none")
+        base = clean["final"] if clean else None
+        print(f"\nunder attack on {spec}, {args.attackers} of {args.devices} devices "
+              f"(alie z = {alie_z(args.devices, args.attackers):.3f}); last column: points vs "
+              "clean fedavg")
+        for att in ATTACKS:
+            rows = [s for s in attacked if s["attack"] == att]
+            if rows:
+                print(f" {att}")
+                for s in rows:
+                    print(row(s, base))
+
+
+def targets(summary: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    fed = summary["federated"]
+    out: dict[str, Any] = {"ratio": {}}
+    for spec in (HEADLINE, *BESIDE):
+        s = fed.get(f"{spec} | fedavg | none")
+        if s is not None:
+            out["ratio"][spec] = {"value": s["ratio_at_target_round"],
+                                  "met": s["ratio_at_target_round"] >= TARGET_RATIO}
+    clean = fed.get(f"{args.attack_partition} | fedavg | none")
+    alie = {s["rule"]: s["final"] for s in fed.values() if s["attack"] == "alie"}
+    if clean is not None and alie:
+        best = max(alie, key=lambda k: alie[k])
+        points = 100 * (alie[best] - clean["final"])
+        out["alie"] = {"best_rule": best, "points_vs_clean_fedavg": points,
+                       "met": points >= -ALIE_POINTS,
+                       "by_rule": {k: 100 * (v - clean["final"]) for k, v in alie.items()}}
+    return out
+
+
+def print_targets(t: dict[str, Any], args: argparse.Namespace) -> None:
+    at = min(TARGET_BY_ROUND, args.rounds)
+    print("\ntargets")
+    for spec, v in t["ratio"].items():
+        print(f"  fedavg on {spec:<14} federated / centralized at round {at}: "
+              f"{v['value']:.3f} (>= {TARGET_RATIO}: {'met' if v['met'] else 'NOT met'})")
+    if "alie" in t:
+        a = t["alie"]
+        print(f"  under ALIE the best rule, {a['best_rule']}, is "
+              f"{a['points_vs_clean_fedavg']:+.1f} points vs clean fedavg (>= -{ALIE_POINTS:g}:"
+              f" {'met' if a['met'] else 'NOT met'})")
+
+
+def print_verdict(t: dict[str, Any], args: argparse.Namespace) -> None:
+    at = min(TARGET_BY_ROUND, args.rounds)
+    head = HEADLINE if HEADLINE in t["ratio"] else next(iter(t["ratio"]), None)
+    also = [(f"{spec} ratio", v["met"]) for spec, v in t["ratio"].items() if spec != head]
+    if "alie" in t:
+        also.append(("ALIE within 2 points", t["alie"]["met"]))
+    value = t["ratio"][head]["value"] if head else float("nan")
+    verdict(f"fedavg on {head} federated / centralized accuracy at round {at}", value, ">=",
+            TARGET_RATIO, also=also)
+
+
+def plot(summary: dict[str, Any], path: Path) -> Path:
+    """Accuracy against round (mean over seeds): per partition each rule beside the
+    centralized bound, then per attack each rule beside clean fedavg."""
+    from hpc_core.plots import figure, write_png
+
+    fed = list(summary["federated"].values())
+    panels: list[tuple[str, list[dict[str, Any]], list[float], str]] = []
+    for spec, c in summary["centralized"].items():
+        panels.append((spec, [s for s in fed if s["partition"] == spec and s["attack"] == "none"],
+                       c["curve"], "centralized"))
+    for att in ATTACKS:
+        hit = [s for s in fed if s["attack"] == att]
+        if hit:
+            clean = summary["federated"].get(f"{hit[0]['partition']} | fedavg | none")
+            panels.append((f"{hit[0]['partition']} under {att}", hit,
+                           clean["curve"] if clean else [], "clean fedavg"))
+    cols = min(3, len(panels))
+    rows_n = -(-len(panels) // cols)
+    fig = figure(figsize=(5.0 * cols, 3.6 * rows_n), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(rows_n, cols)).ravel()
+    for ax, (title, series, ref, ref_label) in zip(axes, panels, strict=False):
+        if ref:
+            ax.plot(ref, color="black", linestyle="--", label=ref_label)
+        for s in series:  # one colour per rule in every panel
+            ax.plot(s["curve"], label=s["rule"], linewidth=1.0,
+                    color=f"C{ALL_RULES.index(s['rule'])}")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("round")
+        ax.set_ylabel("test accuracy")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, loc="lower right")
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    return write_png(fig, path)
+
+
+# --- main -------------------------------------------------------------------------------------
+
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def _names(text: str, allowed: Sequence[str], flag: str,
+           ap: argparse.ArgumentParser) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in allowed]
+    if bad or not names:
+        ap.error(f"{flag} {text!r}: a comma list of {', '.join(allowed)}")
+    return names
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap.add_argument("--devices", type=int, default=10, help="devices in the fleet")
+    ap.add_argument("--rounds", type=int, default=50, help="federated rounds")
+    ap.add_argument("--local-epochs", type=int, default=10, help="device epochs per round")
+    ap.add_argument("--batch", type=int, default=64, help="batch size (devices and central)")
+    ap.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
+    ap.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    ap.add_argument("--weight-decay", type=float, default=1e-5, help="SGD weight decay")
+    ap.add_argument("--hidden", default="128,64", help="the mlp's hidden widths")
+    ap.add_argument("--partitions", default=";".join(DEFAULT_PARTITIONS),
+                    help="';' between partition specs (hpc_core.partitions)")
+    ap.add_argument("--rules", default=",".join(DEFAULT_RULES),
+                    help=f"comma list of {', '.join(ALL_RULES)}")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
+    ap.add_argument("--test-fraction", type=float, default=0.2, help="held-out test share")
+    ap.add_argument("--attacks", default=",".join(ATTACKS),
+                    help=f"comma list of {', '.join(ATTACKS)}, or 'none'")
+    ap.add_argument("--attack-rules", default=None,
+                    help="rules run under attack (default: --rules but fedprox and dp-fedavg)")
+    ap.add_argument("--attack-partition", default=HEADLINE, help="the partition attacked")
+    ap.add_argument("--attackers", type=int, default=2, help="poisoned devices (the last ones)")
+    ap.add_argument("--attack-scale", type=float, default=50.0,
+                    help="scale: delta x k; flip: delta x -k")
+    ap.add_argument("--trim", type=float, default=0.2, help="trimmed-mean: dropped a side")
+    ap.add_argument("--prox-mu", type=float, default=0.01, help="fedprox: proximal mu")
+    ap.add_argument("--dp-epsilon", type=float, default=8.0, help="dp-fedavg: epsilon budget")
+    ap.add_argument("--dp-delta", type=float, default=1e-5, help="dp-fedavg: delta")
+    ap.add_argument("--dp-clip", type=float, default=1.0, help="dp-fedavg: L2 clip per update")
+    ap.add_argument("--lanes", type=int, default=200,
+                    help="devices a process trains at a time (a chunk of runs)")
+    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
+                    help="processes, one torch thread each")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
+    ap.add_argument("--plot", type=Path, default=None, help="write the curves here (PNG)")
+    args = parse_args(ap, {"devices": 3, "rounds": 2, "local_epochs": 1, "seeds": 1,
+                           "hidden": "16", "attackers": 1, "test_fraction": 0.1,
+                           "workers": 1,
+                           "partitions": "iid;dirichlet:0.5;labels:2+cameras:plain,invert",
+                           "rules": "fedavg,fedprox,trimmed-mean,median"}, argv)
+    try:
+        args.hidden = [int(h) for h in args.hidden.split(",")]
+    except ValueError:
+        ap.error(f"--hidden {args.hidden!r}: comma list of widths, e.g. 200,200")
+    args.partition_list = [p.strip() for p in args.partitions.split(";") if p.strip()]
+    for spec in [*args.partition_list, args.attack_partition]:
+        try:
+            parse_spec(spec)
+        except PartitionError as e:
+            ap.error(f"--partitions: {e}")
+    args.rule_list = _names(args.rules, ALL_RULES, "--rules", ap)
+    args.attack_list = ([] if args.attacks == "none"
+                        else _names(args.attacks, ATTACKS, "--attacks", ap))
+    args.attack_rule_list = (_names(args.attack_rules, ALL_RULES, "--attack-rules", ap)
+                             if args.attack_rules else
+                             [r for r in args.rule_list if r not in ("fedprox", "dp-fedavg")])
+    if args.devices < 1 or args.rounds < 1 or args.local_epochs < 1 or args.seeds < 1:
+        ap.error("--devices, --rounds, --local-epochs and --seeds: at least 1")
+    if not 0 <= args.attackers < args.devices:
+        ap.error(f"--attackers {args.attackers}: fewer than --devices {args.devices}")
+    return args
+
+
+def plan(args: argparse.Namespace, fleets: dict[tuple[str, int], Fleet],
+         progress: Callable[[str], None]) -> list[Run]:
+    """Every rule on every partition, clean; the attack rules under each attack on the
+    attacked partition (with clean fedavg there, the reference)."""
+    skipped = sorted({r for r in (*args.rule_list, *args.attack_rule_list)
+                      if not runnable(r, args)})
+    if skipped:
+        progress(f"skipped {', '.join(skipped)}: Krum needs N >= 2f + 3 devices, "
+                 f"{args.devices} here")
+    runs: list[Run] = []
+    for (spec, _seed), fleet in fleets.items():
+        clean = list(args.rule_list) if spec in args.partition_list else []
+        if spec == args.attack_partition and args.attack_list and "fedavg" not in clean:
+            clean.append("fedavg")
+        runs += [Run(fleet, name, *rule_for(name, args)) for name in clean
+                 if runnable(name, args)]
+        if spec == args.attack_partition:
+            runs += [Run(fleet, name, *rule_for(name, args), attack=att)
+                     for att in args.attack_list for name in args.attack_rule_list
+                     if runnable(name, args)]
+    return runs
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse(argv)
+    print(cpu_line(), flush=True)
+    t0 = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
+
+    specs = list(dict.fromkeys([*args.partition_list,
+                                *([args.attack_partition] if args.attack_list else [])]))
+    fleets = {(spec, seed): make_fleet(spec, seed, args.devices, args.test_fraction)
+              for spec in specs for seed in range(args.seeds)}
+    for (spec, seed), f in fleets.items():
+        if seed == 0:
+            progress(f"{spec}: device sizes {f.samples}")
+    centrals = {spec: [Central(fleets[(spec, s)]) for s in range(args.seeds)] for spec in specs}
+    runs = plan(args, fleets, progress)
+    progress(f"{len(runs)} federated runs of {args.rounds} rounds x {args.local_epochs} epochs "
+             f"x {args.devices} devices, {len(specs) * args.seeds} centralized runs of "
+             f"{args.rounds * args.local_epochs} epochs, {args.workers} worker processes")
+    run_all(runs, [c for cs in centrals.values() for c in cs], args, progress)
+    wall = time.perf_counter() - t0
+    summary = summarize(runs, centrals, args)
+    print(f"\nwall time {wall:.0f} s")
+    print_tables(summary, args)
+    t = targets(summary, args)
+    print_targets(t, args)
+    if args.plot:
+        print(f"curves: {plot(summary, args.plot)}")
+    if args.json:
+        figures = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                   "cpu": cpu_line(), "wall_s": wall, "summary": summary, "targets": t}
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
+    print_verdict(t, args)
+
+
+if __name__ == "__main__":
+    main()

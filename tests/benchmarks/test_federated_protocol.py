@@ -1,0 +1,128 @@
+"""What benchmarks/federated_protocol.py's figures rest on: the vectorized devices train as
+torch.optim.SGD does on each device alone (FedProx's term as the trainer adds it), a run's
+figures do not depend on the runs beside it, and the attacks are what the papers define."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from scipy import stats
+
+from benchmarks.federated_protocol import (
+    Lanes,
+    Optim,
+    alie_z,
+    attack,
+    flat,
+    init_params,
+    make_model,
+    parse,
+    unflat_lanes,
+)
+
+HIDDEN = (12,)
+OPTIM = Optim(lr=0.05, momentum=0.9, weight_decay=1e-3)
+
+
+def _data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _reference(x: torch.Tensor, y: torch.Tensor, order: torch.Tensor, seed: int, mu: float,
+               epochs: int, batch: int) -> torch.Tensor:
+    """One device alone: the model, torch.optim.SGD, the trainer's proximal gradient."""
+    torch.manual_seed(seed)
+    model = make_model(HIDDEN)
+    anchor = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=OPTIM.lr, momentum=OPTIM.momentum,
+                          weight_decay=OPTIM.weight_decay)
+    for e in range(epochs):
+        for first in range(0, len(y), batch):
+            idx = order[e][first:first + batch]
+            opt.zero_grad()
+            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            with torch.no_grad():  # hpc_core.trainer's _proximal_gradient
+                for p, p0 in zip(model.parameters(), anchor, strict=True):
+                    p.grad.add_(p.detach() - p0, alpha=mu)
+            opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("mu", [0.0, 0.5])
+def test_lanes_train_as_sgd_on_each_device_alone(mu: float) -> None:
+    sizes, seeds, batch, epochs = (70, 150, 9), (3, 4, 5), 32, 2
+    data = [_data(n, s) for n, s in zip(sizes, seeds, strict=True)]
+    model = make_model(HIDDEN)
+    lanes = Lanes(model, data, batch, OPTIM,
+                  [(torch.Generator().manual_seed(s), 1) for s in seeds])
+    # the batch order each lane draws, read from twin generators
+    twins = Lanes(model, data, batch, OPTIM,
+                  [(torch.Generator().manual_seed(s), 1) for s in seeds])
+    orders = [twins._order() for _ in range(epochs)]
+    init = [init_params(HIDDEN, s) for s in seeds]
+    rows = torch.stack([flat(p, 1)[0] for p in init])
+    like = init[0]
+    params = {k: v.clone() for k, v in unflat_lanes(rows, like).items()}
+    anchor = unflat_lanes(rows, like)
+    buf = {k: torch.zeros_like(v) for k, v in params.items()}
+    for _ in range(epochs):
+        lanes.epoch(params, buf, anchor, torch.full((3,), mu))
+    got = flat(params, 3)
+    for i, ((x, y), n, s) in enumerate(zip(data, sizes, seeds, strict=True)):
+        want = _reference(x, y, [o[i, :n] for o in orders], s, mu, epochs, batch)
+        torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_lane_trains_the_same_whatever_lanes_beside_it() -> None:
+    data = [_data(40, 1), _data(100, 2)]
+    model = make_model(HIDDEN)
+
+    def train(which: list[int]) -> torch.Tensor:
+        chosen = [data[i] for i in which]
+        lanes = Lanes(model, chosen, 16, OPTIM,
+                      [(torch.Generator().manual_seed(i), 1) for i in which])
+        rows = torch.stack([flat(init_params(HIDDEN, 0), 1)[0] for _ in which])
+        like = init_params(HIDDEN, 0)
+        params = {k: v.clone() for k, v in unflat_lanes(rows, like).items()}
+        buf = {k: torch.zeros_like(v) for k, v in params.items()}
+        lanes.epoch(params, buf, None, torch.zeros(len(which)))
+        return flat(params, len(which))
+
+    torch.testing.assert_close(train([0, 1])[0], train([0])[0])
+    torch.testing.assert_close(train([0, 1])[1], train([1])[0])
+
+
+def test_alie_z_is_the_papers_formula() -> None:
+    # Baruch et al. 2019: s = floor(n / 2 + 1) - m, z = Phi^-1((n - s) / n)
+    assert alie_z(10, 2) == pytest.approx(stats.norm.ppf(0.6))  # s = 4
+    assert alie_z(10, 2) == pytest.approx(0.2533, abs=1e-4)
+    assert alie_z(50, 12) == pytest.approx(stats.norm.ppf(36 / 50))  # s = 14
+
+
+def test_attacks_replace_only_the_attackers_uploads() -> None:
+    rng = np.random.default_rng(0)
+    honest = rng.normal(size=(8, 5)).astype(np.float32)
+    deltas = np.concatenate([honest, rng.normal(size=(2, 5)).astype(np.float32)])
+    for kind, want in [("scale", deltas[8:] * 50), ("flip", deltas[8:] * -50),
+                       ("alie", np.tile(honest.mean(0) - alie_z(10, 2) * honest.std(0),
+                                        (2, 1)))]:
+        out = attack(deltas, kind, 2, 50.0)
+        np.testing.assert_allclose(out[:8], honest)
+        np.testing.assert_allclose(out[8:], want, rtol=1e-6)
+    assert attack(deltas, "none", 2, 50.0) is deltas
+
+
+def test_bad_arguments_are_refused_with_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, fix in [(["--partitions", "dirichlet:0"], "alpha must be > 0"),
+                      (["--rules", "fedavg,krumm"], "a comma list of fedavg"),
+                      (["--attackers", "10"], "fewer than --devices 10"),
+                      (["--hidden", "a"], "comma list of widths")]:
+        with pytest.raises(SystemExit):
+            parse(argv)
+        assert fix in capsys.readouterr().err
+    assert isinstance(parse(["--rounds", "120"]), argparse.Namespace)  # no cap on rounds
