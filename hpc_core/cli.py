@@ -12,7 +12,7 @@ from hpc_core.aggregation.command import register_cli as register_aggregate_cli
 from hpc_core.batch_find import add_batch_find_args, run_batch_find
 from hpc_core.config import ConfigError, load_config, reference_markdown, summarize
 from hpc_core.estimate import add_estimate_args, run_estimate
-from hpc_core.evaluate import add_evaluate_args, run_evaluate
+from hpc_core.evaluation.cli import add_evaluate_args, run_evaluate
 from hpc_core.lr_find import add_lr_find_args, run_lr_find
 from hpc_core.train import add_train_args, run
 from hpc_core.tune.command import add_tune_args, run_tune

@@ -142,7 +142,7 @@ def _settings(args: argparse.Namespace) -> GateSettings:
 
 
 def _evaluate_upstream(base: Path, candidate: Path, data: DataConfig) -> tuple[float, float, int]:
-    from hpc_core.upstream_eval import base_and_candidate  # torch: only this gate needs it
+    from hpc_core.evaluation.upstream import base_and_candidate  # torch: only this gate needs it
 
     try:
         return base_and_candidate(base, candidate, data)

@@ -4,7 +4,7 @@ Federated evaluation before publishing: the operator sets thresholds, publish wo
 figures and signs only when every gate holds. The figures come from two places:
 
 - upstream: the base release and the aggregate scored on the upstream held-out split
-  (``--max-upstream-drop``); the scoring needs torch and lives in ``hpc_core.upstream_eval``,
+  (``--max-upstream-drop``); the scoring needs torch and lives in ``hpc_core.evaluation.upstream``,
   handed in as a function, because this package is torch-free;
 - devices: each device's accuracy of the base and of the aggregate on its own held-out data,
   collected by the operator into ``--device-evals FILE`` (``--min-mean-gain``,
@@ -211,7 +211,7 @@ class UpstreamScores:
 
 Evaluate = Callable[[Path, Path, DataConfig], tuple[float, float, int]]
 """(base checkpoint, candidate checkpoint, data) -> (base accuracy, candidate accuracy,
-held-out samples): ``hpc_core.upstream_eval.base_and_candidate``."""
+held-out samples): ``hpc_core.evaluation.upstream.base_and_candidate``."""
 
 
 def _pct(x: float) -> str:
