@@ -73,6 +73,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.harness import parse_args, verdict  # noqa: E402
 from hpc_core.aggregation.in_memory import Rule, combine_updates  # noqa: E402
 from hpc_core.aggregation.privacy import DpSettings, epsilon  # noqa: E402
+from hpc_core.aggregation.strategies import staleness_scale  # noqa: E402
 from hpc_core.data import load_digits_tensors  # noqa: E402
 from hpc_core.models import build_model  # noqa: E402
 from hpc_core.partitions import PartitionError, Shard, device_data, parse_spec, split  # noqa: E402
@@ -106,6 +108,10 @@ TARGET_BY_ROUND = 50
 ALIE_POINTS = 2.0
 """Some shipped rule under ALIE within this many points of clean fedavg."""
 IMAGE_SIZE = 8  # the digits' own resolution: upsampling adds pixels, not information
+LATE = {"stragglers": "late updates discounted", "stragglers-dropped": "late updates dropped"}
+"""Straggler runs (in the attack slot of a run's key): late updates combined in the round they
+arrive in with the FedBuff discount (``--max-staleness``), or dropped (the product's default,
+``max_staleness`` 0)."""
 
 
 # --- data ----------------------------------------------------------------------------------
@@ -322,6 +328,61 @@ def runnable(name: str, args: argparse.Namespace) -> bool:
     return True
 
 
+# --- stragglers -------------------------------------------------------------------------------
+
+def straggler_jobs(rounds: int, slowdown: Fraction) -> list[tuple[int, int]]:
+    """One straggler's fine-tunes as (base round, round combined in), rounds 1-based.
+
+    Simulated time: round k runs from k - 1 to k (the on-time devices' fine-tune takes one
+    unit and the round closes at its quorum, when they are in). A straggler's fine-tune takes
+    ``slowdown`` units; it starts from the release current when it starts (round k's base
+    during (k - 1, k], the new release at k) and is combined by the first round that closes
+    at or after it ends, ``round combined in - base round`` releases stale. Then it starts
+    its next one. Jobs that end after the last round are left out."""
+    if slowdown < 1:
+        raise ValueError(f"slowdown {slowdown}: a straggler takes at least one round")
+    jobs, t = [], Fraction(0)
+    while True:
+        base = math.floor(t) + 1
+        end = t + slowdown
+        combined = math.ceil(end)
+        if base > rounds or combined > rounds:
+            return jobs
+        jobs.append((base, combined))
+        t = end
+
+
+@dataclass
+class Late:
+    """A straggler's update in flight: its delta against its own base, and when it lands."""
+
+    delta: np.ndarray
+    samples: float
+    combined: int
+    staleness: int
+
+
+def round_updates(rnd: int, deltas: np.ndarray, samples: Sequence[float], stragglers: int,
+                  jobs: dict[int, int], flight: list[Late], max_staleness: int
+                  ) -> tuple[np.ndarray, list[float], list[int]]:
+    """Round ``rnd``'s uploads (rows, sample counts, staleness): the on-time devices' fresh
+    deltas, then the stragglers' updates that land in it within ``max_staleness`` (as
+    ``fleet.learn.updates.choose_updates`` admits them; staler ones are dropped for good).
+    ``deltas`` holds every device's training of this round from its base: a straggler that
+    starts a fine-tune now (``jobs``: base round -> round combined in) puts it in ``flight``."""
+    n = len(deltas)
+    if rnd in jobs:
+        flight += [Late(deltas[i].copy(), float(samples[i]), jobs[rnd], jobs[rnd] - rnd)
+                   for i in range(n - stragglers, n)]
+    landed = [u for u in flight if u.combined == rnd]
+    flight[:] = [u for u in flight if u.combined > rnd]
+    landed = [u for u in landed if u.staleness <= max_staleness]
+    rows = np.concatenate([deltas[:n - stragglers], [u.delta for u in landed]]) if landed \
+        else deltas[:n - stragglers]
+    return (rows, [float(c) for c in samples[:n - stragglers]] + [u.samples for u in landed],
+            [0] * (n - stragglers) + [u.staleness for u in landed])
+
+
 # --- runs -------------------------------------------------------------------------------------
 
 @dataclass
@@ -333,9 +394,14 @@ class Run:
     rule: Rule
     mu: float
     attack: str = "none"
+    """An attack of ATTACKS, or a straggler case of LATE, or "none"."""
     curve: list[float] = field(default_factory=list)
     """Test accuracy of the global model after each round (index 0: the initial model)."""
     note: str = ""
+    stragglers: int = 0
+    """The last devices finish a fine-tune ``slowdown`` round durations after they start."""
+    slowdown: Fraction = Fraction(1)
+    max_staleness: int = 0
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -405,6 +471,8 @@ def _federated(runs: list[Run], args: argparse.Namespace) -> list[tuple[list[flo
     curves = [[accuracy(model, unflat(g, like), r.fleet.test_x, r.fleet.test_y)]
               for r, g in zip(runs, glob, strict=True)]
     notes = [""] * len(runs)
+    jobs = [dict(straggler_jobs(args.rounds, r.slowdown)) if r.stragglers else {} for r in runs]
+    flights: list[list[Late]] = [[] for _ in runs]
     for rnd in range(1, args.rounds + 1):
         start = torch.stack([g for g in glob for _ in range(n)])  # L x D
         params = {k: v.clone() for k, v in unflat_lanes(start, like).items()}
@@ -414,11 +482,15 @@ def _federated(runs: list[Run], args: argparse.Namespace) -> list[tuple[list[flo
             lanes.epoch(params, buf, anchor, mu)
         deltas = (flat(params, len(start)) - start).numpy()
         for j, r in enumerate(runs):
-            rows = attack(deltas[j * n:(j + 1) * n], r.attack, args.attackers,
-                          args.attack_scale)
+            rows = deltas[j * n:(j + 1) * n]
+            samples, stale = [float(s) for s in r.fleet.samples], None
+            if r.stragglers:
+                rows, samples, stale = round_updates(rnd, rows, samples, r.stragglers, jobs[j],
+                                                     flights[j], r.max_staleness)
+            else:
+                rows = attack(rows, r.attack, args.attackers, args.attack_scale)
             try:
-                step = combine_updates(rows, [float(s) for s in r.fleet.samples], r.rule,
-                                       rng=rngs[j])
+                step = combine_updates(rows, samples, r.rule, rng=rngs[j], staleness=stale)
             except ValueError as e:  # every update non-finite: the model stays where it is
                 notes[j] = notes[j] or f"round {rnd}: {e}"
                 step = np.zeros(rows.shape[1])
@@ -544,7 +616,7 @@ def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> None:
         for s in fed.values():
             if s["partition"] == spec and s["attack"] == "none":
                 print(row(s))
-    attacked = [s for s in fed.values() if s["attack"] != "none"]
+    attacked = [s for s in fed.values() if s["attack"] in ATTACKS]
     if attacked:
         spec = attacked[0]["partition"]
         clean = fed.get(f"{spec} | fedavg | none")
@@ -558,6 +630,53 @@ def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> None:
                 print(f" {att}")
                 for s in rows:
                     print(row(s, base))
+
+
+def stragglers_summary(summary: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Accuracy by round of every device on time (= waiting for everyone), and of rounds
+    closed at the on-time quorum, late updates discounted or dropped; then by simulated time:
+    a round that waits for everyone lasts ``slowdown`` units, a quorum round one."""
+    fed = summary["federated"]
+    spec = args.straggler_partition
+    clean = fed.get(f"{spec} | fedavg | none")
+    cases = {k: fed[f"{spec} | fedavg | {k}"] for k in LATE if f"{spec} | fedavg | {k}" in fed}
+    if clean is None or not cases:
+        return {}
+    slow = Fraction(args.straggler_slowdown)
+    marks = sorted({m for m in (10, 25, TARGET_BY_ROUND, args.rounds) if m <= args.rounds})
+    by_round = {"on time": {m: clean["curve"][m] for m in marks}}
+    by_round.update({k: {m: c["curve"][m] for m in marks} for k, c in cases.items()})
+    by_time = {m: {"wait for everyone": clean["curve"][math.floor(m / slow)],
+                   "rounds waiting": math.floor(m / slow),
+                   **{k: c["curve"][m] for k, c in cases.items()}} for m in marks}
+    jobs = straggler_jobs(args.rounds, slow)
+    return {"partition": spec, "stragglers": args.stragglers, "devices": args.devices,
+            "slowdown": float(slow), "max_staleness": args.max_staleness,
+            "discount": {str(st): staleness_scale(st) for st in sorted({c - b for b, c in jobs})},
+            "straggler_updates_per_device": len(jobs), "by_round": by_round, "by_time": by_time,
+            "curves": {"on time": clean["curve"], **{k: c["curve"] for k, c in cases.items()}}}
+
+
+def print_stragglers(st: dict[str, Any]) -> None:
+    if not st:
+        return
+    disc = ", ".join(f"staleness {k}: x {v:.3f}" for k, v in st["discount"].items())
+    print(f"\nstragglers on {st['partition']}, fedavg: the last {st['stragglers']} of "
+          f"{st['devices']} devices take {st['slowdown']:g} round durations a fine-tune; a round "
+          f"closes at its quorum of {st['devices'] - st['stragglers']} on-time devices (1 unit); "
+          f"each straggler lands {st['straggler_updates_per_device']} updates, late "
+          f"({disc}; --max-staleness {st['max_staleness']})")
+    cases = list(st["by_round"])
+    print(f"  {'round':>6} " + " ".join(f"{c:>26}" for c in cases))
+    for m in next(iter(st["by_round"].values())):
+        print(f"  {m:>6} " + " ".join(f"{st['by_round'][c][m]:>26.4f}" for c in cases))
+    print(f"  simulated time (units): wait for everyone ({st['slowdown']:g} units a round) "
+          "vs quorum rounds")
+    for m, row_ in st["by_time"].items():
+        rest = "  ".join(f"{k} {v:.4f}" for k, v in row_.items()
+                         if k not in ("wait for everyone", "rounds waiting"))
+        print(f"  {m:>6}  wait for everyone {row_['wait for everyone']:.4f} "
+              f"({row_['rounds waiting']} rounds)  {rest}")
 
 
 def targets(summary: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -576,6 +695,13 @@ def targets(summary: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         out["alie"] = {"best_rule": best, "points_vs_clean_fedavg": points,
                        "met": points >= -ALIE_POINTS,
                        "by_rule": {k: 100 * (v - clean["final"]) for k, v in alie.items()}}
+    st = stragglers_summary(summary, args)
+    if st and "stragglers" in st["by_round"]:
+        at_time = st["by_time"][max(st["by_time"])]
+        out["stragglers"] = {
+            "time_units": max(st["by_time"]), "quorum": at_time["stragglers"],
+            "wait_for_everyone": at_time["wait for everyone"],
+            "met": at_time["stragglers"] >= at_time["wait for everyone"]}
     return out
 
 
@@ -590,6 +716,11 @@ def print_targets(t: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"  under ALIE the best rule, {a['best_rule']}, is "
               f"{a['points_vs_clean_fedavg']:+.1f} points vs clean fedavg (>= -{ALIE_POINTS:g}:"
               f" {'met' if a['met'] else 'NOT met'})")
+    if "stragglers" in t:
+        g = t["stragglers"]
+        print(f"  stragglers: at {g['time_units']} units of simulated time, quorum rounds with "
+              f"late updates discounted {g['quorum']:.4f} >= waiting for everyone "
+              f"{g['wait_for_everyone']:.4f}: {'met' if g['met'] else 'NOT met'}")
 
 
 def print_verdict(t: dict[str, Any], args: argparse.Namespace) -> None:
@@ -598,6 +729,8 @@ def print_verdict(t: dict[str, Any], args: argparse.Namespace) -> None:
     also = [(f"{spec} ratio", v["met"]) for spec, v in t["ratio"].items() if spec != head]
     if "alie" in t:
         also.append(("ALIE within 2 points", t["alie"]["met"]))
+    if "stragglers" in t:
+        also.append(("quorum rounds >= waiting for everyone", t["stragglers"]["met"]))
     value = t["ratio"][head]["value"] if head else float("nan")
     verdict(f"fedavg on {head} federated / centralized accuracy at round {at}", value, ">=",
             TARGET_RATIO, also=also)
@@ -619,6 +752,11 @@ def plot(summary: dict[str, Any], path: Path) -> Path:
             clean = summary["federated"].get(f"{hit[0]['partition']} | fedavg | none")
             panels.append((f"{hit[0]['partition']} under {att}", hit,
                            clean["curve"] if clean else [], "clean fedavg"))
+    st = summary.get("stragglers") or {}
+    if st:
+        series = [{"rule": k, "curve": v} for k, v in st["curves"].items() if k != "on time"]
+        panels.append((f"{st['partition']}, {st['stragglers']} stragglers (x{st['slowdown']:g})"
+                       " by round", series, st["curves"]["on time"], "all on time"))
     cols = min(3, len(panels))
     rows_n = -(-len(panels) // cols)
     fig = figure(figsize=(5.0 * cols, 3.6 * rows_n), layout="constrained")
@@ -627,8 +765,10 @@ def plot(summary: dict[str, Any], path: Path) -> Path:
         if ref:
             ax.plot(ref, color="black", linestyle="--", label=ref_label)
         for s in series:  # one colour per rule in every panel
-            ax.plot(s["curve"], label=s["rule"], linewidth=1.0,
-                    color=f"C{ALL_RULES.index(s['rule'])}")
+            colour = (f"C{ALL_RULES.index(s['rule'])}" if s["rule"] in ALL_RULES
+                      else f"C{len(ALL_RULES) + list(LATE).index(s['rule'])}")
+            ax.plot(s["curve"], label=LATE.get(s["rule"], s["rule"]), linewidth=1.0,
+                    color=colour)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("round")
         ax.set_ylabel("test accuracy")
@@ -679,6 +819,14 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--attackers", type=int, default=2, help="poisoned devices (the last ones)")
     ap.add_argument("--attack-scale", type=float, default=50.0,
                     help="scale: delta x k; flip: delta x -k")
+    ap.add_argument("--stragglers", type=int, default=2,
+                    help="straggling devices (the last ones), fedavg; 0: no straggler runs")
+    ap.add_argument("--straggler-slowdown", default="2",
+                    help="a straggler's fine-tune in round durations (a fraction, >= 1)")
+    ap.add_argument("--max-staleness", type=int, default=2,
+                    help="late updates combined up to this many releases behind the base")
+    ap.add_argument("--straggler-partition", default=HEADLINE,
+                    help="the partition the straggler runs use")
     ap.add_argument("--trim", type=float, default=0.2, help="trimmed-mean: dropped a side")
     ap.add_argument("--prox-mu", type=float, default=0.01, help="fedprox: proximal mu")
     ap.add_argument("--dp-epsilon", type=float, default=8.0, help="dp-fedavg: epsilon budget")
@@ -692,6 +840,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--plot", type=Path, default=None, help="write the curves here (PNG)")
     args = parse_args(ap, {"devices": 3, "rounds": 2, "local_epochs": 1, "seeds": 1,
                            "hidden": "16", "attackers": 1, "test_fraction": 0.1,
+                           "stragglers": 1,
                            "workers": 1,
                            "partitions": "iid;dirichlet:0.5;labels:2+cameras:plain,invert",
                            "rules": "fedavg,fedprox,trimmed-mean,median"}, argv)
@@ -700,7 +849,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except ValueError:
         ap.error(f"--hidden {args.hidden!r}: comma list of widths, e.g. 200,200")
     args.partition_list = [p.strip() for p in args.partitions.split(";") if p.strip()]
-    for spec in [*args.partition_list, args.attack_partition]:
+    for spec in [*args.partition_list, args.attack_partition, args.straggler_partition]:
         try:
             parse_spec(spec)
         except PartitionError as e:
@@ -713,6 +862,15 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              [r for r in args.rule_list if r not in ("fedprox", "dp-fedavg")])
     if args.devices < 1 or args.rounds < 1 or args.local_epochs < 1 or args.seeds < 1:
         ap.error("--devices, --rounds, --local-epochs and --seeds: at least 1")
+    try:
+        if Fraction(args.straggler_slowdown) < 1:
+            raise ValueError
+    except (ValueError, ZeroDivisionError):
+        ap.error(f"--straggler-slowdown {args.straggler_slowdown!r}: a number >= 1 (round "
+                 "durations a straggler's fine-tune takes), e.g. 2 or 3/2")
+    if not 0 <= args.stragglers < args.devices or args.max_staleness < 0:
+        ap.error(f"--stragglers {args.stragglers}: fewer than --devices {args.devices}; "
+                 f"--max-staleness {args.max_staleness}: 0 or more")
     if not 0 <= args.attackers < args.devices:
         ap.error(f"--attackers {args.attackers}: fewer than --devices {args.devices}")
     return args
@@ -730,7 +888,9 @@ def plan(args: argparse.Namespace, fleets: dict[tuple[str, int], Fleet],
     runs: list[Run] = []
     for (spec, _seed), fleet in fleets.items():
         clean = list(args.rule_list) if spec in args.partition_list else []
-        if spec == args.attack_partition and args.attack_list and "fedavg" not in clean:
+        if ((spec == args.attack_partition and args.attack_list)
+                or (spec == args.straggler_partition and args.stragglers)) \
+                and "fedavg" not in clean:
             clean.append("fedavg")
         runs += [Run(fleet, name, *rule_for(name, args)) for name in clean
                  if runnable(name, args)]
@@ -738,6 +898,11 @@ def plan(args: argparse.Namespace, fleets: dict[tuple[str, int], Fleet],
             runs += [Run(fleet, name, *rule_for(name, args), attack=att)
                      for att in args.attack_list for name in args.attack_rule_list
                      if runnable(name, args)]
+        if spec == args.straggler_partition and args.stragglers:
+            runs += [Run(fleet, "fedavg", Rule(), 0.0, attack=case, stragglers=args.stragglers,
+                         slowdown=Fraction(args.straggler_slowdown),
+                         max_staleness=args.max_staleness if case == "stragglers" else 0)
+                     for case in LATE]
     return runs
 
 
@@ -750,7 +915,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
 
     specs = list(dict.fromkeys([*args.partition_list,
-                                *([args.attack_partition] if args.attack_list else [])]))
+                                *([args.attack_partition] if args.attack_list else []),
+                                *([args.straggler_partition] if args.stragglers else [])]))
     fleets = {(spec, seed): make_fleet(spec, seed, args.devices, args.test_fraction)
               for spec in specs for seed in range(args.seeds)}
     for (spec, seed), f in fleets.items():
@@ -764,8 +930,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     run_all(runs, [c for cs in centrals.values() for c in cs], args, progress)
     wall = time.perf_counter() - t0
     summary = summarize(runs, centrals, args)
+    summary["stragglers"] = stragglers_summary(summary, args)
     print(f"\nwall time {wall:.0f} s")
     print_tables(summary, args)
+    print_stragglers(summary["stragglers"])
     t = targets(summary, args)
     print_targets(t, args)
     if args.plot:

@@ -5,6 +5,7 @@ figures do not depend on the runs beside it, and the attacks are what the papers
 from __future__ import annotations
 
 import argparse
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from scipy import stats
 
 from benchmarks.federated_protocol import (
     Lanes,
+    Late,
     Optim,
     alie_z,
     attack,
@@ -21,8 +23,11 @@ from benchmarks.federated_protocol import (
     init_params,
     make_model,
     parse,
+    round_updates,
+    straggler_jobs,
     unflat_lanes,
 )
+from hpc_core.aggregation.in_memory import Rule, combine_updates
 
 HIDDEN = (12,)
 OPTIM = Optim(lr=0.05, momentum=0.9, weight_decay=1e-3)
@@ -121,8 +126,47 @@ def test_bad_arguments_are_refused_with_the_fix(capsys: pytest.CaptureFixture[st
     for argv, fix in [(["--partitions", "dirichlet:0"], "alpha must be > 0"),
                       (["--rules", "fedavg,krumm"], "a comma list of fedavg"),
                       (["--attackers", "10"], "fewer than --devices 10"),
-                      (["--hidden", "a"], "comma list of widths")]:
+                      (["--hidden", "a"], "comma list of widths"),
+                      (["--straggler-slowdown", "1/2"], "a number >= 1"),
+                      (["--stragglers", "10"], "fewer than --devices 10")]:
         with pytest.raises(SystemExit):
             parse(argv)
         assert fix in capsys.readouterr().err
     assert isinstance(parse(["--rounds", "120"]), argparse.Namespace)  # no cap on rounds
+
+
+def test_a_straggler_lands_in_the_round_that_closes_after_its_fine_tune() -> None:
+    # round k runs from k - 1 to k; a job starts from the release current when it starts
+    assert straggler_jobs(6, Fraction(1)) == [(k, k) for k in range(1, 7)]
+    assert straggler_jobs(6, Fraction(2)) == [(1, 2), (3, 4), (5, 6)]
+    assert straggler_jobs(6, Fraction(3, 2)) == [(1, 2), (2, 3), (4, 5), (5, 6)]
+    assert straggler_jobs(6, Fraction(5, 2)) == [(1, 3), (3, 5)]
+    assert straggler_jobs(1, Fraction(2)) == []  # it would land after the last round
+    with pytest.raises(ValueError, match="at least one round"):
+        straggler_jobs(6, Fraction(1, 2))
+
+
+def test_a_late_update_counts_in_the_next_round_with_the_products_discount() -> None:
+    # 4 devices, the last one straggling (its fine-tune lands one round later)
+    samples = [10.0, 30.0, 20.0, 40.0]
+    first = np.arange(16, dtype=np.float32).reshape(4, 4)
+    second = -np.ones((4, 4), dtype=np.float32)
+    jobs = dict(straggler_jobs(2, Fraction(2)))
+    flight: list[Late] = []
+    rows, counts, stale = round_updates(1, first, samples, 1, jobs, flight, 2)
+    np.testing.assert_array_equal(rows, first[:3])  # round 1 closes at its quorum of 3
+    assert counts == samples[:3] and stale == [0, 0, 0] and len(flight) == 1
+    rows, counts, stale = round_updates(2, second, samples, 1, jobs, flight, 2)
+    # the straggler's round-1 delta (from round 1's base), one release stale
+    np.testing.assert_array_equal(rows, np.concatenate([second[:3], first[3:]]))
+    assert counts == samples and stale == [0, 0, 0, 1] and flight == []
+    got = combine_updates(rows, counts, Rule(), staleness=stale)
+    w = np.array(samples) / sum(samples)
+    want = w[:3] @ second[:3] + w[3] * first[3] / np.sqrt(2)  # FedBuff: 1 / (1 + 1) ** 0.5
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # with --max-staleness 0 (the product's default) it is dropped for good
+    flight = []
+    round_updates(1, first, samples, 1, jobs, flight, 0)
+    rows, counts, stale = round_updates(2, second, samples, 1, jobs, flight, 0)
+    np.testing.assert_array_equal(rows, second[:3])
+    assert stale == [0, 0, 0] and flight == []
