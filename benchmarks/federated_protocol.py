@@ -34,6 +34,19 @@ rules, under attack, several seeds, beside a centralized bound.
   s = floor(n / 2 + 1) - m: 0.253 for n = 10, m = 2).
 * **Seeds** (``--seeds``): the test split, the partition, the initial model and the batch
   order; figures are the mean over seeds +- their standard deviation.
+* **Stragglers** (``--stragglers``, the last 2 devices, on ``--straggler-partition``,
+  fedavg): a round closes at its quorum, the on-time devices (their fine-tune takes one unit
+  of simulated time); a straggler's takes ``--straggler-slowdown`` units (2), so it lands in
+  a later round, trained from an older base: combined there with ``hpc-train aggregate``'s
+  FedBuff discount (``combine_updates``' ``staleness``, up to ``--max-staleness``), or
+  dropped (``max_staleness`` 0). Beside every device on time, which is also what waiting for
+  everyone gets by round, at ``slowdown`` units a round.
+* **Personalization** (``--personal``: the camera mix with label skew, and alone): fedavg
+  with ``--personal-holdout`` (20 %) of each device's own data held out as its test set;
+  each device scored by its local-only model (its data alone, the same epochs), the global
+  model, and the global model with its last layer fine-tuned on the device's data
+  (``--head-epochs``); the union of the held-out parts by the global model and every
+  local-only one. FedBN is not simulated: the mlp has no normalization layer.
 
 What is simulated and what is the product path: the devices' local training is simulated,
 all in this one process, vectorized over devices and runs: ``torch.func.vmap`` of
@@ -94,6 +107,9 @@ from hpc_core.models import build_model  # noqa: E402
 from hpc_core.partitions import PartitionError, Shard, device_data, parse_spec, split  # noqa: E402
 
 HEADLINE = "dirichlet:0.5"
+PERSONAL = ("dirichlet:0.5+cameras:plain,invert,rotate,noise", "cameras:plain,invert,rotate,noise")
+"""Personalization: sites that see different classes through different cameras (label and
+feature skew), and the camera mix alone (feature skew)."""
 BESIDE = ("iid", "labels:2")
 DEFAULT_PARTITIONS = ("iid", "dirichlet:0.5", "labels:2",
                       "dirichlet:0.5+cameras:plain,invert,rotate")
@@ -128,10 +144,29 @@ class Fleet:
     y: list[torch.Tensor]
     test_x: torch.Tensor
     test_y: torch.Tensor
+    own_x: list[torch.Tensor] = field(default_factory=list)
+    """Per device, its own held-out data (personalization runs only; see ``hold_out``)."""
+    own_y: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def samples(self) -> list[int]:
         return [len(t) for t in self.y]
+
+
+def hold_out(fleet: Fleet, fraction: float) -> Fleet:
+    """The fleet with a seeded ``fraction`` of each device's own data (its classes, through
+    its camera) held out as that device's test set, at least one sample, the rest to train
+    on: the protocol of personalized FL benchmarks (a device is scored on what it sees)."""
+    xs, ys, ox, oy = [], [], [], []
+    for i, (x, y) in enumerate(zip(fleet.x, fleet.y, strict=True)):
+        perm = torch.from_numpy(np.random.default_rng(fleet.seed * 1000 + 900 + i)
+                                .permutation(len(y)))
+        k = min(max(1, round(fraction * len(y))), len(y) - 1)
+        ox.append(x[perm[:k]])
+        oy.append(y[perm[:k]])
+        xs.append(x[perm[k:]])
+        ys.append(y[perm[k:]])
+    return Fleet(fleet.spec, fleet.seed, fleet.shards, xs, ys, fleet.test_x, fleet.test_y, ox, oy)
 
 
 def make_fleet(spec: str, seed: int, devices: int, test_fraction: float) -> Fleet:
@@ -197,10 +232,13 @@ class Lanes:
     generator, so a run's figures do not depend on which other runs share its lanes."""
 
     def __init__(self, model: torch.nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]],
-                 batch: int, optim: Optim, groups: list[tuple[torch.Generator, int]]) -> None:
+                 batch: int, optim: Optim, groups: list[tuple[torch.Generator, int]],
+                 frozen: Sequence[str] = ()) -> None:
         if sum(n for _, n in groups) != len(data):
             raise ValueError("groups must cover the lanes")
         self.model, self.batch, self.optim, self.groups = model, batch, optim, groups
+        self.frozen = frozenset(frozen)
+        """Weights left as they are (a head fine-tune trains the last layer alone)."""
         self.pool_x = torch.cat([x for x, _ in data])
         self.pool_y = torch.cat([y for _, y in data])
         self.count = torch.tensor([len(y) for _, y in data])
@@ -244,6 +282,8 @@ class Lanes:
             g = self.grad(p, self.pool_x[idx], self.pool_y[idx], take.float())
             m = mu if every else mu[active]
             for k, pk in p.items():
+                if k in self.frozen:
+                    continue
                 gk = g[k].add_(pk, alpha=o.weight_decay)
                 if prox:
                     a = anchor[k] if every else anchor[k][active]  # type: ignore[index]
@@ -398,6 +438,8 @@ class Run:
     curve: list[float] = field(default_factory=list)
     """Test accuracy of the global model after each round (index 0: the initial model)."""
     note: str = ""
+    final: torch.Tensor | None = None
+    """The global model after the last round, flat."""
     stragglers: int = 0
     """The last devices finish a fine-tune ``slowdown`` round durations after they start."""
     slowdown: Fraction = Fraction(1)
@@ -443,9 +485,9 @@ def run_all(runs: list[Run], centrals: list[Central], args: argparse.Namespace,
         progress("centralized done")
 
 
-def _fill(runs: list[Run], results: list[tuple[list[float], str]]) -> None:
-    for r, (curve, note) in zip(runs, results, strict=True):
-        r.curve, r.note = curve, note
+def _fill(runs: list[Run], results: list[tuple[list[float], str, torch.Tensor]]) -> None:
+    for r, (curve, note, final) in zip(runs, results, strict=True):
+        r.curve, r.note, r.final = curve, note, final
 
 
 def _start_process() -> None:
@@ -454,8 +496,9 @@ def _start_process() -> None:
     torch.set_num_threads(1)
 
 
-def _federated(runs: list[Run], args: argparse.Namespace) -> list[tuple[list[float], str]]:
-    """Every run of the chunk in lock-step: (curve, note) per run."""
+def _federated(runs: list[Run], args: argparse.Namespace
+               ) -> list[tuple[list[float], str, torch.Tensor]]:
+    """Every run of the chunk in lock-step: (curve, note, final global weights) per run."""
     _start_process()
     n, model = args.devices, make_model(args.hidden)
     data = [(x, y) for r in runs for x, y in zip(r.fleet.x, r.fleet.y, strict=True)]
@@ -497,7 +540,7 @@ def _federated(runs: list[Run], args: argparse.Namespace) -> list[tuple[list[flo
             glob[j] = glob[j] + torch.from_numpy(step).float()
             curves[j].append(accuracy(model, unflat(glob[j], like), r.fleet.test_x,
                                       r.fleet.test_y))
-    return list(zip(curves, notes, strict=True))
+    return list(zip(curves, notes, glob, strict=True))
 
 
 def unflat_lanes(rows: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -536,6 +579,106 @@ def _centralized(centrals: list[Central], args: argparse.Namespace) -> list[list
             lanes.epoch(params, buf, None, none)
         score()
     return curves
+
+
+# --- personalization --------------------------------------------------------------------------
+
+def personalize(runs: list[Run], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per personalization run (fedavg on devices holding part of their data out), each
+    device's held-out data scored by (a) its local-only model: the same model trained on its
+    own training part alone, from the run's initial weights, with one optimizer for rounds x
+    local epochs epochs (the compute it spends in the federated run); (b) the global model;
+    (c) its personalized model: the global model with its last layer fine-tuned on the
+    device's own training part for ``--head-epochs`` epochs (the body frozen, a fresh
+    optimizer). And the union of the held-out parts: the global model, each device's
+    local-only model, and personalized serving (each device's part by its own model)."""
+    _start_process()
+    n, model = args.devices, make_model(args.hidden)
+    like = init_params(args.hidden, 0)
+    head = list(like)[-2:]  # the last Linear's weight and bias
+    data = [(x, y) for r in runs for x, y in zip(r.fleet.x, r.fleet.y, strict=True)]
+    optim = Optim(args.lr, args.momentum, args.weight_decay)
+    none = torch.zeros(len(data))
+
+    def train(rows: torch.Tensor, epochs: int, salt: int, frozen: Sequence[str]) -> torch.Tensor:
+        lanes = Lanes(model, data, args.batch, optim,
+                      [(torch.Generator().manual_seed(r.fleet.seed + salt), n) for r in runs],
+                      frozen=frozen)
+        params = {k: v.clone() for k, v in unflat_lanes(rows, like).items()}
+        buf = {k: torch.zeros_like(v) for k, v in params.items()}
+        for _ in range(epochs):
+            lanes.epoch(params, buf, None, none)
+        return flat(params, len(rows))
+
+    local = train(torch.stack([flat(init_params(args.hidden, r.fleet.seed), 1)[0]
+                               for r in runs for _ in range(n)]),
+                  args.rounds * args.local_epochs, 31, ())
+    assert all(r.final is not None for r in runs)
+    personal = train(torch.stack([r.final for r in runs for _ in range(n)]),  # type: ignore[misc]
+                     args.head_epochs, 47, [k for k in like if k not in head])
+    out = []
+    for j, r in enumerate(runs):
+        f, glob = r.fleet, unflat(r.final, like)  # type: ignore[arg-type]
+        ux, uy = torch.cat(f.own_x), torch.cat(f.own_y)
+        devices = []
+        for i in range(n):
+            mine = (f.own_x[i], f.own_y[i])
+            devices.append({
+                "held_out": len(f.own_y[i]),
+                "local": accuracy(model, unflat(local[j * n + i], like), *mine),
+                "global": accuracy(model, glob, *mine),
+                "personal": accuracy(model, unflat(personal[j * n + i], like), *mine)})
+        served = sum(d["personal"] * d["held_out"] for d in devices) / len(uy)
+        out.append({"partition": f.spec, "seed": f.seed, "devices": devices, "union": {
+            "held_out": len(uy), "global": accuracy(model, glob, ux, uy),
+            "personal": served,
+            "local": [accuracy(model, unflat(local[j * n + i], like), ux, uy)
+                      for i in range(n)]}})
+    return out
+
+
+def personal_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per partition: per device (mean over seeds) local, global and personalized accuracy on
+    its held-out data; the union; and the issue's two comparisons, per device and seed."""
+    out: dict[str, Any] = {}
+    for spec in dict.fromkeys(r["partition"] for r in results):
+        rs = [r for r in results if r["partition"] == spec]
+        n = len(rs[0]["devices"])
+        per_device = [{k: float(np.mean([r["devices"][i][k] for r in rs]))
+                       for k in ("held_out", "local", "global", "personal")} for i in range(n)]
+        gaps = [100 * (d["personal"] - max(d["local"], d["global"]))
+                for r in rs for d in r["devices"]]
+        union_gaps = [100 * (r["union"]["global"] - max(r["union"]["local"])) for r in rs]
+        out[spec] = {
+            "seeds": len(rs), "devices": per_device,
+            "union": {"held_out": rs[0]["union"]["held_out"],
+                      "global": float(np.mean([r["union"]["global"] for r in rs])),
+                      "personal": float(np.mean([r["union"]["personal"] for r in rs])),
+                      "best_local": float(np.mean([max(r["union"]["local"]) for r in rs])),
+                      "mean_local": float(np.mean([np.mean(r["union"]["local"]) for r in rs]))},
+            "personal_vs_better": {"met": sum(g >= 0 for g in gaps), "of": len(gaps),
+                                   "worst_points": min(gaps),
+                                   "mean_points": float(np.mean(gaps))},
+            "global_vs_every_local_on_union": {"met": sum(g >= 0 for g in union_gaps),
+                                               "of": len(union_gaps),
+                                               "worst_points": min(union_gaps)}}
+    return out
+
+
+def print_personal(ps: dict[str, Any], args: argparse.Namespace) -> None:
+    for spec, s in ps.items():
+        print(f"\npersonalization on {spec} (fedavg, {100 * args.personal_holdout:g} % of each "
+              f"device's data held out as its test set; head fine-tune {args.head_epochs} "
+              f"epochs; mean over {s['seeds']} seeds)")
+        print(f"  {'device':>6} {'held out':>8} {'local only':>10} {'global':>7} "
+              f"{'personal':>8}")
+        for i, d in enumerate(s["devices"]):
+            print(f"  {i:>6} {d['held_out']:>8.1f} {d['local']:>10.4f} {d['global']:>7.4f} "
+                  f"{d['personal']:>8.4f}")
+        u = s["union"]
+        print(f"  union ({u['held_out']} held out): global {u['global']:.4f}, personalized "
+              f"serving {u['personal']:.4f}, best local-only model {u['best_local']:.4f} "
+              f"(mean {u['mean_local']:.4f})")
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -583,7 +726,8 @@ def summarize(runs: list[Run], centrals: dict[str, list[Central]],
                                     "curve": mean_curve([c.curve for c in cs])}
     groups: dict[tuple[str, str, str], list[Run]] = {}
     for r in runs:
-        groups.setdefault(r.key, []).append(r)
+        if r.attack != "personal":  # scored per device by personal_summary
+            groups.setdefault(r.key, []).append(r)
     for (spec, rule, att), rs in groups.items():
         bound = out["centralized"][spec]["final"]
         curve = mean_curve([r.curve for r in rs])
@@ -695,6 +839,11 @@ def targets(summary: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         out["alie"] = {"best_rule": best, "points_vs_clean_fedavg": points,
                        "met": points >= -ALIE_POINTS,
                        "by_rule": {k: 100 * (v - clean["final"]) for k, v in alie.items()}}
+    for spec, p in (summary.get("personal") or {}).items():
+        pv, gu = p["personal_vs_better"], p["global_vs_every_local_on_union"]
+        out.setdefault("personal", {})[spec] = {
+            "personal_vs_better": pv, "global_vs_every_local_on_union": gu,
+            "met": pv["met"] == pv["of"] and gu["met"] == gu["of"]}
     st = stragglers_summary(summary, args)
     if st and "stragglers" in st["by_round"]:
         at_time = st["by_time"][max(st["by_time"])]
@@ -716,6 +865,13 @@ def print_targets(t: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"  under ALIE the best rule, {a['best_rule']}, is "
               f"{a['points_vs_clean_fedavg']:+.1f} points vs clean fedavg (>= -{ALIE_POINTS:g}:"
               f" {'met' if a['met'] else 'NOT met'})")
+    for spec, p in t.get("personal", {}).items():
+        pv, gu = p["personal_vs_better"], p["global_vs_every_local_on_union"]
+        print(f"  {spec}: personalized >= the better of (local only, global) on "
+              f"{pv['met']}/{pv['of']} device-seeds (worst {pv['worst_points']:+.1f} points, "
+              f"mean {pv['mean_points']:+.1f}); global >= every local-only model on the union "
+              f"in {gu['met']}/{gu['of']} seeds (worst {gu['worst_points']:+.1f} points): "
+              f"{'met' if p['met'] else 'NOT met'}")
     if "stragglers" in t:
         g = t["stragglers"]
         print(f"  stragglers: at {g['time_units']} units of simulated time, quorum rounds with "
@@ -729,6 +885,8 @@ def print_verdict(t: dict[str, Any], args: argparse.Namespace) -> None:
     also = [(f"{spec} ratio", v["met"]) for spec, v in t["ratio"].items() if spec != head]
     if "alie" in t:
         also.append(("ALIE within 2 points", t["alie"]["met"]))
+    also += [(f"personalization on {spec}", p["met"])
+             for spec, p in t.get("personal", {}).items()]
     if "stragglers" in t:
         also.append(("quorum rounds >= waiting for everyone", t["stragglers"]["met"]))
     value = t["ratio"][head]["value"] if head else float("nan")
@@ -827,6 +985,13 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="late updates combined up to this many releases behind the base")
     ap.add_argument("--straggler-partition", default=HEADLINE,
                     help="the partition the straggler runs use")
+    ap.add_argument("--personal", default=";".join(PERSONAL),
+                    help="';' between partitions scored per device for personalization, or "
+                         "'none'")
+    ap.add_argument("--personal-holdout", type=float, default=0.2,
+                    help="personalization: share of each device's data held out as its test")
+    ap.add_argument("--head-epochs", type=int, default=5,
+                    help="personalization: epochs of the last layer's local fine-tune")
     ap.add_argument("--trim", type=float, default=0.2, help="trimmed-mean: dropped a side")
     ap.add_argument("--prox-mu", type=float, default=0.01, help="fedprox: proximal mu")
     ap.add_argument("--dp-epsilon", type=float, default=8.0, help="dp-fedavg: epsilon budget")
@@ -840,7 +1005,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--plot", type=Path, default=None, help="write the curves here (PNG)")
     args = parse_args(ap, {"devices": 3, "rounds": 2, "local_epochs": 1, "seeds": 1,
                            "hidden": "16", "attackers": 1, "test_fraction": 0.1,
-                           "stragglers": 1,
+                           "stragglers": 1, "personal": "cameras:plain,invert",
                            "workers": 1,
                            "partitions": "iid;dirichlet:0.5;labels:2+cameras:plain,invert",
                            "rules": "fedavg,fedprox,trimmed-mean,median"}, argv)
@@ -849,7 +1014,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except ValueError:
         ap.error(f"--hidden {args.hidden!r}: comma list of widths, e.g. 200,200")
     args.partition_list = [p.strip() for p in args.partitions.split(";") if p.strip()]
-    for spec in [*args.partition_list, args.attack_partition, args.straggler_partition]:
+    args.personal_list = ([] if args.personal == "none" else
+                          [p.strip() for p in args.personal.split(";") if p.strip()])
+    for spec in [*args.partition_list, args.attack_partition, args.straggler_partition,
+                 *args.personal_list]:
         try:
             parse_spec(spec)
         except PartitionError as e:
@@ -871,6 +1039,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not 0 <= args.stragglers < args.devices or args.max_staleness < 0:
         ap.error(f"--stragglers {args.stragglers}: fewer than --devices {args.devices}; "
                  f"--max-staleness {args.max_staleness}: 0 or more")
+    if not 0 < args.personal_holdout < 1 or args.head_epochs < 1:
+        ap.error(f"--personal-holdout {args.personal_holdout}: a fraction in (0, 1); "
+                 f"--head-epochs {args.head_epochs}: at least 1")
     if not 0 <= args.attackers < args.devices:
         ap.error(f"--attackers {args.attackers}: fewer than --devices {args.devices}")
     return args
@@ -924,6 +1095,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             progress(f"{spec}: device sizes {f.samples}")
     centrals = {spec: [Central(fleets[(spec, s)]) for s in range(args.seeds)] for spec in specs}
     runs = plan(args, fleets, progress)
+    personal_runs = [Run(hold_out(make_fleet(spec, seed, args.devices, args.test_fraction),
+                                  args.personal_holdout), "fedavg", Rule(), 0.0,
+                         attack="personal")
+                     for spec in args.personal_list for seed in range(args.seeds)]
+    runs += personal_runs
     progress(f"{len(runs)} federated runs of {args.rounds} rounds x {args.local_epochs} epochs "
              f"x {args.devices} devices, {len(specs) * args.seeds} centralized runs of "
              f"{args.rounds * args.local_epochs} epochs, {args.workers} worker processes")
@@ -931,9 +1107,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     wall = time.perf_counter() - t0
     summary = summarize(runs, centrals, args)
     summary["stragglers"] = stragglers_summary(summary, args)
+    if personal_runs:
+        summary["personal"] = personal_summary(personalize(personal_runs, args))
+        progress("personalization done")
+    wall = time.perf_counter() - t0
     print(f"\nwall time {wall:.0f} s")
     print_tables(summary, args)
     print_stragglers(summary["stragglers"])
+    print_personal(summary.get("personal") or {}, args)
     t = targets(summary, args)
     print_targets(t, args)
     if args.plot:

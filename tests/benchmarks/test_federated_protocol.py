@@ -20,7 +20,9 @@ from benchmarks.federated_protocol import (
     alie_z,
     attack,
     flat,
+    hold_out,
     init_params,
+    make_fleet,
     make_model,
     parse,
     round_updates,
@@ -170,3 +172,33 @@ def test_a_late_update_counts_in_the_next_round_with_the_products_discount() -> 
     rows, counts, stale = round_updates(2, second, samples, 1, jobs, flight, 0)
     np.testing.assert_array_equal(rows, second[:3])
     assert stale == [0, 0, 0] and flight == []
+
+
+def test_a_head_fine_tune_trains_the_last_layer_alone() -> None:
+    data = [_data(50, 1), _data(30, 2)]
+    model = make_model(HIDDEN)
+    like = init_params(HIDDEN, 0)
+    head = list(like)[-2:]
+    lanes = Lanes(model, data, 16, OPTIM, [(torch.Generator().manual_seed(0), 2)],
+                  frozen=[k for k in like if k not in head])
+    rows = torch.stack([flat(like, 1)[0]] * 2)
+    params = {k: v.clone() for k, v in unflat_lanes(rows, like).items()}
+    buf = {k: torch.zeros_like(v) for k, v in params.items()}
+    lanes.epoch(params, buf, None, torch.zeros(2))
+    for k, v in params.items():
+        moved = not torch.equal(v, unflat_lanes(rows, like)[k])
+        assert moved == (k in head), k
+
+
+def test_each_device_holds_out_part_of_its_own_data() -> None:
+    fleet = make_fleet("dirichlet:0.5+cameras:plain,invert", 0, 4, 0.2)
+    held = hold_out(fleet, 0.2)
+    for x, y, tx, ty, ox, oy in zip(fleet.x, fleet.y, held.x, held.y, held.own_x, held.own_y,
+                                    strict=True):
+        assert len(ty) + len(oy) == len(y) and 1 <= len(oy) <= max(1, round(0.2 * len(y)))
+        # the same samples, as the device's camera sees them, split without overlap
+        both = torch.cat([tx, ox]).reshape(len(y), -1)
+        mine = x.reshape(len(y), -1)
+        assert sorted(map(tuple, both.tolist())) == sorted(map(tuple, mine.tolist()))
+        assert sorted(torch.cat([ty, oy]).tolist()) == sorted(y.tolist())
+    assert held.test_x is fleet.test_x
