@@ -34,6 +34,19 @@ rules, under attack, several seeds, beside a centralized bound.
   s = floor(n / 2 + 1) - m: 0.253 for n = 10, m = 2).
 * **Seeds** (``--seeds``): the test split, the partition, the initial model and the batch
   order; figures are the mean over seeds +- their standard deviation.
+* **Stragglers** (``--stragglers``, the last 2 devices, on ``--straggler-partition``,
+  fedavg): a round closes at its quorum, the on-time devices (their fine-tune takes one unit
+  of simulated time); a straggler's takes ``--straggler-slowdown`` units (2), so it lands in
+  a later round, trained from an older base: combined there with ``hpc-train aggregate``'s
+  FedBuff discount (``combine_updates``' ``staleness``, up to ``--max-staleness``), or
+  dropped (``max_staleness`` 0). Beside every device on time, which is also what waiting for
+  everyone gets by round, at ``slowdown`` units a round.
+* **Personalization** (``--personal``: the camera mix with label skew, and alone): fedavg
+  with ``--personal-holdout`` (20 %) of each device's own data held out as its test set;
+  each device scored by its local-only model (its data alone, the same epochs), the global
+  model, and the global model with its last layer fine-tuned on the device's data
+  (``--head-epochs``); the union of the held-out parts by the global model and every
+  local-only one. FedBN is not simulated: the mlp has no normalization layer.
 
 What is simulated and what is the product path: the devices' local training is simulated,
 all in this one process, vectorized over devices and runs: ``torch.func.vmap`` of
@@ -73,6 +86,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -87,11 +101,15 @@ sys.path.insert(0, str(REPO))
 from benchmarks.harness import parse_args, verdict  # noqa: E402
 from hpc_core.aggregation.in_memory import Rule, combine_updates  # noqa: E402
 from hpc_core.aggregation.privacy import DpSettings, epsilon  # noqa: E402
+from hpc_core.aggregation.strategies import staleness_scale  # noqa: E402
 from hpc_core.data import load_digits_tensors  # noqa: E402
 from hpc_core.models import build_model  # noqa: E402
 from hpc_core.partitions import PartitionError, Shard, device_data, parse_spec, split  # noqa: E402
 
 HEADLINE = "dirichlet:0.5"
+PERSONAL = ("dirichlet:0.5+cameras:plain,invert,rotate,noise", "cameras:plain,invert,rotate,noise")
+"""Personalization: sites that see different classes through different cameras (label and
+feature skew), and the camera mix alone (feature skew)."""
 BESIDE = ("iid", "labels:2")
 DEFAULT_PARTITIONS = ("iid", "dirichlet:0.5", "labels:2",
                       "dirichlet:0.5+cameras:plain,invert,rotate")
@@ -106,6 +124,10 @@ TARGET_BY_ROUND = 50
 ALIE_POINTS = 2.0
 """Some shipped rule under ALIE within this many points of clean fedavg."""
 IMAGE_SIZE = 8  # the digits' own resolution: upsampling adds pixels, not information
+LATE = {"stragglers": "late updates discounted", "stragglers-dropped": "late updates dropped"}
+"""Straggler runs (in the attack slot of a run's key): late updates combined in the round they
+arrive in with the FedBuff discount (``--max-staleness``), or dropped (the product's default,
+``max_staleness`` 0)."""
 
 
 # --- data ----------------------------------------------------------------------------------
@@ -122,10 +144,29 @@ class Fleet:
     y: list[torch.Tensor]
     test_x: torch.Tensor
     test_y: torch.Tensor
+    own_x: list[torch.Tensor] = field(default_factory=list)
+    """Per device, its own held-out data (personalization runs only; see ``hold_out``)."""
+    own_y: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def samples(self) -> list[int]:
         return [len(t) for t in self.y]
+
+
+def hold_out(fleet: Fleet, fraction: float) -> Fleet:
+    """The fleet with a seeded ``fraction`` of each device's own data (its classes, through
+    its camera) held out as that device's test set, at least one sample, the rest to train
+    on: the protocol of personalized FL benchmarks (a device is scored on what it sees)."""
+    xs, ys, ox, oy = [], [], [], []
+    for i, (x, y) in enumerate(zip(fleet.x, fleet.y, strict=True)):
+        perm = torch.from_numpy(np.random.default_rng(fleet.seed * 1000 + 900 + i)
+                                .permutation(len(y)))
+        k = min(max(1, round(fraction * len(y))), len(y) - 1)
+        ox.append(x[perm[:k]])
+        oy.append(y[perm[:k]])
+        xs.append(x[perm[k:]])
+        ys.append(y[perm[k:]])
+    return Fleet(fleet.spec, fleet.seed, fleet.shards, xs, ys, fleet.test_x, fleet.test_y, ox, oy)
 
 
 def make_fleet(spec: str, seed: int, devices: int, test_fraction: float) -> Fleet:
@@ -191,10 +232,13 @@ class Lanes:
     generator, so a run's figures do not depend on which other runs share its lanes."""
 
     def __init__(self, model: torch.nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]],
-                 batch: int, optim: Optim, groups: list[tuple[torch.Generator, int]]) -> None:
+                 batch: int, optim: Optim, groups: list[tuple[torch.Generator, int]],
+                 frozen: Sequence[str] = ()) -> None:
         if sum(n for _, n in groups) != len(data):
             raise ValueError("groups must cover the lanes")
         self.model, self.batch, self.optim, self.groups = model, batch, optim, groups
+        self.frozen = frozenset(frozen)
+        """Weights left as they are (a head fine-tune trains the last layer alone)."""
         self.pool_x = torch.cat([x for x, _ in data])
         self.pool_y = torch.cat([y for _, y in data])
         self.count = torch.tensor([len(y) for _, y in data])
@@ -238,6 +282,8 @@ class Lanes:
             g = self.grad(p, self.pool_x[idx], self.pool_y[idx], take.float())
             m = mu if every else mu[active]
             for k, pk in p.items():
+                if k in self.frozen:
+                    continue
                 gk = g[k].add_(pk, alpha=o.weight_decay)
                 if prox:
                     a = anchor[k] if every else anchor[k][active]  # type: ignore[index]
@@ -322,6 +368,61 @@ def runnable(name: str, args: argparse.Namespace) -> bool:
     return True
 
 
+# --- stragglers -------------------------------------------------------------------------------
+
+def straggler_jobs(rounds: int, slowdown: Fraction) -> list[tuple[int, int]]:
+    """One straggler's fine-tunes as (base round, round combined in), rounds 1-based.
+
+    Simulated time: round k runs from k - 1 to k (the on-time devices' fine-tune takes one
+    unit and the round closes at its quorum, when they are in). A straggler's fine-tune takes
+    ``slowdown`` units; it starts from the release current when it starts (round k's base
+    during (k - 1, k], the new release at k) and is combined by the first round that closes
+    at or after it ends, ``round combined in - base round`` releases stale. Then it starts
+    its next one. Jobs that end after the last round are left out."""
+    if slowdown < 1:
+        raise ValueError(f"slowdown {slowdown}: a straggler takes at least one round")
+    jobs, t = [], Fraction(0)
+    while True:
+        base = math.floor(t) + 1
+        end = t + slowdown
+        combined = math.ceil(end)
+        if base > rounds or combined > rounds:
+            return jobs
+        jobs.append((base, combined))
+        t = end
+
+
+@dataclass
+class Late:
+    """A straggler's update in flight: its delta against its own base, and when it lands."""
+
+    delta: np.ndarray
+    samples: float
+    combined: int
+    staleness: int
+
+
+def round_updates(rnd: int, deltas: np.ndarray, samples: Sequence[float], stragglers: int,
+                  jobs: dict[int, int], flight: list[Late], max_staleness: int
+                  ) -> tuple[np.ndarray, list[float], list[int]]:
+    """Round ``rnd``'s uploads (rows, sample counts, staleness): the on-time devices' fresh
+    deltas, then the stragglers' updates that land in it within ``max_staleness`` (as
+    ``fleet.learn.updates.choose_updates`` admits them; staler ones are dropped for good).
+    ``deltas`` holds every device's training of this round from its base: a straggler that
+    starts a fine-tune now (``jobs``: base round -> round combined in) puts it in ``flight``."""
+    n = len(deltas)
+    if rnd in jobs:
+        flight += [Late(deltas[i].copy(), float(samples[i]), jobs[rnd], jobs[rnd] - rnd)
+                   for i in range(n - stragglers, n)]
+    landed = [u for u in flight if u.combined == rnd]
+    flight[:] = [u for u in flight if u.combined > rnd]
+    landed = [u for u in landed if u.staleness <= max_staleness]
+    rows = np.concatenate([deltas[:n - stragglers], [u.delta for u in landed]]) if landed \
+        else deltas[:n - stragglers]
+    return (rows, [float(c) for c in samples[:n - stragglers]] + [u.samples for u in landed],
+            [0] * (n - stragglers) + [u.staleness for u in landed])
+
+
 # --- runs -------------------------------------------------------------------------------------
 
 @dataclass
@@ -333,9 +434,16 @@ class Run:
     rule: Rule
     mu: float
     attack: str = "none"
+    """An attack of ATTACKS, or a straggler case of LATE, or "none"."""
     curve: list[float] = field(default_factory=list)
     """Test accuracy of the global model after each round (index 0: the initial model)."""
     note: str = ""
+    final: torch.Tensor | None = None
+    """The global model after the last round, flat."""
+    stragglers: int = 0
+    """The last devices finish a fine-tune ``slowdown`` round durations after they start."""
+    slowdown: Fraction = Fraction(1)
+    max_staleness: int = 0
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -377,9 +485,9 @@ def run_all(runs: list[Run], centrals: list[Central], args: argparse.Namespace,
         progress("centralized done")
 
 
-def _fill(runs: list[Run], results: list[tuple[list[float], str]]) -> None:
-    for r, (curve, note) in zip(runs, results, strict=True):
-        r.curve, r.note = curve, note
+def _fill(runs: list[Run], results: list[tuple[list[float], str, torch.Tensor]]) -> None:
+    for r, (curve, note, final) in zip(runs, results, strict=True):
+        r.curve, r.note, r.final = curve, note, final
 
 
 def _start_process() -> None:
@@ -388,8 +496,9 @@ def _start_process() -> None:
     torch.set_num_threads(1)
 
 
-def _federated(runs: list[Run], args: argparse.Namespace) -> list[tuple[list[float], str]]:
-    """Every run of the chunk in lock-step: (curve, note) per run."""
+def _federated(runs: list[Run], args: argparse.Namespace
+               ) -> list[tuple[list[float], str, torch.Tensor]]:
+    """Every run of the chunk in lock-step: (curve, note, final global weights) per run."""
     _start_process()
     n, model = args.devices, make_model(args.hidden)
     data = [(x, y) for r in runs for x, y in zip(r.fleet.x, r.fleet.y, strict=True)]
@@ -405,6 +514,8 @@ def _federated(runs: list[Run], args: argparse.Namespace) -> list[tuple[list[flo
     curves = [[accuracy(model, unflat(g, like), r.fleet.test_x, r.fleet.test_y)]
               for r, g in zip(runs, glob, strict=True)]
     notes = [""] * len(runs)
+    jobs = [dict(straggler_jobs(args.rounds, r.slowdown)) if r.stragglers else {} for r in runs]
+    flights: list[list[Late]] = [[] for _ in runs]
     for rnd in range(1, args.rounds + 1):
         start = torch.stack([g for g in glob for _ in range(n)])  # L x D
         params = {k: v.clone() for k, v in unflat_lanes(start, like).items()}
@@ -414,18 +525,22 @@ def _federated(runs: list[Run], args: argparse.Namespace) -> list[tuple[list[flo
             lanes.epoch(params, buf, anchor, mu)
         deltas = (flat(params, len(start)) - start).numpy()
         for j, r in enumerate(runs):
-            rows = attack(deltas[j * n:(j + 1) * n], r.attack, args.attackers,
-                          args.attack_scale)
+            rows = deltas[j * n:(j + 1) * n]
+            samples, stale = [float(s) for s in r.fleet.samples], None
+            if r.stragglers:
+                rows, samples, stale = round_updates(rnd, rows, samples, r.stragglers, jobs[j],
+                                                     flights[j], r.max_staleness)
+            else:
+                rows = attack(rows, r.attack, args.attackers, args.attack_scale)
             try:
-                step = combine_updates(rows, [float(s) for s in r.fleet.samples], r.rule,
-                                       rng=rngs[j])
+                step = combine_updates(rows, samples, r.rule, rng=rngs[j], staleness=stale)
             except ValueError as e:  # every update non-finite: the model stays where it is
                 notes[j] = notes[j] or f"round {rnd}: {e}"
                 step = np.zeros(rows.shape[1])
             glob[j] = glob[j] + torch.from_numpy(step).float()
             curves[j].append(accuracy(model, unflat(glob[j], like), r.fleet.test_x,
                                       r.fleet.test_y))
-    return list(zip(curves, notes, strict=True))
+    return list(zip(curves, notes, glob, strict=True))
 
 
 def unflat_lanes(rows: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -464,6 +579,106 @@ def _centralized(centrals: list[Central], args: argparse.Namespace) -> list[list
             lanes.epoch(params, buf, None, none)
         score()
     return curves
+
+
+# --- personalization --------------------------------------------------------------------------
+
+def personalize(runs: list[Run], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per personalization run (fedavg on devices holding part of their data out), each
+    device's held-out data scored by (a) its local-only model: the same model trained on its
+    own training part alone, from the run's initial weights, with one optimizer for rounds x
+    local epochs epochs (the compute it spends in the federated run); (b) the global model;
+    (c) its personalized model: the global model with its last layer fine-tuned on the
+    device's own training part for ``--head-epochs`` epochs (the body frozen, a fresh
+    optimizer). And the union of the held-out parts: the global model, each device's
+    local-only model, and personalized serving (each device's part by its own model)."""
+    _start_process()
+    n, model = args.devices, make_model(args.hidden)
+    like = init_params(args.hidden, 0)
+    head = list(like)[-2:]  # the last Linear's weight and bias
+    data = [(x, y) for r in runs for x, y in zip(r.fleet.x, r.fleet.y, strict=True)]
+    optim = Optim(args.lr, args.momentum, args.weight_decay)
+    none = torch.zeros(len(data))
+
+    def train(rows: torch.Tensor, epochs: int, salt: int, frozen: Sequence[str]) -> torch.Tensor:
+        lanes = Lanes(model, data, args.batch, optim,
+                      [(torch.Generator().manual_seed(r.fleet.seed + salt), n) for r in runs],
+                      frozen=frozen)
+        params = {k: v.clone() for k, v in unflat_lanes(rows, like).items()}
+        buf = {k: torch.zeros_like(v) for k, v in params.items()}
+        for _ in range(epochs):
+            lanes.epoch(params, buf, None, none)
+        return flat(params, len(rows))
+
+    local = train(torch.stack([flat(init_params(args.hidden, r.fleet.seed), 1)[0]
+                               for r in runs for _ in range(n)]),
+                  args.rounds * args.local_epochs, 31, ())
+    assert all(r.final is not None for r in runs)
+    personal = train(torch.stack([r.final for r in runs for _ in range(n)]),  # type: ignore[misc]
+                     args.head_epochs, 47, [k for k in like if k not in head])
+    out = []
+    for j, r in enumerate(runs):
+        f, glob = r.fleet, unflat(r.final, like)  # type: ignore[arg-type]
+        ux, uy = torch.cat(f.own_x), torch.cat(f.own_y)
+        devices = []
+        for i in range(n):
+            mine = (f.own_x[i], f.own_y[i])
+            devices.append({
+                "held_out": len(f.own_y[i]),
+                "local": accuracy(model, unflat(local[j * n + i], like), *mine),
+                "global": accuracy(model, glob, *mine),
+                "personal": accuracy(model, unflat(personal[j * n + i], like), *mine)})
+        served = sum(d["personal"] * d["held_out"] for d in devices) / len(uy)
+        out.append({"partition": f.spec, "seed": f.seed, "devices": devices, "union": {
+            "held_out": len(uy), "global": accuracy(model, glob, ux, uy),
+            "personal": served,
+            "local": [accuracy(model, unflat(local[j * n + i], like), ux, uy)
+                      for i in range(n)]}})
+    return out
+
+
+def personal_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per partition: per device (mean over seeds) local, global and personalized accuracy on
+    its held-out data; the union; and the issue's two comparisons, per device and seed."""
+    out: dict[str, Any] = {}
+    for spec in dict.fromkeys(r["partition"] for r in results):
+        rs = [r for r in results if r["partition"] == spec]
+        n = len(rs[0]["devices"])
+        per_device = [{k: float(np.mean([r["devices"][i][k] for r in rs]))
+                       for k in ("held_out", "local", "global", "personal")} for i in range(n)]
+        gaps = [100 * (d["personal"] - max(d["local"], d["global"]))
+                for r in rs for d in r["devices"]]
+        union_gaps = [100 * (r["union"]["global"] - max(r["union"]["local"])) for r in rs]
+        out[spec] = {
+            "seeds": len(rs), "devices": per_device,
+            "union": {"held_out": rs[0]["union"]["held_out"],
+                      "global": float(np.mean([r["union"]["global"] for r in rs])),
+                      "personal": float(np.mean([r["union"]["personal"] for r in rs])),
+                      "best_local": float(np.mean([max(r["union"]["local"]) for r in rs])),
+                      "mean_local": float(np.mean([np.mean(r["union"]["local"]) for r in rs]))},
+            "personal_vs_better": {"met": sum(g >= 0 for g in gaps), "of": len(gaps),
+                                   "worst_points": min(gaps),
+                                   "mean_points": float(np.mean(gaps))},
+            "global_vs_every_local_on_union": {"met": sum(g >= 0 for g in union_gaps),
+                                               "of": len(union_gaps),
+                                               "worst_points": min(union_gaps)}}
+    return out
+
+
+def print_personal(ps: dict[str, Any], args: argparse.Namespace) -> None:
+    for spec, s in ps.items():
+        print(f"\npersonalization on {spec} (fedavg, {100 * args.personal_holdout:g} % of each "
+              f"device's data held out as its test set; head fine-tune {args.head_epochs} "
+              f"epochs; mean over {s['seeds']} seeds)")
+        print(f"  {'device':>6} {'held out':>8} {'local only':>10} {'global':>7} "
+              f"{'personal':>8}")
+        for i, d in enumerate(s["devices"]):
+            print(f"  {i:>6} {d['held_out']:>8.1f} {d['local']:>10.4f} {d['global']:>7.4f} "
+                  f"{d['personal']:>8.4f}")
+        u = s["union"]
+        print(f"  union ({u['held_out']} held out): global {u['global']:.4f}, personalized "
+              f"serving {u['personal']:.4f}, best local-only model {u['best_local']:.4f} "
+              f"(mean {u['mean_local']:.4f})")
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -511,7 +726,8 @@ def summarize(runs: list[Run], centrals: dict[str, list[Central]],
                                     "curve": mean_curve([c.curve for c in cs])}
     groups: dict[tuple[str, str, str], list[Run]] = {}
     for r in runs:
-        groups.setdefault(r.key, []).append(r)
+        if r.attack != "personal":  # scored per device by personal_summary
+            groups.setdefault(r.key, []).append(r)
     for (spec, rule, att), rs in groups.items():
         bound = out["centralized"][spec]["final"]
         curve = mean_curve([r.curve for r in rs])
@@ -544,7 +760,7 @@ def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> None:
         for s in fed.values():
             if s["partition"] == spec and s["attack"] == "none":
                 print(row(s))
-    attacked = [s for s in fed.values() if s["attack"] != "none"]
+    attacked = [s for s in fed.values() if s["attack"] in ATTACKS]
     if attacked:
         spec = attacked[0]["partition"]
         clean = fed.get(f"{spec} | fedavg | none")
@@ -558,6 +774,53 @@ def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> None:
                 print(f" {att}")
                 for s in rows:
                     print(row(s, base))
+
+
+def stragglers_summary(summary: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Accuracy by round of every device on time (= waiting for everyone), and of rounds
+    closed at the on-time quorum, late updates discounted or dropped; then by simulated time:
+    a round that waits for everyone lasts ``slowdown`` units, a quorum round one."""
+    fed = summary["federated"]
+    spec = args.straggler_partition
+    clean = fed.get(f"{spec} | fedavg | none")
+    cases = {k: fed[f"{spec} | fedavg | {k}"] for k in LATE if f"{spec} | fedavg | {k}" in fed}
+    if clean is None or not cases:
+        return {}
+    slow = Fraction(args.straggler_slowdown)
+    marks = sorted({m for m in (10, 25, TARGET_BY_ROUND, args.rounds) if m <= args.rounds})
+    by_round = {"on time": {m: clean["curve"][m] for m in marks}}
+    by_round.update({k: {m: c["curve"][m] for m in marks} for k, c in cases.items()})
+    by_time = {m: {"wait for everyone": clean["curve"][math.floor(m / slow)],
+                   "rounds waiting": math.floor(m / slow),
+                   **{k: c["curve"][m] for k, c in cases.items()}} for m in marks}
+    jobs = straggler_jobs(args.rounds, slow)
+    return {"partition": spec, "stragglers": args.stragglers, "devices": args.devices,
+            "slowdown": float(slow), "max_staleness": args.max_staleness,
+            "discount": {str(st): staleness_scale(st) for st in sorted({c - b for b, c in jobs})},
+            "straggler_updates_per_device": len(jobs), "by_round": by_round, "by_time": by_time,
+            "curves": {"on time": clean["curve"], **{k: c["curve"] for k, c in cases.items()}}}
+
+
+def print_stragglers(st: dict[str, Any]) -> None:
+    if not st:
+        return
+    disc = ", ".join(f"staleness {k}: x {v:.3f}" for k, v in st["discount"].items())
+    print(f"\nstragglers on {st['partition']}, fedavg: the last {st['stragglers']} of "
+          f"{st['devices']} devices take {st['slowdown']:g} round durations a fine-tune; a round "
+          f"closes at its quorum of {st['devices'] - st['stragglers']} on-time devices (1 unit); "
+          f"each straggler lands {st['straggler_updates_per_device']} updates, late "
+          f"({disc}; --max-staleness {st['max_staleness']})")
+    cases = list(st["by_round"])
+    print(f"  {'round':>6} " + " ".join(f"{c:>26}" for c in cases))
+    for m in next(iter(st["by_round"].values())):
+        print(f"  {m:>6} " + " ".join(f"{st['by_round'][c][m]:>26.4f}" for c in cases))
+    print(f"  simulated time (units): wait for everyone ({st['slowdown']:g} units a round) "
+          "vs quorum rounds")
+    for m, row_ in st["by_time"].items():
+        rest = "  ".join(f"{k} {v:.4f}" for k, v in row_.items()
+                         if k not in ("wait for everyone", "rounds waiting"))
+        print(f"  {m:>6}  wait for everyone {row_['wait for everyone']:.4f} "
+              f"({row_['rounds waiting']} rounds)  {rest}")
 
 
 def targets(summary: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -576,6 +839,18 @@ def targets(summary: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         out["alie"] = {"best_rule": best, "points_vs_clean_fedavg": points,
                        "met": points >= -ALIE_POINTS,
                        "by_rule": {k: 100 * (v - clean["final"]) for k, v in alie.items()}}
+    for spec, p in (summary.get("personal") or {}).items():
+        pv, gu = p["personal_vs_better"], p["global_vs_every_local_on_union"]
+        out.setdefault("personal", {})[spec] = {
+            "personal_vs_better": pv, "global_vs_every_local_on_union": gu,
+            "met": pv["met"] == pv["of"] and gu["met"] == gu["of"]}
+    st = stragglers_summary(summary, args)
+    if st and "stragglers" in st["by_round"]:
+        at_time = st["by_time"][max(st["by_time"])]
+        out["stragglers"] = {
+            "time_units": max(st["by_time"]), "quorum": at_time["stragglers"],
+            "wait_for_everyone": at_time["wait for everyone"],
+            "met": at_time["stragglers"] >= at_time["wait for everyone"]}
     return out
 
 
@@ -590,6 +865,18 @@ def print_targets(t: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"  under ALIE the best rule, {a['best_rule']}, is "
               f"{a['points_vs_clean_fedavg']:+.1f} points vs clean fedavg (>= -{ALIE_POINTS:g}:"
               f" {'met' if a['met'] else 'NOT met'})")
+    for spec, p in t.get("personal", {}).items():
+        pv, gu = p["personal_vs_better"], p["global_vs_every_local_on_union"]
+        print(f"  {spec}: personalized >= the better of (local only, global) on "
+              f"{pv['met']}/{pv['of']} device-seeds (worst {pv['worst_points']:+.1f} points, "
+              f"mean {pv['mean_points']:+.1f}); global >= every local-only model on the union "
+              f"in {gu['met']}/{gu['of']} seeds (worst {gu['worst_points']:+.1f} points): "
+              f"{'met' if p['met'] else 'NOT met'}")
+    if "stragglers" in t:
+        g = t["stragglers"]
+        print(f"  stragglers: at {g['time_units']} units of simulated time, quorum rounds with "
+              f"late updates discounted {g['quorum']:.4f} >= waiting for everyone "
+              f"{g['wait_for_everyone']:.4f}: {'met' if g['met'] else 'NOT met'}")
 
 
 def print_verdict(t: dict[str, Any], args: argparse.Namespace) -> None:
@@ -598,6 +885,10 @@ def print_verdict(t: dict[str, Any], args: argparse.Namespace) -> None:
     also = [(f"{spec} ratio", v["met"]) for spec, v in t["ratio"].items() if spec != head]
     if "alie" in t:
         also.append(("ALIE within 2 points", t["alie"]["met"]))
+    also += [(f"personalization on {spec}", p["met"])
+             for spec, p in t.get("personal", {}).items()]
+    if "stragglers" in t:
+        also.append(("quorum rounds >= waiting for everyone", t["stragglers"]["met"]))
     value = t["ratio"][head]["value"] if head else float("nan")
     verdict(f"fedavg on {head} federated / centralized accuracy at round {at}", value, ">=",
             TARGET_RATIO, also=also)
@@ -619,6 +910,11 @@ def plot(summary: dict[str, Any], path: Path) -> Path:
             clean = summary["federated"].get(f"{hit[0]['partition']} | fedavg | none")
             panels.append((f"{hit[0]['partition']} under {att}", hit,
                            clean["curve"] if clean else [], "clean fedavg"))
+    st = summary.get("stragglers") or {}
+    if st:
+        series = [{"rule": k, "curve": v} for k, v in st["curves"].items() if k != "on time"]
+        panels.append((f"{st['partition']}, {st['stragglers']} stragglers (x{st['slowdown']:g})"
+                       " by round", series, st["curves"]["on time"], "all on time"))
     cols = min(3, len(panels))
     rows_n = -(-len(panels) // cols)
     fig = figure(figsize=(5.0 * cols, 3.6 * rows_n), layout="constrained")
@@ -627,8 +923,10 @@ def plot(summary: dict[str, Any], path: Path) -> Path:
         if ref:
             ax.plot(ref, color="black", linestyle="--", label=ref_label)
         for s in series:  # one colour per rule in every panel
-            ax.plot(s["curve"], label=s["rule"], linewidth=1.0,
-                    color=f"C{ALL_RULES.index(s['rule'])}")
+            colour = (f"C{ALL_RULES.index(s['rule'])}" if s["rule"] in ALL_RULES
+                      else f"C{len(ALL_RULES) + list(LATE).index(s['rule'])}")
+            ax.plot(s["curve"], label=LATE.get(s["rule"], s["rule"]), linewidth=1.0,
+                    color=colour)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("round")
         ax.set_ylabel("test accuracy")
@@ -679,6 +977,21 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--attackers", type=int, default=2, help="poisoned devices (the last ones)")
     ap.add_argument("--attack-scale", type=float, default=50.0,
                     help="scale: delta x k; flip: delta x -k")
+    ap.add_argument("--stragglers", type=int, default=2,
+                    help="straggling devices (the last ones), fedavg; 0: no straggler runs")
+    ap.add_argument("--straggler-slowdown", default="2",
+                    help="a straggler's fine-tune in round durations (a fraction, >= 1)")
+    ap.add_argument("--max-staleness", type=int, default=2,
+                    help="late updates combined up to this many releases behind the base")
+    ap.add_argument("--straggler-partition", default=HEADLINE,
+                    help="the partition the straggler runs use")
+    ap.add_argument("--personal", default=";".join(PERSONAL),
+                    help="';' between partitions scored per device for personalization, or "
+                         "'none'")
+    ap.add_argument("--personal-holdout", type=float, default=0.2,
+                    help="personalization: share of each device's data held out as its test")
+    ap.add_argument("--head-epochs", type=int, default=5,
+                    help="personalization: epochs of the last layer's local fine-tune")
     ap.add_argument("--trim", type=float, default=0.2, help="trimmed-mean: dropped a side")
     ap.add_argument("--prox-mu", type=float, default=0.01, help="fedprox: proximal mu")
     ap.add_argument("--dp-epsilon", type=float, default=8.0, help="dp-fedavg: epsilon budget")
@@ -692,6 +1005,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--plot", type=Path, default=None, help="write the curves here (PNG)")
     args = parse_args(ap, {"devices": 3, "rounds": 2, "local_epochs": 1, "seeds": 1,
                            "hidden": "16", "attackers": 1, "test_fraction": 0.1,
+                           "stragglers": 1, "personal": "cameras:plain,invert",
                            "workers": 1,
                            "partitions": "iid;dirichlet:0.5;labels:2+cameras:plain,invert",
                            "rules": "fedavg,fedprox,trimmed-mean,median"}, argv)
@@ -700,7 +1014,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except ValueError:
         ap.error(f"--hidden {args.hidden!r}: comma list of widths, e.g. 200,200")
     args.partition_list = [p.strip() for p in args.partitions.split(";") if p.strip()]
-    for spec in [*args.partition_list, args.attack_partition]:
+    args.personal_list = ([] if args.personal == "none" else
+                          [p.strip() for p in args.personal.split(";") if p.strip()])
+    for spec in [*args.partition_list, args.attack_partition, args.straggler_partition,
+                 *args.personal_list]:
         try:
             parse_spec(spec)
         except PartitionError as e:
@@ -713,6 +1030,18 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              [r for r in args.rule_list if r not in ("fedprox", "dp-fedavg")])
     if args.devices < 1 or args.rounds < 1 or args.local_epochs < 1 or args.seeds < 1:
         ap.error("--devices, --rounds, --local-epochs and --seeds: at least 1")
+    try:
+        if Fraction(args.straggler_slowdown) < 1:
+            raise ValueError
+    except (ValueError, ZeroDivisionError):
+        ap.error(f"--straggler-slowdown {args.straggler_slowdown!r}: a number >= 1 (round "
+                 "durations a straggler's fine-tune takes), e.g. 2 or 3/2")
+    if not 0 <= args.stragglers < args.devices or args.max_staleness < 0:
+        ap.error(f"--stragglers {args.stragglers}: fewer than --devices {args.devices}; "
+                 f"--max-staleness {args.max_staleness}: 0 or more")
+    if not 0 < args.personal_holdout < 1 or args.head_epochs < 1:
+        ap.error(f"--personal-holdout {args.personal_holdout}: a fraction in (0, 1); "
+                 f"--head-epochs {args.head_epochs}: at least 1")
     if not 0 <= args.attackers < args.devices:
         ap.error(f"--attackers {args.attackers}: fewer than --devices {args.devices}")
     return args
@@ -730,7 +1059,9 @@ def plan(args: argparse.Namespace, fleets: dict[tuple[str, int], Fleet],
     runs: list[Run] = []
     for (spec, _seed), fleet in fleets.items():
         clean = list(args.rule_list) if spec in args.partition_list else []
-        if spec == args.attack_partition and args.attack_list and "fedavg" not in clean:
+        if ((spec == args.attack_partition and args.attack_list)
+                or (spec == args.straggler_partition and args.stragglers)) \
+                and "fedavg" not in clean:
             clean.append("fedavg")
         runs += [Run(fleet, name, *rule_for(name, args)) for name in clean
                  if runnable(name, args)]
@@ -738,6 +1069,11 @@ def plan(args: argparse.Namespace, fleets: dict[tuple[str, int], Fleet],
             runs += [Run(fleet, name, *rule_for(name, args), attack=att)
                      for att in args.attack_list for name in args.attack_rule_list
                      if runnable(name, args)]
+        if spec == args.straggler_partition and args.stragglers:
+            runs += [Run(fleet, "fedavg", Rule(), 0.0, attack=case, stragglers=args.stragglers,
+                         slowdown=Fraction(args.straggler_slowdown),
+                         max_staleness=args.max_staleness if case == "stragglers" else 0)
+                     for case in LATE]
     return runs
 
 
@@ -750,7 +1086,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
 
     specs = list(dict.fromkeys([*args.partition_list,
-                                *([args.attack_partition] if args.attack_list else [])]))
+                                *([args.attack_partition] if args.attack_list else []),
+                                *([args.straggler_partition] if args.stragglers else [])]))
     fleets = {(spec, seed): make_fleet(spec, seed, args.devices, args.test_fraction)
               for spec in specs for seed in range(args.seeds)}
     for (spec, seed), f in fleets.items():
@@ -758,14 +1095,26 @@ def main(argv: Sequence[str] | None = None) -> None:
             progress(f"{spec}: device sizes {f.samples}")
     centrals = {spec: [Central(fleets[(spec, s)]) for s in range(args.seeds)] for spec in specs}
     runs = plan(args, fleets, progress)
+    personal_runs = [Run(hold_out(make_fleet(spec, seed, args.devices, args.test_fraction),
+                                  args.personal_holdout), "fedavg", Rule(), 0.0,
+                         attack="personal")
+                     for spec in args.personal_list for seed in range(args.seeds)]
+    runs += personal_runs
     progress(f"{len(runs)} federated runs of {args.rounds} rounds x {args.local_epochs} epochs "
              f"x {args.devices} devices, {len(specs) * args.seeds} centralized runs of "
              f"{args.rounds * args.local_epochs} epochs, {args.workers} worker processes")
     run_all(runs, [c for cs in centrals.values() for c in cs], args, progress)
     wall = time.perf_counter() - t0
     summary = summarize(runs, centrals, args)
+    summary["stragglers"] = stragglers_summary(summary, args)
+    if personal_runs:
+        summary["personal"] = personal_summary(personalize(personal_runs, args))
+        progress("personalization done")
+    wall = time.perf_counter() - t0
     print(f"\nwall time {wall:.0f} s")
     print_tables(summary, args)
+    print_stragglers(summary["stragglers"])
+    print_personal(summary.get("personal") or {}, args)
     t = targets(summary, args)
     print_targets(t, args)
     if args.plot:

@@ -13,8 +13,12 @@ distances, so the whole array as one block is the same computation
 (``tests/hpc_core/aggregation/test_in_memory.py`` checks it against ``run_round`` on a
 registry).
 
-Not here, because a simulation has nothing for them to act on: selection, signatures, chunk
-hashes, near-duplicate flags, staleness (every update is trained from the current model) and
+A late update (trained from a release ``staleness`` rounds behind the base, its delta taken
+against that release as ``run_round`` takes it) is scaled by FedBuff's discount,
+:func:`strategies.staleness_scale`, times its clip scale, as ``run_round``'s ``Scales.total``.
+
+Not here, because a simulation has nothing for them to act on: selection (which late updates
+``--max-staleness`` admits is the caller's), signatures, chunk hashes, near-duplicate flags and
 the report. Nor running statistics: the deltas are of trained weights only (BatchNorm's
 running mean and variance would take the combined value without the server step, and keep
 the base's under DP).
@@ -39,6 +43,7 @@ from hpc_core.aggregation.strategies import (
     krum_kept,
     krum_scores,
     min_updates,
+    staleness_scale,
 )
 
 
@@ -76,21 +81,28 @@ class Rule:
 
 
 def combine_updates(deltas: np.ndarray, samples: Sequence[float | None], rule: Rule,
-                    rng: np.random.Generator | None = None) -> np.ndarray:
+                    rng: np.random.Generator | None = None,
+                    staleness: Sequence[int] | None = None) -> np.ndarray:
     """The server's step (float64, length D) from the N x D ``deltas`` (update - the model
     they were trained from), each device's training sample count in ``samples`` (None: not
-    given). An update holding NaN or infinity is left out, as ``run_round`` skips it; too few
-    left for the strategy is a ValueError. ``rng`` draws the DP noise (None: seeded from the
-    OS)."""
+    given) and, in ``staleness``, how many releases behind the base each update's own
+    release is (None: every update fresh). An update holding NaN or infinity is left out, as
+    ``run_round`` skips it; too few left for the strategy is a ValueError. ``rng`` draws the
+    DP noise (None: seeded from the OS)."""
     rule.check()
     block = np.asarray(deltas, dtype=np.float32)
-    if block.ndim != 2 or len(samples) != block.shape[0]:
-        raise ValueError(f"deltas {block.shape} and {len(samples)} sample counts: one row "
-                         "and one count per update")
+    stale = [0] * len(samples) if staleness is None else list(staleness)
+    if block.ndim != 2 or len(samples) != block.shape[0] or len(stale) != block.shape[0]:
+        raise ValueError(f"deltas {block.shape}, {len(samples)} sample counts and "
+                         f"{len(stale)} staleness values: one row, count and staleness per "
+                         "update")
+    if any(s < 0 for s in stale):
+        raise ValueError(f"staleness {stale}: releases behind the base, 0 or more")
     norms = np.sqrt(np.einsum("ij,ij->i", block, block, dtype=np.float64))
     finite = np.isfinite(norms)
     block, norms = block[finite], norms[finite]
     counts = [s for s, ok in zip(samples, finite, strict=True) if ok]
+    stale = [s for s, ok in zip(stale, finite, strict=True) if ok]
     need = min_updates(rule.strategy, rule.trim, rule.krum_f, rule.krum_keep)
     if len(block) < need:
         raise ValueError(f"{len(block)} finite updates; {rule.strategy} needs {need}")
@@ -98,7 +110,9 @@ def combine_updates(deltas: np.ndarray, samples: Sequence[float | None], rule: R
     if bound == MEDIAN_CLIP:
         bound = float(np.median(norms))
     assert not isinstance(bound, str)
-    scales = np.array([clip_scale(float(n), bound) for n in norms], dtype=np.float32)
+    # run_round's Scales.total: the clip bound is taken on the raw norms, then the discount
+    scales = np.array([clip_scale(float(n), bound) * staleness_scale(s)
+                       for n, s in zip(norms, stale, strict=True)], dtype=np.float32)
     if (scales != 1.0).any():
         block = block * scales[:, None]
     noise = None

@@ -5,6 +5,7 @@ figures do not depend on the runs beside it, and the attacks are what the papers
 from __future__ import annotations
 
 import argparse
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -14,15 +15,21 @@ from scipy import stats
 
 from benchmarks.federated_protocol import (
     Lanes,
+    Late,
     Optim,
     alie_z,
     attack,
     flat,
+    hold_out,
     init_params,
+    make_fleet,
     make_model,
     parse,
+    round_updates,
+    straggler_jobs,
     unflat_lanes,
 )
+from hpc_core.aggregation.in_memory import Rule, combine_updates
 
 HIDDEN = (12,)
 OPTIM = Optim(lr=0.05, momentum=0.9, weight_decay=1e-3)
@@ -121,8 +128,77 @@ def test_bad_arguments_are_refused_with_the_fix(capsys: pytest.CaptureFixture[st
     for argv, fix in [(["--partitions", "dirichlet:0"], "alpha must be > 0"),
                       (["--rules", "fedavg,krumm"], "a comma list of fedavg"),
                       (["--attackers", "10"], "fewer than --devices 10"),
-                      (["--hidden", "a"], "comma list of widths")]:
+                      (["--hidden", "a"], "comma list of widths"),
+                      (["--straggler-slowdown", "1/2"], "a number >= 1"),
+                      (["--stragglers", "10"], "fewer than --devices 10")]:
         with pytest.raises(SystemExit):
             parse(argv)
         assert fix in capsys.readouterr().err
     assert isinstance(parse(["--rounds", "120"]), argparse.Namespace)  # no cap on rounds
+
+
+def test_a_straggler_lands_in_the_round_that_closes_after_its_fine_tune() -> None:
+    # round k runs from k - 1 to k; a job starts from the release current when it starts
+    assert straggler_jobs(6, Fraction(1)) == [(k, k) for k in range(1, 7)]
+    assert straggler_jobs(6, Fraction(2)) == [(1, 2), (3, 4), (5, 6)]
+    assert straggler_jobs(6, Fraction(3, 2)) == [(1, 2), (2, 3), (4, 5), (5, 6)]
+    assert straggler_jobs(6, Fraction(5, 2)) == [(1, 3), (3, 5)]
+    assert straggler_jobs(1, Fraction(2)) == []  # it would land after the last round
+    with pytest.raises(ValueError, match="at least one round"):
+        straggler_jobs(6, Fraction(1, 2))
+
+
+def test_a_late_update_counts_in_the_next_round_with_the_products_discount() -> None:
+    # 4 devices, the last one straggling (its fine-tune lands one round later)
+    samples = [10.0, 30.0, 20.0, 40.0]
+    first = np.arange(16, dtype=np.float32).reshape(4, 4)
+    second = -np.ones((4, 4), dtype=np.float32)
+    jobs = dict(straggler_jobs(2, Fraction(2)))
+    flight: list[Late] = []
+    rows, counts, stale = round_updates(1, first, samples, 1, jobs, flight, 2)
+    np.testing.assert_array_equal(rows, first[:3])  # round 1 closes at its quorum of 3
+    assert counts == samples[:3] and stale == [0, 0, 0] and len(flight) == 1
+    rows, counts, stale = round_updates(2, second, samples, 1, jobs, flight, 2)
+    # the straggler's round-1 delta (from round 1's base), one release stale
+    np.testing.assert_array_equal(rows, np.concatenate([second[:3], first[3:]]))
+    assert counts == samples and stale == [0, 0, 0, 1] and flight == []
+    got = combine_updates(rows, counts, Rule(), staleness=stale)
+    w = np.array(samples) / sum(samples)
+    want = w[:3] @ second[:3] + w[3] * first[3] / np.sqrt(2)  # FedBuff: 1 / (1 + 1) ** 0.5
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # with --max-staleness 0 (the product's default) it is dropped for good
+    flight = []
+    round_updates(1, first, samples, 1, jobs, flight, 0)
+    rows, counts, stale = round_updates(2, second, samples, 1, jobs, flight, 0)
+    np.testing.assert_array_equal(rows, second[:3])
+    assert stale == [0, 0, 0] and flight == []
+
+
+def test_a_head_fine_tune_trains_the_last_layer_alone() -> None:
+    data = [_data(50, 1), _data(30, 2)]
+    model = make_model(HIDDEN)
+    like = init_params(HIDDEN, 0)
+    head = list(like)[-2:]
+    lanes = Lanes(model, data, 16, OPTIM, [(torch.Generator().manual_seed(0), 2)],
+                  frozen=[k for k in like if k not in head])
+    rows = torch.stack([flat(like, 1)[0]] * 2)
+    params = {k: v.clone() for k, v in unflat_lanes(rows, like).items()}
+    buf = {k: torch.zeros_like(v) for k, v in params.items()}
+    lanes.epoch(params, buf, None, torch.zeros(2))
+    for k, v in params.items():
+        moved = not torch.equal(v, unflat_lanes(rows, like)[k])
+        assert moved == (k in head), k
+
+
+def test_each_device_holds_out_part_of_its_own_data() -> None:
+    fleet = make_fleet("dirichlet:0.5+cameras:plain,invert", 0, 4, 0.2)
+    held = hold_out(fleet, 0.2)
+    for x, y, tx, ty, ox, oy in zip(fleet.x, fleet.y, held.x, held.y, held.own_x, held.own_y,
+                                    strict=True):
+        assert len(ty) + len(oy) == len(y) and 1 <= len(oy) <= max(1, round(0.2 * len(y)))
+        # the same samples, as the device's camera sees them, split without overlap
+        both = torch.cat([tx, ox]).reshape(len(y), -1)
+        mine = x.reshape(len(y), -1)
+        assert sorted(map(tuple, both.tolist())) == sorted(map(tuple, mine.tolist()))
+        assert sorted(torch.cat([ty, oy]).tolist()) == sorted(y.tolist())
+    assert held.test_x is fleet.test_x

@@ -99,7 +99,58 @@ def test_non_finite_updates_are_left_out_and_too_few_refused() -> None:
     np.testing.assert_allclose(combine_updates(rows, [1, 3, 100, 100], Rule()), [2.5, 3.5])
     with pytest.raises(ValueError, match="2 finite updates; krum needs 5"):
         combine_updates(rows, [None] * 4, Rule("krum", krum_f=1))
-    with pytest.raises(ValueError, match="one row and one count per update"):
+    with pytest.raises(ValueError, match="one row, count and staleness per update"):
         combine_updates(rows, [None] * 3, Rule())
     with pytest.raises(ValueError, match="fedavg with a fixed clip_norm only"):
         combine_updates(rows, [None] * 4, Rule("median", dp=DpSettings(1.0, 1e-5, 1, 1.0, 4)))
+    with pytest.raises(ValueError, match="one row, count and staleness per update"):
+        combine_updates(rows, [None] * 4, Rule(), staleness=[0, 1])
+    with pytest.raises(ValueError, match="releases behind the base, 0 or more"):
+        combine_updates(rows, [None] * 4, Rule(), staleness=[0, 0, 0, -1])
+
+
+STALE_CASES: dict[str, tuple[list[str], Rule]] = {
+    "fedavg": ([], Rule()),
+    "fedavg-median-clip": (["--clip-norm", "median"], Rule(clip_norm="median")),
+    "trimmed-mean": (["--strategy", "trimmed-mean", "--trim", "0.2"],
+                     Rule("trimmed-mean", trim=0.2)),
+}
+
+
+@pytest.mark.parametrize("case", list(STALE_CASES))
+def test_late_updates_are_discounted_as_hpc_train_aggregate_does(
+        case: str, fleet: FleetRegistry, aggregate: Callable[..., Result]) -> None:
+    # Releases 1 <- 2 <- 3; the round's base is 3. Three fresh fine-tunes of 3, a late one of
+    # 2 (staleness 1) and one of 1 (staleness 2), each delta against its own release.
+    rng = np.random.default_rng(9)
+    bases, releases = [], []
+    for v in ("1", "2", "3"):
+        bases.append({k: rng.normal(size=s).astype(np.float32)
+                      for k, s in (("w", (40, 30)), ("b", (30,)))})
+        releases.append(fleet.release(v, bases[-1], parent=releases[-1] if releases else None))
+    plan = [(2, 0), (2, 0), (2, 0), (1, 1), (0, 2)]  # (release index, staleness)
+    made, rows, samples = [], {}, {}
+    for i, (r, _) in enumerate(plan):
+        delta = {k: (rng.normal(size=v.shape) * (1 + i)).astype(np.float32)
+                 for k, v in bases[r].items()}
+        m = fleet.fine_tunes(releases[r], bases[r], [delta], samples=[10.0 + 7 * i],
+                             prefix=f"dev{i}")[0]
+        made.append(m)
+        rows[m.version] = np.concatenate([((bases[r][k] + delta[k]).astype(np.float32)
+                                           - bases[r][k]).ravel() for k in NAMES])
+        samples[m.version] = 10.0 + 7 * i
+    argv, rule = STALE_CASES[case]
+    result = aggregate("--max-staleness", "2", *argv, base="3")
+    assert result.code == 0, result.stderr
+    report = {r["version"]: r for r in result.report["updates"]}
+    order = list(report)
+    assert sorted(order) == sorted(m.version for m in made)
+    staleness = [report[v]["staleness"] for v in order]
+    assert sorted(staleness) == [0, 0, 0, 1, 2]
+    got = combine_updates(np.stack([rows[v] for v in order]), [samples[v] for v in order],
+                          rule, staleness=staleness)
+    np.testing.assert_allclose(got, _step(result, bases[2]), rtol=1e-5, atol=2e-6)
+    # and the discount is what changed it: the same rows taken as fresh differ
+    fresh = combine_updates(np.stack([rows[v] for v in order]), [samples[v] for v in order],
+                            rule)
+    assert np.abs(fresh - got).max() > 1e-2
