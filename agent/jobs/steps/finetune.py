@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agent.finetune.data_source import data_source
 from agent.finetune.job import FinetuneJob, FinetuneSetup, too_few_samples
 from agent.finetune.memory_fits import fit_key, forced_refusal, record_fit
 from agent.finetune.memory_plan import BudgetTooSmall, MemoryPlan, plan_micro_batch, probes_over
@@ -33,6 +34,7 @@ from agent.jobs.protocol import (
     run_child,
     step_context,
 )
+from agent.jobs.steps import export, pull
 from agent.spool.lineage import fix_training_data, training_data_path
 from registry.atomic import write_json_atomic
 
@@ -83,7 +85,15 @@ def _training_data(ctx: JobContext) -> dict[str, Any]:
 
 def run(ctx: JobContext) -> dict[str, Any]:
     ft = ctx.spec.finetune
+    why = export.refusal(ctx)  # before any training: the job could never finish
+    if why is not None:
+        raise StepFailed("finetune", why, code="BAD_ARGS")
     data = _training_data(ctx)
+    try:  # the device data's layout must be one the model's task trains on
+        data_source(training_data_path(Path(ctx.spec.data), ctx.job_dir),
+                    pull.pulled_model(ctx).task)
+    except ValueError as e:
+        raise StepFailed("finetune", str(e), code="BAD_ARGS") from None
     setup = _read_setup(ctx.job_dir)
     # A micro-batch given beside an explicit budget is checked against it (probes), so a
     # job never trains past the budget it was given.
@@ -190,6 +200,8 @@ def child(c: StepContext) -> dict[str, Any]:
     return {
         "checkpoint": r["checkpoint"], "stopped_reason": r["stopped_reason"], "steps": r["steps"],
         "accuracy_before": r["accuracy_before"], "accuracy_after": r["accuracy_after"],
+        "gate_metric": r["gate_metric"], "metric_before": r["metric_before"],
+        "metric_after": r["metric_after"],
         "micro_batch_size": r["micro_batch_size"],
         "train_samples": r["train_samples"], "held_out_samples": r["held_out_samples"],
         "trainable_params": r["trainable_params"], "total_params": r["total_params"],
