@@ -60,10 +60,27 @@ def _plan(ctx: JobContext, setup: FinetuneSetup) -> MemoryPlan:
             cache=ctx.state_dir / "cache" / "memory_probes.json")
     except BudgetTooSmall as e:  # the job's answer, not a crash to retry
         raise StepFailed("finetune", str(e)) from None
+    except RuntimeError as e:  # a probe that cannot train at all: the job cannot either
+        raise StepFailed("finetune", _probe_failure(str(e))) from None
     # Kept for the next submission of this job: a forced micro-batch is checked there.
     record_fit(ctx.state_dir, fit_key(ctx.spec.model, start, Path(ctx.spec.data),
                                       ft.model_dump()), plan.line())
     return plan
+
+
+BATCHNORM_ONE_SAMPLE = "Expected more than 1 value per channel when training"
+"""torch's error when a BatchNorm layer trains on one value per channel: a micro-batch of one
+reaching a 1x1 feature map (SSDlite's last extra layer)."""
+
+
+def _probe_failure(error: str) -> str:
+    """Why the plan failed, from a probe's error (its first line and its last)."""
+    lines = [ln for ln in error.splitlines() if ln.strip()]
+    why = f"{lines[0]} {lines[-1]}" if len(lines) > 1 else error
+    if BATCHNORM_ONE_SAMPLE in error:
+        why += (" (BatchNorm cannot train on one sample: set finetune.effective_batch to 8 or "
+                "more, so that every probe's micro-batch holds at least 2)")
+    return why
 
 
 def _training_data(ctx: JobContext) -> dict[str, Any]:
