@@ -164,3 +164,38 @@ def test_exporting_a_detector_checkpoint_is_refused_with_the_fix(detector_templa
                                          r"steps\.export: false"):
         prepare(ExportJob(checkpoint=detector_template / "up", out_dir=tmp_path / "export"))
     assert not (tmp_path / "export" / "model.onnx").exists()
+
+
+def test_a_detector_evaluated_for_the_fleet_reports_its_map(
+        detector_device: DetectorDevice) -> None:
+    """An ``evaluate`` job (fleet learning's federated evaluation) of a detector: the
+    candidate and the baseline scored by mAP on the same held-out images, as the fleet's
+    device gates read it (``fleet.learn.evaluations``), nothing installed."""
+    from agent.jobs.evaluate_spec import EvaluateJob
+    from fleet.learn.evaluations import _DeviceEvaluation
+
+    dev = detector_device
+    dev.install()
+    before = tree_digest(dev.state / "models")
+    spec = EvaluateJob(model="det", version="v1", data=dev.data, registry=dev.registry.url,
+                       trusted_keys=dev.state / "trusted_keys")
+    store = JobStore(dev.state)
+    store.submit("ev", "evaluate", spec.model_dump(mode="json"))
+    store.close()
+    r = worker(dev.state, "ev", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    store = JobStore(dev.state)
+    rec = store.get("ev")
+    store.close()
+    assert rec is not None and rec.state is JobState.SUCCEEDED, rec and rec.error
+    ev = rec.result["evaluation"]
+    assert ev["gate_metric"] == "map" and ev["accuracy"] is None and ev["samples"] == 7  # 0.3
+    # The candidate is the active version: the same weights, the same mAP.
+    assert ev["metric"] == ev["candidate"]["metric"] == ev["baseline"]["metric"]
+    assert ev["gain_pts"] == 0 and ev["candidate"]["finite"]
+    assert rec.result["metrics_after"] == {"eval/map": ev["metric"]}
+    assert rec.result["gate_metric"] == "eval/map"
+    read = _DeviceEvaluation.model_validate({**ev, "version": "v1",
+                                             "baseline": {**ev["baseline"], "version": "v1"}})
+    assert read.accuracy == ev["metric"] and read.baseline.accuracy == ev["metric"]
+    assert tree_digest(dev.state / "models") == before
