@@ -37,13 +37,12 @@ from agent.finetune.job import FinetuneJob, spool_too_small
 from agent.finetune.memory_fits import submitted_refusal
 from agent.jobs.evaluate_spec import EvaluateArgs, EvaluateJob
 from agent.jobs.names import ModelName, Name, Version
+from agent.jobs.task_checks import installed_task, task_refusal
 from agent.spool.config import MARKER, SPOOL_DATA, is_spool, spool_dir
 from exporters.job import ExportJob, Precision, TensorRTConfig
 from hpc_core.job_args import flag
 
 JOB_STEPS = ("pull", "finetune", "export", "stage", "health", "commit", "rollback", "upload")
-
-
 
 
 def _without(
@@ -100,9 +99,8 @@ class HealthOptions(BaseModel):
 
     max_accuracy_drop_pts: float = Field(default=0.0, ge=0)
     """Largest allowed drop of the staged model's held-out accuracy below the active model's,
-    in percentage points (0: it must be at least as good). "Accuracy" is the gate metric of
-    the model's task: top-1 of a classifier, COCO mAP@0.5:0.95 of a detector (an undefined
-    one, nan, never passes)."""
+    in points (0: at least as good). Accuracy: the gate metric of the model's task, top-1 of a
+    classifier, COCO mAP@0.5:0.95 of a detector (undefined, nan, never passes)."""
     min_accuracy: float | None = Field(default=None, ge=0, le=1)
     """Held-out accuracy (the task's gate metric, as above) the staged model must reach
     regardless of the active one (0..1)."""
@@ -434,6 +432,10 @@ def resolve(type_: str, args: BaseModel, settings: DeviceSettings) -> BaseModel:
             raise ArgsRefused("data", why)
     else:
         data = resolve_data(args.data, settings)
+    refused = task_refusal(installed_task(settings.state_dir, args.model, args.version), data,
+                           args.steps.export)
+    if refused is not None:  # a detector asked to export, or given classification data
+        raise ArgsRefused(*refused)
     why = submitted_refusal(settings.state_dir, args.model, args.version, data, ft)
     if why is not None:  # from this device's last probes of the same job
         raise ArgsRefused("finetune.micro_batch", why)

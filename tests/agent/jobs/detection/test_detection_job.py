@@ -199,3 +199,35 @@ def test_a_detector_evaluated_for_the_fleet_reports_its_map(
                                              "baseline": {**ev["baseline"], "version": "v1"}})
     assert read.accuracy == ev["metric"] and read.baseline.accuracy == ev["metric"]
     assert tree_digest(dev.state / "models") == before
+
+
+def test_a_detector_job_it_cannot_run_is_refused_when_submitted(
+        detector_device: DetectorDevice, tmp_path: Path) -> None:
+    """With the detector installed, the daemon's command (``resolve``: ArgsRefused, the
+    command REJECTED) and ``agentctl finetune`` (preflight: exit 2) refuse an export or
+    classification data at once, torch-free, naming the field and the fix."""
+    import shutil
+
+    from agent.jobs.preflight import check_inputs
+    from agent.jobs.spec import ArgsRefused, DeviceSettings, FinetuneArgs, resolve
+
+    dev = detector_device
+    dev.install()
+    root = tmp_path / "data_root"
+    shutil.copytree(dev.data, root / "cam0")
+    np.savez(root / "digits.npz", x=np.zeros((4, 8, 8), np.float32), y=np.arange(4))
+    settings = DeviceSettings(state_dir=dev.state, data_root=root, registry=dev.registry.url,
+                              upload_registry=None, trusted_keys=dev.state / "trusted_keys",
+                              signing_key=dev.state / "device.key.pem")
+    args = {"model": "det", "data": "cam0", "steps": {"export": False}}
+    job = resolve("finetune", FinetuneArgs.model_validate(args), settings)
+    assert isinstance(job, DeviceJob) and job.data == root / "cam0"
+    for over, field, says in (({"steps": {"export": True}}, "steps.export", "no ONNX export"),
+                              ({"data": "digits.npz"}, "data", "a COCO folder")):
+        with pytest.raises(ArgsRefused, match=says) as e:
+            resolve("finetune", FinetuneArgs.model_validate({**args, **over}), settings)
+        assert e.value.field == field
+    spec = DeviceJob.model_validate(dev.spec(steps={"export": True}))
+    with pytest.raises(ValueError, match=r"^--no-export: a detection model has no ONNX"):
+        check_inputs(spec, dev.state)
+    check_inputs(DeviceJob.model_validate(dev.spec()), dev.state)  # the job as it can run
