@@ -217,6 +217,10 @@ class JobOutcome(Message):
     """Held-out device metrics of the model active before the job (e.g. eval/acc)."""
     metrics_after: dict[str, float] = Field(default_factory=dict)
     """The same metrics of the new model on the same data."""
+    gate_metric: str | None = Field(default=None, max_length=64)
+    """The key of metrics_before/after the device's gates compare, its model's task's metric
+    (eval/acc for a classifier, eval/map for a detector); null from an agent that predates
+    it, whose models were classifiers (eval/acc)."""
     model: ModelInfo | None = None
     """The active model after the job."""
     previous_model: ModelInfo | None = None

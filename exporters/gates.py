@@ -4,8 +4,9 @@ INT8 problems show up in the built artefact, not in the PyTorch model, so every 
 comes from running the exported file (ONNX Runtime session or TensorRT engine) on the job's
 held-out split and comparing it with the FP32 PyTorch reference:
 
-- top-1 drop, in points, against the model as it came in (before pruning): the whole
-  pipeline's cost;
+- the drop of the model's task's gate metric (``hpc_core.tasks.score``: top-1 accuracy for
+  the classifiers exported today), in points, against the model as it came in (before
+  pruning): the whole pipeline's cost;
 - max |delta logit| against the PyTorch model that was exported (after pruning and
   recovery): the fidelity of export and quantization alone;
 - latency p50/p99 at batch 1 and at the job's batch; file size.
@@ -22,12 +23,14 @@ import numpy as np
 
 from exporters.job import GateConfig
 from exporters.runtime import Latency, batch_of, measure_latency, predict
+from hpc_core.tasks import score, task_spec
 
 
 @dataclass
 class GateMeasurement:
     top1: float
-    """Top-1 accuracy of the artefact on the held-out split (0-1)."""
+    """The artefact's gate metric on the held-out split (0-1): its task's (``gate_metric``),
+    top-1 accuracy for a classifier."""
     reference_top1: float
     top1_drop_pts: float
     max_abs_logit_delta: float
@@ -35,6 +38,9 @@ class GateMeasurement:
     latency_batch: Latency
     size_mb: float
     samples: int
+    gate_metric: str = "acc"
+    """Which metric ``top1`` and its reference are: the key of the model's task's evaluation
+    (``acc``: top-1 accuracy)."""
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -48,8 +54,15 @@ class GateResult:
     measurement: GateMeasurement
 
 
+def gate_value(task: str, outputs: np.ndarray, labels: np.ndarray) -> float:
+    """Task ``task``'s gate metric of ``outputs`` against ``labels`` (torch-free for a
+    classifier: the quantizing half of an export never loads torch)."""
+    return score(task, outputs, labels)[task_spec(task).gate_metric]
+
+
 def top1(logits: np.ndarray, labels: np.ndarray) -> float:
-    return float((logits.argmax(axis=1) == labels).mean())
+    """Top-1 accuracy: a classifier's gate metric."""
+    return gate_value("classification", logits, labels)
 
 
 def measure(
@@ -61,15 +74,18 @@ def measure(
     fidelity_logits: np.ndarray,
     size_bytes: int,
     cfg: GateConfig,
+    task: str = "classification",
 ) -> GateMeasurement:
-    """Score and time ``runner`` on the held-out ``inputs``.
+    """Score and time ``runner`` on the held-out ``inputs``, by the gate metric of the
+    model's ``task``.
 
     ``reference_logits``: the FP32 model as it came in; ``fidelity_logits``: the FP32 PyTorch
     model that was exported.
     """
     # Scored in batches of the job's batch: a TensorRT engine's profile may stop there.
     logits = predict(runner, inputs, batch=cfg.batch_size)
-    acc, ref_acc = top1(logits, labels), top1(reference_logits, labels)
+    acc = gate_value(task, logits, labels)
+    ref_acc = gate_value(task, reference_logits, labels)
     b1 = measure_latency(runner, inputs[:1], warmup=cfg.latency_warmup, iters=cfg.latency_iters)
     bn = measure_latency(
         runner, batch_of(inputs, cfg.batch_size), warmup=cfg.latency_warmup,
@@ -84,6 +100,7 @@ def measure(
         latency_batch=bn,
         size_mb=size_bytes / 1e6,
         samples=len(labels),
+        gate_metric=task_spec(task).gate_metric,
     )
 
 

@@ -39,6 +39,8 @@ class Prepared:
     calib: np.ndarray
     """Calibration inputs drawn from the training split."""
     report: ExportReport
+    task: str = "classification"
+    """The model's task (``hpc_core.tasks``): its gate metric scores every artefact."""
 
 
 def _paths(work: Path) -> tuple[Path, Path]:
@@ -54,6 +56,7 @@ def write_prepared(p: Prepared, work: Path) -> None:
     write_json_atomic(meta, {
         "fp32_path": str(p.fp32_path), "input_name": p.input_name,
         "input_shape": list(p.input_shape), "sparse": p.sparse, "report": report,
+        "task": p.task,
     })
 
 
@@ -72,4 +75,4 @@ def read_prepared(work: Path) -> Prepared:
     shape = tuple(int(d) for d in meta["input_shape"])
     return Prepared(fp32_path=Path(meta["fp32_path"]), input_name=meta["input_name"],
                     input_shape=(shape[0], shape[1], shape[2]), sparse=bool(meta["sparse"]),
-                    report=report, **arrays)
+                    report=report, task=str(meta.get("task", "classification")), **arrays)

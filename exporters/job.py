@@ -16,6 +16,22 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from hpc_core.config import DataConfig
 from hpc_core.job_args import flag
 
+EXPORTED_TASKS = ("classification",)
+"""The tasks whose models this exporter takes: one image batch in, one logits array out, which
+ONNX, the INT8 calibration and the gates handle as they are. A detector's output is per-image
+boxes of varying count (NMS inside the model): its export is not built yet."""
+
+
+def unexportable(task: str) -> str | None:
+    """Why a model of ``task`` cannot be exported here, with what to do instead; None when it
+    can."""
+    if task in EXPORTED_TASKS:
+        return None
+    return (f"a {task} model has no ONNX export yet (the exporter takes "
+            f"{', '.join(EXPORTED_TASKS)} models): run the job with steps.export: false "
+            "(--no-export), and it stages and serves the PyTorch checkpoint")
+
+
 Precision = Literal["int8", "fp16", "fp32"]
 PruneMethod = Literal["unstructured", "semi_structured", "channels"]
 CalibMethod = Literal["minmax", "percentile", "entropy"]

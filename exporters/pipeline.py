@@ -208,6 +208,7 @@ def _gate(run: _Run, artefact: Path) -> GateResult:
         fidelity_logits=run.src.fidelity_logits,
         size_bytes=artefact.stat().st_size,
         cfg=g,
+        task=run.src.task,
     )
     return judge(m, g)
 

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 from exporters.calibration import representative_inputs
 from exporters.flops import count_flops
 from exporters.handoff import Prepared, write_prepared
-from exporters.job import ExportJob
+from exporters.job import ExportJob, unexportable
 from exporters.onnx_export import export_onnx
 from exporters.onnx_weights import check_semi_structured
 from exporters.prune import PruneResult, prune_model
@@ -48,6 +48,9 @@ def load_source(job: ExportJob) -> Source:
     ckpt_dir = resolve_checkpoint(job.checkpoint)
     model, cfg = load_model(ckpt_dir, "cpu")
     m = cfg.model
+    why = unexportable(cfg.task)
+    if why is not None:
+        raise ValueError(f"{ckpt_dir}: {why}")
     data = cfg.data.model_dump()
     if job.data is not None:  # the fields the job sets override the checkpoint's
         data.update(job.data.model_dump(include=job.data.model_fields_set))
@@ -149,6 +152,7 @@ def prepare(job: ExportJob) -> Prepared:
     prepared = Prepared(fp32_path=fp32.path, input_name=fp32.input_name,
                         input_shape=src.input_shape, sparse=sparse, inputs=inputs,
                         labels=labels, reference_logits=reference_logits,
-                        fidelity_logits=fidelity_logits, calib=calib, report=report)
+                        fidelity_logits=fidelity_logits, calib=calib, report=report,
+                        task=src.config.task)
     write_prepared(prepared, work)
     return prepared

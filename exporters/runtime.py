@@ -1,7 +1,9 @@
 """Run a model and time it: torch eager here, ONNX Runtime in ``exporters.ort_runner``.
 
-A runner maps a float32 NCHW batch to float32 logits. TensorRT engines have their own runner
-in ``exporters.tensorrt_build`` (it needs a GPU).
+A runner maps a float32 NCHW batch to float32 logits, or (a model whose eval-mode output is a
+list, e.g. a torchvision detector's per-image ``{"boxes", "scores", "labels"}``) to a list of
+numpy dicts, one per sample. TensorRT engines have their own runner in
+``exporters.tensorrt_build`` (it needs a GPU).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -31,18 +33,25 @@ class TorchRunner:
         self.model = model.eval()
         self.name = name
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def __call__(self, x: np.ndarray) -> Any:
         import torch
 
         with torch.no_grad():
-            return self.model(torch.from_numpy(x)).float().numpy()
+            out = self.model(torch.from_numpy(x))
+        if isinstance(out, torch.Tensor):
+            return out.float().numpy()
+        # one dict of tensors per sample (a detector): float32 values, integer labels kept
+        return [{k: (v.float() if v.is_floating_point() else v).numpy() for k, v in o.items()}
+                for o in out]
 
 
-def predict(
-    runner: Callable[[np.ndarray], np.ndarray], x: np.ndarray, batch: int = 256
-) -> np.ndarray:
-    """Logits for all of ``x``, in batches."""
-    return np.concatenate([runner(x[i : i + batch]) for i in range(0, len(x), batch)])
+def predict(runner: Callable[[np.ndarray], Any], x: np.ndarray, batch: int = 256) -> Any:
+    """The outputs for all of ``x``, in batches: one array (logits), or one list when the
+    runner gives a list of per-sample outputs."""
+    parts = [runner(x[i : i + batch]) for i in range(0, len(x), batch)]
+    if parts and isinstance(parts[0], list):
+        return [o for part in parts for o in part]
+    return np.concatenate(parts)
 
 
 @dataclass

@@ -40,6 +40,7 @@ LONGEST_FIRST = (
     "tests/agent/finetune/test_finetune.py",
     "tests/agent/jobs/test_yield_to_app.py",
     "tests/fleet/learn/test_learn.py",
+    "tests/agent/jobs/detection/test_detection_job.py",
     "tests/fleet/rollout/test_rollout.py",
     "tests/agent/finetune/test_vit_finetune.py",
 )

@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from agent.finetune.data_source import data_source
 from agent.pacing.app_latency import AppLatencySource
 from agent.spool.index import count_kept
 from hpc_core.config import TrainConfig, config_from_dict
@@ -56,7 +57,8 @@ class FinetuneJob(BaseModel):
     checkpoint: Path
     """The upstream model: an hpc_core checkpoint or run directory, or an installed slot."""
     data: Path
-    """The device's data: a folder of class sub-folders (PNG/JPEG) or an .npz with x and y."""
+    """The device's data: for a classifier a folder of class sub-folders (PNG/JPEG) or an .npz
+    with x and y; for a detector a COCO or a YOLO folder."""
     out: Path
     """Job directory: metrics.jsonl, checkpoints/, report.json, report.png."""
     profile: ProfileName = "auto"
@@ -89,7 +91,8 @@ class FinetuneJob(BaseModel):
     checkpoint_every: int = Field(default=25, ge=1)
     """Save every N steps so a reboot resumes instead of restarting."""
     val_fraction: float = Field(default=0.3, gt=0, lt=1)
-    """Share of the device data held out to measure accuracy before and after."""
+    """Share of the device data held out to measure the model's gate metric (accuracy, mAP)
+    before and after."""
     seed: int = 0
     sensors: Literal["auto", "jtop", "tegrastats", "sysfs", "sim", "none"] = "auto"
     """Sensor backend for the thermal/power governor (none: no pacing)."""
@@ -195,10 +198,12 @@ class FinetuneSetup(BaseModel):
 def build_config(
     job: FinetuneJob, upstream: ModelConfig, precision: str, micro: int | None
 ) -> TrainConfig:
-    """The fine-tune as an hpc_core training config: the same loop as upstream."""
-    source = "image_folder" if job.data.is_dir() else "npz"
+    """The fine-tune as an hpc_core training config: the same loop as upstream, on the upstream
+    model's task (the device data's layout picks its source: :func:`data_source`)."""
+    source = data_source(job.data, upstream.task)
     return config_from_dict(
         {
+            "task": upstream.task,
             "run": {
                 "name": f"finetune-{job.out.name}",
                 "output_dir": str(job.out),

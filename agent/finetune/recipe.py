@@ -95,6 +95,7 @@ def run_finetune(
     trainer = Trainer(cfg, model=model, hooks=hooks or [])
     drop_cold_pages()  # and the optimizer's (torch._dynamo); the probes drop at the same points
     before = trainer.evaluate() if not (resume and ckpt.find_latest(trainer.ckpt_root)) else None
+    gate = f"eval/{trainer.task.gate_metric}"
     result = trainer.train(resume="auto" if resume else None)
     report = {
         "job": json.loads(job.model_dump_json()),
@@ -110,8 +111,12 @@ def run_finetune(
         "budget_mb": setup.budget_mb,
         "peak_rss_mb": round(peak_rss_mb(), 1),
         "peak_device_mb": peak_device_mb(trainer.device),
-        "accuracy_before": before["eval/acc"] if before else None,
+        "accuracy_before": before.get("eval/acc") if before else None,
         "accuracy_after": result.metrics.get("eval/acc"),
+        # The task's gate metric (eval/acc of a classifier, eval/map of a detector).
+        "gate_metric": gate,
+        "metric_before": before.get(gate) if before else None,
+        "metric_after": result.metrics.get(gate),
         "steps": result.final_step,
         "stopped_reason": result.stopped_reason,
         "checkpoint": str(result.checkpoint_dir) if result.checkpoint_dir else None,
@@ -193,8 +198,8 @@ def run_paced(
             board_throttle_c=t.board_throttle_c,
             critical_c=t.critical_c,
         )
-        keys = ("accuracy_before", "accuracy_after", "peak_rss_mb", "budget_mb",
-                "micro_batch_size")
+        keys = ("accuracy_before", "accuracy_after", "gate_metric", "metric_before",
+                "metric_after", "peak_rss_mb", "budget_mb", "micro_batch_size")
         summary = {k: report[k] for k in keys}
         governed = build_report(hook, limits, job=report, extra_summary=summary)
         write_report(governed, job.out, stem="report")

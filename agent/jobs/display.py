@@ -146,10 +146,14 @@ def summary_rows(rec: Any, steps: list[Any]) -> list[tuple[str, str]]:
     health, ft, ex = out.get("health", {}), out.get("finetune", {}), out.get("export", {})
     rows = [("job", f"{rec.id} ({rec.type}) {rec.state.value}, attempt {rec.attempt}")]
     if health.get("active") and health.get("staged"):
-        rows.append(("accuracy (held-out device data)",
-                     f"{_pct(health['active']['accuracy'])} -> "
-                     f"{_pct(health['staged']['accuracy'])} ({health['samples']} samples, "
-                     f"{health['staged']['runtime']})"))
+        # The task's gate metric (top-1 accuracy of a classifier, mAP of a detector).
+        a, st = health["active"], health["staged"]
+        label = ("accuracy" if st.get("accuracy") is not None
+                 else f"eval/{health.get('gate_metric', 'acc')}")
+        rows.append((f"{label} (held-out device data)",
+                     f"{_pct(a.get('metric', a.get('accuracy')))} -> "
+                     f"{_pct(st.get('metric', st.get('accuracy')))} ({health['samples']} "
+                     f"samples, {st['runtime']})"))
     if ex:
         drop = ex.get("int8_drop_pts")
         p50 = ex.get("p50_ms_b1")

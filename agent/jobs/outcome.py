@@ -1,9 +1,11 @@
 """What a finished device job reports: the contract's JobOutcome (committed, rolled back or
-unchanged, the model before and after, accuracy before and after) plus the figures the fleet
-and the summary read (export, health, memory, governor)."""
+unchanged, the model before and after, its task's gate metric before and after: ``eval/acc``
+of a classifier, ``eval/map`` of a detector, named in ``gate_metric``) plus the figures the
+fleet and the summary read (export, health, memory, governor)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from agent.jobs.proctree import MEASURE
@@ -20,8 +22,9 @@ def outcome(ctx: JobContext) -> dict[str, Any]:
     commit is reported only once the step recorded the switch)."""
     o = ctx.outputs
     health = o.get("health", {})
-    before = {"eval/acc": health["active"]["accuracy"]} if "active" in health else {}
-    after = {"eval/acc": health["staged"]["accuracy"]} if "staged" in health else {}
+    key = f"eval/{health.get('gate_metric', 'acc')}"  # a job recorded before the seam: top-1
+    before = _metric(key, health.get("active"))
+    after = _metric(key, health.get("staged"))
     if "commit" in o:
         kind, reason = "committed", None
     elif "rollback" in o:
@@ -33,11 +36,14 @@ def outcome(ctx: JobContext) -> dict[str, Any]:
         kind, reason = "rolled_back", ctx.spec.reason or "rollback requested"
     ev = o.get("evaluate")
     if ev is not None:  # an evaluate job: the baseline before, the candidate after
-        before = {"eval/acc": ev["baseline"]["accuracy"]} if "baseline" in ev else {}
-        after = {"eval/acc": ev["accuracy"]}
+        key = f"eval/{ev.get('gate_metric', 'acc')}"
+        before = _metric(key, ev.get("baseline"))
+        after = _metric(key, ev)
     name = ctx.model_name()
     res: dict[str, Any] = {"outcome": kind, "reason": reason, "metrics_before": before,
                            "metrics_after": after}
+    if before or after:
+        res["gate_metric"] = key
     pull = o.get("pull")
     if pull:
         res["previous_model"] = {"name": name, "version": pull["active"] or pull["version"]}
@@ -62,6 +68,15 @@ def outcome(ctx: JobContext) -> dict[str, Any]:
     res["governor"] = _governor(ft) if ft else None
     res["report_png"] = ft.get("report_png") if ft else None
     return res
+
+
+def _metric(key: str, figures: dict[str, Any] | None) -> dict[str, float]:
+    """``{key: the gate metric}`` of one model's figures; empty when it has none or it is
+    undefined (``nan``: no ground truth; the health check failed it already)."""
+    if not figures:
+        return {}
+    v = figures.get("metric", figures.get("accuracy"))
+    return {} if v is None or math.isnan(v) else {key: float(v)}
 
 
 def _memory(ft: dict[str, Any], outputs: dict[str, dict[str, Any]]) -> dict[str, Any]:

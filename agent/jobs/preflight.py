@@ -8,6 +8,7 @@ from pathlib import Path
 from agent.finetune.job import spool_too_small
 from agent.finetune.memory_fits import submitted_refusal
 from agent.jobs.spec import DeviceJob
+from agent.jobs.task_checks import installed_task, task_refusal
 from agent.spool.config import is_spool
 
 
@@ -63,6 +64,11 @@ def check_inputs(job: DeviceJob, state_dir: Path | None = None) -> None:
         if why is not None:
             raise ValueError(f"--data: {why}")
         return
+    task = installed_task(Path(state_dir), job.model, job.version) if state_dir else None
+    refused = task_refusal(task, data, job.steps.export)
+    if refused is not None:  # the installed model's task: a detector cannot export, ...
+        field, why = refused
+        raise ValueError(f"--{'no-export' if field == 'steps.export' else 'data'}: {why}")
     if data.is_dir():
         if not any(p.is_dir() and any(p.iterdir()) for p in data.iterdir()):
             raise ValueError(f"--data {data}: empty (no class sub-folder with images)")

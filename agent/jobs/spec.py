@@ -37,13 +37,12 @@ from agent.finetune.job import FinetuneJob, spool_too_small
 from agent.finetune.memory_fits import submitted_refusal
 from agent.jobs.evaluate_spec import EvaluateArgs, EvaluateJob
 from agent.jobs.names import ModelName, Name, Version
+from agent.jobs.task_checks import installed_task, task_refusal
 from agent.spool.config import MARKER, SPOOL_DATA, is_spool, spool_dir
 from exporters.job import ExportJob, Precision, TensorRTConfig
 from hpc_core.job_args import flag
 
 JOB_STEPS = ("pull", "finetune", "export", "stage", "health", "commit", "rollback", "upload")
-
-
 
 
 def _without(
@@ -100,9 +99,11 @@ class HealthOptions(BaseModel):
 
     max_accuracy_drop_pts: float = Field(default=0.0, ge=0)
     """Largest allowed drop of the staged model's held-out accuracy below the active model's,
-    in percentage points (0: it must be at least as good)."""
+    in points (0: at least as good). Accuracy: the gate metric of the model's task, top-1 of a
+    classifier, COCO mAP@0.5:0.95 of a detector (undefined, nan, never passes)."""
     min_accuracy: float | None = Field(default=None, ge=0, le=1)
-    """Held-out accuracy the staged model must reach regardless of the active one (0..1)."""
+    """Held-out accuracy (the task's gate metric, as above) the staged model must reach
+    regardless of the active one (0..1)."""
     max_latency_ratio: float | None = Field(default=None, gt=0)
     """Largest allowed staged/active ratio of the median batch-1 latency (null: not gated)."""
     samples: int | None = Field(default=None, ge=1)
@@ -140,7 +141,7 @@ class StepSwitches(BaseModel):
 
     export: bool = Field(default=True, json_schema_extra=flag("export"))
     """Export (and gate) an ONNX artefact; without it the staged model carries none and the
-    health check runs it in PyTorch."""
+    health check runs it in PyTorch. A detector has no export yet: its job needs false."""
     upload: bool = Field(default=False, json_schema_extra=flag("upload"))
     """Publish the committed model back to the registry, signed by this device."""
 
@@ -161,7 +162,7 @@ class DeviceJob(BaseModel):
     data: Path
     """The device's data: a folder of class sub-folders (PNG/JPEG) or an .npz with x and y;
     or a spool (``agent.spool``), trained on through a snapshot taken into the job's folder
-    when the fine-tune step starts."""
+    when the fine-tune step starts; for a detector, a COCO or a YOLO folder."""
     finetune: FinetuneOptions = Field(default_factory=FinetuneOptions)  # type: ignore[valid-type]
     export: ExportOptions = Field(default_factory=ExportOptions)  # type: ignore[valid-type]
     health: HealthOptions = Field(default_factory=HealthOptions)
@@ -273,8 +274,9 @@ class FinetuneArgs(BaseModel):
     fetched from the device's registry."""
     data: Name
     """Name of a data set under the device's data_root (agent.yaml): a folder of class
-    sub-folders or an .npz; or ``spool``: the samples the device recorded for this model
-    (data_root/spool/MODEL), trained on through a snapshot taken when the fine-tune starts."""
+    sub-folders or an .npz (a detector: a COCO or YOLO folder); or ``spool``: the samples the
+    device recorded for this model (data_root/spool/MODEL), trained on through a snapshot
+    taken when the fine-tune starts."""
     finetune: FinetuneOptions = Field(default_factory=FinetuneOptions)  # type: ignore[valid-type]
     export: ExportArgs = Field(default_factory=ExportArgs)  # type: ignore[valid-type]
     health: HealthOptions = Field(default_factory=HealthOptions)
@@ -430,6 +432,10 @@ def resolve(type_: str, args: BaseModel, settings: DeviceSettings) -> BaseModel:
             raise ArgsRefused("data", why)
     else:
         data = resolve_data(args.data, settings)
+    refused = task_refusal(installed_task(settings.state_dir, args.model, args.version), data,
+                           args.steps.export)
+    if refused is not None:  # a detector asked to export, or given classification data
+        raise ArgsRefused(*refused)
     why = submitted_refusal(settings.state_dir, args.model, args.version, data, ft)
     if why is not None:  # from this device's last probes of the same job
         raise ArgsRefused("finetune.micro_batch", why)

@@ -37,7 +37,7 @@ class JobReport:
     """Governor samples: t_s, step, temp_c, zone, power_mw (average since the last sample),
     power_now_mw (last reading), duty, state, limit, power_mode."""
     metrics: list[dict[str, Any]]
-    """Training metrics: t_s, step, train/loss, eval/acc..."""
+    """Training metrics: t_s, step, train/loss, the evaluation's (eval/acc, eval/map, ...)."""
     events: list[dict[str, Any]]
     summary: dict[str, Any] = field(default_factory=dict)
 
@@ -138,13 +138,16 @@ def plot_report(report: JobReport, path: Path) -> Path:
         label="train loss",
     )
     ax.set_ylabel("loss")
-    acc = [(m["t_s"] / 60, m["eval/acc"]) for m in report.metrics if "eval/acc" in m]
+    # The task's gate metric: eval/acc of a classifier, eval/map of a detector.
+    gate = str(report.job.get("gate_metric") or "eval/acc")
+    acc = [(m["t_s"] / 60, m[gate]) for m in report.metrics if gate in m]
     if acc:
         ax2 = ax.twinx()
         ax2.plot(
-            [a for a, _ in acc], [b for _, b in acc], "o-", color="tab:green", label="eval acc"
+            [a for a, _ in acc], [b for _, b in acc], "o-", color="tab:green",
+            label=gate.replace("/", " "),
         )
-        ax2.set_ylabel("accuracy")
+        ax2.set_ylabel("accuracy" if gate == "eval/acc" else gate)
         ax2.set_ylim(0, 1)
         ax2.legend(loc="center right")
     ax.legend(loc="upper right")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from agent.finetune.data_source import annotated_folder
 from agent.spool.config import is_spool
 from agent.spool.snapshot import file_sha256
 from agent.spool.store import Spool
@@ -70,7 +71,16 @@ def with_training_data(content: VersionContent, job_dir: Path) -> VersionContent
 
 def data_set_record(path: Path) -> TrainingData:
     """A data set by content: an .npz file's sha256; a folder's, sha256 over every image's
-    ``class/file`` name and sha256, sorted (the order hpc_core.data reads them in)."""
+    ``class/file`` name and sha256, sorted (the order hpc_core.data reads them in); a COCO or
+    YOLO folder's, over every file's relative path and sha256 (its labels are files too),
+    counting its images."""
+    if annotated_folder(path):
+        digest, samples = hashlib.sha256(), 0
+        for f in sorted(p for p in path.rglob("*") if p.is_file() and not p.is_symlink()):
+            digest.update(f"{f.relative_to(path).as_posix()}\0{file_sha256(f)}\n".encode())
+            samples += f.suffix.lower() in IMAGE_SUFFIXES
+        return TrainingData(source="data_set", name=path.name, sha256=digest.hexdigest(),
+                            samples=samples)
     if path.is_dir():
         digest, samples = hashlib.sha256(), 0
         for cls in sorted(p for p in path.iterdir() if p.is_dir()):

@@ -2,7 +2,8 @@
 device gates read them (``hpc-train publish --device-evals``, ``fleet.learn.gates``).
 
 A device's result is input from outside: its ``evaluation`` is parsed here and counts only
-when the job SUCCEEDED, the evaluation is well formed (accuracies in [0, 1], samples > 0) and
+when the job SUCCEEDED, the evaluation is well formed (gate metrics in [0, 1]: its task's
+``metric``, top-1 accuracy or mAP, read as the accuracy the gates compare; samples > 0) and
 it scored exactly the round's candidate beside the round's base; any other device is left
 out with the reason (a ``Dropped``: ``fleetctl learn status`` lists them), and the
 ``--min-devices`` gate judges how many are left. The device id is the one the topic proved
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from fleet.learn.store import Dropped, Evaluation
 from fleet.rollout.run import RolloutRun
@@ -23,11 +24,16 @@ from registry.atomic import write_json_atomic
 EVALS_FILE = "device-evals.json"
 
 
+# The task's gate metric (``metric``: top-1 of a classifier, mAP of a detector); an agent that
+# predates it reports top-1 as ``accuracy`` only. nan (undefined) is out of [0, 1]: dropped.
+_GATE = AliasChoices("metric", "accuracy")
+
+
 class _Scores(BaseModel):
     # The step's output carries more (runtime, finite, the step's memory): only these count.
     model_config = ConfigDict(extra="ignore")
     version: str | None = None
-    accuracy: float = Field(ge=0, le=1)
+    accuracy: float = Field(ge=0, le=1, validation_alias=_GATE)
 
 
 class _DeviceEvaluation(BaseModel):
@@ -35,7 +41,7 @@ class _DeviceEvaluation(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     version: str
-    accuracy: float = Field(ge=0, le=1)
+    accuracy: float = Field(ge=0, le=1, validation_alias=_GATE)
     samples: int = Field(gt=0)
     baseline: _Scores
 

@@ -153,7 +153,8 @@ class LearnPlan(BaseModel):
     are the min_devices gate's business)."""
     min_completed: int = Field(default=5, ge=1)
     max_metric_drop: float | None = Field(default=None, ge=0)
-    """Deploy rollout: abort when a wave's median eval/acc drop exceeds this."""
+    """Deploy rollout: abort when a wave's median drop of the devices' gate metric (eval/acc
+    of a classifier) exceeds this."""
     timeout_s: float = Field(default=3600.0, gt=0)
     """Per device job (fine-tune, evaluate, deploy), from send to its result."""
     retries: int = Field(default=0, ge=0, le=10)

@@ -8,7 +8,10 @@ or ``rollback`` is the other way):
   them failed for good.
 - **Metric drop** (``abort_on_metric_drop``), checked once per wave, when its last device is
   done: the median drop of the plan's ``abort_metric`` over the wave's devices exceeds
-  ``max_metric_drop``. A wave that passes bakes for ``bake_s``, then the next one starts.
+  ``max_metric_drop``. By default that is each device's own gate metric (``gate``: top-1
+  accuracy of a classifier, mAP of a detector, as its JobOutcome names it): the rule reads
+  the task's figure without knowing the task. A wave that passes bakes for ``bake_s``, then
+  the next one starts.
 
 Each returns the reason the rollout records (``fleetctl rollout status`` shows it), or None
 while the rollout goes on. An abort (``Controller.abort``) starts no new wave, drops what was
@@ -21,7 +24,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 
-from fleet.rollout.plan import RolloutPlan
+from fleet.rollout.plan import GATE_METRIC, RolloutPlan, abort_metric_of
 from fleet.rollout.run import Census
 from fleet.rollout.store import Execution
 
@@ -42,14 +45,25 @@ def abort_on_metric_drop(plan: RolloutPlan, wave: int,
     ``abort_metric`` over its devices' latest attempts exceeds ``plan.max_metric_drop``;
     devices that reported no figure before and after do not count. None: the wave passes
     (also when the plan sets no ``max_metric_drop`` or no device reported the metric)."""
-    drops = [e.metric_before - e.metric_after for e in executions
-             if e.metric_before is not None and e.metric_after is not None]
+    reported = [e for e in executions
+                if e.metric_before is not None and e.metric_after is not None]
+    drops = [e.metric_before - e.metric_after for e in reported]  # type: ignore[operator]
     if plan.max_metric_drop is None or not drops:
         return None
     med = statistics.median(drops)
     if med <= plan.max_metric_drop:
         return None
-    return f"wave {wave}: median {plan.abort_metric} drop {med:.4f} > {plan.max_metric_drop:g}"
+    # ``gate`` is each device's own gate metric: say which ones the figures were.
+    names = sorted({abort_metric_of(plan.abort_metric or GATE_METRIC, _gate_metric(e))
+                    for e in reported})
+    return (f"wave {wave}: median {'/'.join(names)} drop {med:.4f} > "
+            f"{plan.max_metric_drop:g}")
+
+
+def _gate_metric(e: Execution) -> str | None:
+    """The gate metric the device's JobOutcome named (its result is the device's JSON)."""
+    name = (e.result or {}).get("gate_metric")
+    return name if isinstance(name, str) else None
 
 
 def state_after_abort(plan: RolloutPlan) -> str:

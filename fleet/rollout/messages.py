@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from pydantic import ValidationError
 
 from contract import Command, JobOutcome, Result, Topics
+from fleet.rollout.plan import abort_metric_of
 from fleet.rollout.run import RolloutRun
 from fleet.rollout.store import Execution
 
@@ -57,6 +58,7 @@ def finish_execution(run: RolloutRun, e: Execution, status: str, r: Result, now:
             e.outcome = out.outcome
             m = run.plan.abort_metric
             if m:
+                m = abort_metric_of(m, out.gate_metric)
                 e.metric_before = out.metrics_before.get(m)
                 e.metric_after = out.metrics_after.get(m)
     log.debug("execution finished", extra={

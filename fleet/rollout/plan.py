@@ -21,6 +21,19 @@ class PlanError(ValueError):
     """A plan that does not validate; the message names each bad field and the fix."""
 
 
+GATE_METRIC = "gate"
+"""``abort_metric``: whichever metric the device's gates compare, as its JobOutcome names it."""
+
+
+def abort_metric_of(plan_metric: str, outcome_gate_metric: str | None) -> str:
+    """The key a JobOutcome's figures are read under for the plan's ``abort_metric``:
+    ``gate`` resolves to the outcome's ``gate_metric`` (eval/acc where an older agent names
+    none: its models were classifiers)."""
+    if plan_metric != GATE_METRIC:
+        return plan_metric
+    return outcome_gate_metric or "eval/acc"
+
+
 class RolloutPlan(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -48,8 +61,11 @@ class RolloutPlan(BaseModel):
     device whose own gates rolled the new model back counts as failed."""
     min_completed: int = Field(default=5, ge=1)
     """Completed executions needed before the failure rate is judged."""
-    abort_metric: str | None = "eval/acc"
-    """The held-out metric read from each JobOutcome (metrics_before / metrics_after)."""
+    abort_metric: str | None = GATE_METRIC
+    """The held-out metric read from each JobOutcome (metrics_before / metrics_after):
+    ``gate``, the one each device's gates compare (its JobOutcome's ``gate_metric``: eval/acc
+    for a classifier, eval/map for a detector; eval/acc from an agent that does not name it),
+    or a key such as ``eval/acc``."""
     max_metric_drop: float | None = Field(default=None, ge=0)
     """Abort when a wave's median (before - after) of ``abort_metric`` exceeds this."""
     timeout_s: float = Field(default=3600.0, gt=0)

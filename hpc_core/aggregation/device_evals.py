@@ -1,5 +1,8 @@
 """``hpc-train publish --device-evals FILE``: each device's accuracy of the base release and of
-the aggregate on its own held-out data, as the operator collected them.
+the aggregate on its own held-out data, as the operator collected them. "Accuracy" is the
+gate metric of the model's task, as the device's evaluate job scored it through the task
+(top-1 of a classifier, mAP@0.5:0.95 of a detector): a fraction in [0, 1] either way, so one
+file and one set of gates serve every task (``nan``, an undefined metric, is refused).
 
 The file is input from outside (written by hand or by a fleet script): unknown keys, strings
 for numbers, accuracies outside [0, 1], non-positive sample counts and a device listed twice
@@ -32,9 +35,10 @@ class DeviceEvaluation(BaseModel):
     samples: int = Field(gt=0)
     """Held-out samples the device scored both models on."""
     base_accuracy: float = Field(ge=0.0, le=1.0)
-    """The base release's top-1 accuracy on them, a fraction in [0, 1]."""
+    """The base release's gate metric on them (top-1 accuracy of a classifier, mAP of a
+    detector), a fraction in [0, 1]."""
     candidate_accuracy: float = Field(ge=0.0, le=1.0)
-    """The aggregate's top-1 accuracy on the same samples, a fraction in [0, 1]."""
+    """The aggregate's gate metric on the same samples, a fraction in [0, 1]."""
 
     @field_validator("device")
     @classmethod

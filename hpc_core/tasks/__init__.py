@@ -29,7 +29,7 @@ from typing import Any, get_args
 
 from registry.model_config import TaskName
 
-__all__ = ["TASKS", "TaskName", "TaskSpec", "get_task", "passes", "task_spec"]
+__all__ = ["TASKS", "TaskName", "TaskSpec", "get_task", "passes", "score", "task_spec"]
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,18 @@ class TaskSpec:
     gate_metric: str
     """The evaluation key the gates compare (higher is better), e.g. ``acc``; the trainer
     logs it as ``eval/<key>``."""
+    gate_label: str
+    """The gate metric as people read it in a verdict (``accuracy``, ``mAP@0.5:0.95``)."""
     metrics: tuple[str, ...]
     """Every key its evaluation reports (the trainer logs each as ``eval/<key>``)."""
     sources: tuple[str, ...]
     """The ``data.source`` values it trains on."""
     implementation: str
     """``module:Class`` of its :class:`~hpc_core.tasks.base.Task`."""
+    scorer: str
+    """``module:function`` behind ``Task.score`` (:func:`score`): its module imports torch
+    only where the task's outputs need it, so a torch-free process (an export's quantizing
+    half, which gates ONNX Runtime's logits) scores a classifier without loading torch."""
 
     @property
     def eval_metrics(self) -> tuple[str, ...]:
@@ -55,12 +61,14 @@ class TaskSpec:
 
 TASKS: dict[str, TaskSpec] = {
     "classification": TaskSpec(
-        "classification", "acc", ("loss", "acc"), ("digits", "image_folder", "npz"),
-        "hpc_core.tasks.classification:ClassificationTask"),
+        "classification", "acc", "accuracy", ("loss", "acc"), ("digits", "image_folder", "npz"),
+        "hpc_core.tasks.classification:ClassificationTask",
+        "hpc_core.tasks.classification_score:score_logits"),
     "detection": TaskSpec(
-        "detection", "map", ("map", "map50", "map75", "ar100"),
+        "detection", "map", "mAP@0.5:0.95", ("map", "map50", "map75", "ar100"),
         ("coco", "yolo", "synthetic_detection"),
-        "hpc_core.tasks.detection.task:DetectionTask"),
+        "hpc_core.tasks.detection.task:DetectionTask",
+        "hpc_core.tasks.detection.task:score_detections"),
     # segmentation would go here: masks from COCO polygons / RLE, its metric mean IoU, the
     # implementation hpc_core.tasks.segmentation.task:SegmentationTask (and its name in
     # registry.model_config.TaskName).
@@ -83,6 +91,15 @@ def get_task(name: str) -> Any:
     for the type checker's import graph: annotate the result as ``Task`` where it is used."""
     module, _, cls = task_spec(name).implementation.partition(":")
     return getattr(importlib.import_module(module), cls)()
+
+
+def score(name: str, predictions: Any, targets: Any) -> dict[str, float]:
+    """Task ``name``'s metrics of outputs made outside torch (``Task.score``: logits and labels
+    for classification, per-image numpy dicts for detection), importing only its scorer's
+    module: torch-free for a classifier."""
+    module, _, fn = task_spec(name).scorer.partition(":")
+    return getattr(importlib.import_module(module), fn)(  # type: ignore[no-any-return]
+        predictions, targets)
 
 
 def passes(value: float, at_least: float = -math.inf) -> bool:

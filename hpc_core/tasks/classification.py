@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +20,7 @@ from hpc_core.data import DataInfo, TensorImageDataset, build_datasets
 from hpc_core.distributed import DistInfo, all_reduce_sum
 from hpc_core.tasks import TASKS
 from hpc_core.tasks.base import Autocast, Evaluation, Task, no_autocast
+from hpc_core.tasks.classification_score import score_logits
 
 
 class ClassificationEvaluation(Evaluation):
@@ -83,15 +83,6 @@ class ClassificationTask(Task):
 
     def score(self, predictions: Any, targets: Any) -> dict[str, float]:
         """Cross-entropy and top-1 of logits ``(N, C)`` against labels ``(N,)`` (numpy or
-        anything ``np.asarray`` takes), in float64."""
-        logits = np.asarray(predictions, dtype=np.float64)
-        labels = np.asarray(targets).astype(np.int64).reshape(-1)
-        if logits.ndim != 2 or len(logits) != len(labels):
-            raise ValueError(f"expected logits (N, C) and labels (N,), got {logits.shape} and "
-                             f"{labels.shape}")
-        if len(labels) == 0:
-            return {"loss": float("nan"), "acc": float("nan")}
-        top = logits.max(axis=1, keepdims=True)
-        log_z = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
-        loss = float(np.mean(log_z - logits[np.arange(len(labels)), labels]))
-        return {"loss": loss, "acc": float(np.mean(logits.argmax(axis=1) == labels))}
+        anything ``np.asarray`` takes), in float64 (:func:`.classification_score.score_logits`,
+        torch-free)."""
+        return score_logits(predictions, targets)

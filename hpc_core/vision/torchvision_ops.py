@@ -26,6 +26,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
 log = logging.getLogger("hpc_core.vision")
@@ -36,14 +37,22 @@ _shim_reason: str | None = None
 _library: Any = None  # the torch.library.Library that holds the stand-in schemas: kept alive
 
 
+NMS_ROWS = 1024
+"""Rows of the IoU matrix computed at once (float64): bounds the memory of a large call."""
+
+
 def nms_reference(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float) -> torch.Tensor:
     """Greedy non-maximum suppression, as ``torchvision.ops.nms`` computes it.
 
     Boxes ``(N, 4)`` in ``x1, y1, x2, y2``; visited by decreasing score (a stable sort, so
     ties keep their input order as torchvision's CPU kernel does); a box is dropped when its
     IoU with a kept box is strictly above ``iou_threshold``. Returns the kept indices, int64,
-    by decreasing score. The IoU matrix is computed once, vectorised; the greedy pass is
-    a loop over kept boxes only.
+    by decreasing score.
+
+    The IoU test is vectorised (``over[i, j]``: box ``i``, the higher score, would suppress
+    box ``j``), in blocks of :data:`NMS_ROWS` rows, above the diagonal; the greedy pass that follows walks the
+    boxes in numpy, one boolean OR per kept box: O(N^2) at worst, milliseconds for the
+    thousands of candidates a detector's evaluation gives it.
     """
     if boxes.dim() != 2 or boxes.size(-1) != 4:
         raise ValueError(f"boxes should be a (N, 4) tensor, got {tuple(boxes.shape)}")
@@ -52,26 +61,29 @@ def nms_reference(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: floa
     n = boxes.size(0)
     if n == 0:
         return torch.empty((0,), dtype=torch.int64, device=boxes.device)
-    b = boxes.to(torch.float64) if boxes.dtype != torch.float64 else boxes
     order = torch.sort(scores, descending=True, stable=True).indices
-    b = b[order]
+    b = boxes.to(torch.float64)[order]
     x1, y1, x2, y2 = b.unbind(1)
     area = (x2 - x1) * (y2 - y1)
-    ix1 = torch.maximum(x1[:, None], x1[None, :])
-    iy1 = torch.maximum(y1[:, None], y1[None, :])
-    ix2 = torch.minimum(x2[:, None], x2[None, :])
-    iy2 = torch.minimum(y2[:, None], y2[None, :])
-    inter = (ix2 - ix1).clamp(min=0) * (iy2 - iy1).clamp(min=0)
-    union = area[:, None] + area[None, :] - inter
-    # 0/0 (two zero-area boxes) is NaN in torchvision's kernel too, and NaN > t is False.
-    over = (inter / union) > iou_threshold
-    suppressed = torch.zeros(n, dtype=torch.bool, device=boxes.device)
-    keep = []
+    # Only a higher-scored box suppresses: each block of rows needs the columns from its
+    # own first row on (the rest stays False), half the matrix.
+    over = torch.zeros((n, n), dtype=torch.bool, device=boxes.device)
+    for r in range(0, n, NMS_ROWS):
+        s, c = slice(r, r + NMS_ROWS), slice(r, n)
+        iw = (torch.minimum(x2[s, None], x2[None, c])
+              - torch.maximum(x1[s, None], x1[None, c])).clamp_(min=0)
+        ih = (torch.minimum(y2[s, None], y2[None, c])
+              - torch.maximum(y1[s, None], y1[None, c])).clamp_(min=0)
+        inter = iw.mul_(ih)
+        # 0/0 (two zero-area boxes) is NaN in torchvision's kernel too, and NaN > t is False.
+        over[s, c] = inter / (area[s, None] + area[None, c] - inter) > iou_threshold
+    rows = over.cpu().numpy()
+    suppressed = np.zeros(n, dtype=bool)
+    keep: list[int] = []
     for i in range(n):
-        if suppressed[i]:
-            continue
-        keep.append(i)
-        suppressed |= over[i]
+        if not suppressed[i]:
+            keep.append(i)
+            suppressed |= rows[i]
     return order[torch.tensor(keep, dtype=torch.int64, device=boxes.device)]
 
 

@@ -3,8 +3,10 @@
 The candidate was verified into the job folder by ``pull`` (like a fine-tune's upstream);
 the baseline (``evaluate.baseline``: an installed version, else fetched and verified the same
 way; null: the active model) is scored beside it on the very same samples, through the
-runtime the health check uses (the slot's ONNX artefact where there is one, else PyTorch).
-Upstream's publish gates read the two accuracies (``hpc-train publish --device-evals``)."""
+runtime the health check uses (the slot's ONNX artefact where there is one, else PyTorch),
+by the model's task (``agent.jobs.held_out``): ``metric`` is its gate metric (top-1 of a
+classifier, also under ``accuracy``; mAP of a detector). Upstream's publish gates read the
+two (``hpc-train publish --device-evals``)."""
 
 from __future__ import annotations
 
@@ -69,26 +71,30 @@ def run(ctx: JobContext) -> dict[str, Any]:
 
 
 def child(c: StepContext) -> dict[str, Any]:
-    from agent.jobs.steps.health import held_out_data, infer_batch, runner_for
+    from agent.jobs.held_out import finite, held_out_data
+    from agent.jobs.steps.health import infer_batch, runner_for
     from exporters.runtime import predict
 
     samples = c.spec["evaluate"].get("samples")
-    x, y = held_out_data(c, samples)
-    if y is None:
+    held = held_out_data(c, samples)
+    if held.targets is None:
         raise ValueError("evaluate needs labelled data: data is unset")
-    out: dict[str, Any] = {"samples": len(x)}
+    out: dict[str, Any] = {"samples": len(held), "gate_metric": held.gate_metric}
     roles = {"candidate": c.staged_path, "baseline": c.active_path}
     for role, path in roles.items():
         if path is None:
             continue
         runner, runtime = runner_for(Path(path))
-        logits = predict(runner, x, batch=infer_batch(c))
-        finite = bool((logits == logits).all())  # NaN != NaN
-        acc = float((logits.argmax(1) == y).mean()) if finite else 0.0
-        out[role] = {"accuracy": acc, "runtime": runtime, "finite": finite}
+        outputs = predict(runner, held.inputs, batch=infer_batch(c))
+        ok = finite(outputs)
+        # A model with non-finite outputs scores 0 (not its undefined metric): the device
+        # evaluated it, and it is the worst there is.
+        figures = held.figures(outputs) if ok else held.worst()
+        out[role] = {**figures, "runtime": runtime, "finite": ok}
     out["accuracy"] = out["candidate"]["accuracy"]
+    out["metric"] = out["candidate"]["metric"]
     if "baseline" in out:
-        out["gain_pts"] = round(100 * (out["accuracy"] - out["baseline"]["accuracy"]), 3)
+        out["gain_pts"] = round(100 * (out["metric"] - out["baseline"]["metric"]), 3)
     return out
 
 

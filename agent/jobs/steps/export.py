@@ -23,7 +23,23 @@ from agent.jobs.protocol import (
 )
 
 
+def refusal(ctx: JobContext) -> str | None:
+    """Why this job's model cannot be exported (its task has no export yet: a detector), or
+    None. Read from the pulled upstream's manifest, torch-free: the fine-tune step asks
+    before it trains, so such a job fails at once, BAD_ARGS, instead of after its training."""
+    from agent.jobs.steps.pull import pulled_model
+    from exporters.job import unexportable
+
+    if not ctx.spec.steps.export:
+        return None
+    why = unexportable(pulled_model(ctx).task)
+    return None if why is None else f"steps.export: {ctx.spec.model} is {why}"
+
+
 def run(ctx: JobContext) -> dict[str, Any]:
+    why = refusal(ctx)
+    if why is not None:
+        raise StepFailed("export", why, code="BAD_ARGS")
     context = step_context(ctx)
     run_child(ctx, __name__, "export_prepare", context)
     out = run_child(ctx, __name__, "export", context)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agent.finetune.data_source import data_source
 from agent.finetune.job import FinetuneJob, FinetuneSetup, too_few_samples
 from agent.finetune.memory_fits import fit_key, forced_refusal, record_fit
 from agent.finetune.memory_plan import BudgetTooSmall, MemoryPlan, plan_micro_batch, probes_over
@@ -33,6 +34,7 @@ from agent.jobs.protocol import (
     run_child,
     step_context,
 )
+from agent.jobs.steps import export, pull
 from agent.spool.lineage import fix_training_data, training_data_path
 from registry.atomic import write_json_atomic
 
@@ -58,10 +60,27 @@ def _plan(ctx: JobContext, setup: FinetuneSetup) -> MemoryPlan:
             cache=ctx.state_dir / "cache" / "memory_probes.json")
     except BudgetTooSmall as e:  # the job's answer, not a crash to retry
         raise StepFailed("finetune", str(e)) from None
+    except RuntimeError as e:  # a probe that cannot train at all: the job cannot either
+        raise StepFailed("finetune", _probe_failure(str(e))) from None
     # Kept for the next submission of this job: a forced micro-batch is checked there.
     record_fit(ctx.state_dir, fit_key(ctx.spec.model, start, Path(ctx.spec.data),
                                       ft.model_dump()), plan.line())
     return plan
+
+
+BATCHNORM_ONE_SAMPLE = "Expected more than 1 value per channel when training"
+"""torch's error when a BatchNorm layer trains on one value per channel: a micro-batch of one
+reaching a 1x1 feature map (SSDlite's last extra layer)."""
+
+
+def _probe_failure(error: str) -> str:
+    """Why the plan failed, from a probe's error (its first line and its last)."""
+    lines = [ln for ln in error.splitlines() if ln.strip()]
+    why = f"{lines[0]} {lines[-1]}" if len(lines) > 1 else error
+    if BATCHNORM_ONE_SAMPLE in error:
+        why += (" (BatchNorm cannot train on one sample: set finetune.effective_batch to 8 or "
+                "more, so that every probe's micro-batch holds at least 2)")
+    return why
 
 
 def _training_data(ctx: JobContext) -> dict[str, Any]:
@@ -83,7 +102,15 @@ def _training_data(ctx: JobContext) -> dict[str, Any]:
 
 def run(ctx: JobContext) -> dict[str, Any]:
     ft = ctx.spec.finetune
+    why = export.refusal(ctx)  # before any training: the job could never finish
+    if why is not None:
+        raise StepFailed("finetune", why, code="BAD_ARGS")
     data = _training_data(ctx)
+    try:  # the device data's layout must be one the model's task trains on
+        data_source(training_data_path(Path(ctx.spec.data), ctx.job_dir),
+                    pull.pulled_model(ctx).task)
+    except ValueError as e:
+        raise StepFailed("finetune", str(e), code="BAD_ARGS") from None
     setup = _read_setup(ctx.job_dir)
     # A micro-batch given beside an explicit budget is checked against it (probes), so a
     # job never trains past the budget it was given.
@@ -190,6 +217,8 @@ def child(c: StepContext) -> dict[str, Any]:
     return {
         "checkpoint": r["checkpoint"], "stopped_reason": r["stopped_reason"], "steps": r["steps"],
         "accuracy_before": r["accuracy_before"], "accuracy_after": r["accuracy_after"],
+        "gate_metric": r["gate_metric"], "metric_before": r["metric_before"],
+        "metric_after": r["metric_after"],
         "micro_batch_size": r["micro_batch_size"],
         "train_samples": r["train_samples"], "held_out_samples": r["held_out_samples"],
         "trainable_params": r["trainable_params"], "total_params": r["total_params"],

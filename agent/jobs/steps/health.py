@@ -1,10 +1,12 @@
-"""health: the staged and the active model scored on the same held-out device data (accuracy,
-latency, finite outputs) against the job's health thresholds, and on the upstream's anchor set
+"""health: the staged and the active model scored on the same held-out device data (the gate
+metric of the model's task: top-1 accuracy of a classifier, mAP of a detector; latency; finite
+outputs) against the job's health thresholds, and on the upstream's anchor set
 (``artefacts/anchor.npz``, the upstream distribution's held-out data) against forgetting. Its
 verdict picks the machine's next state: commit or rollback."""
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -53,42 +55,6 @@ def run(ctx: JobContext) -> dict[str, Any]:
 # -- the child's half -------------------------------------------------------------------------
 
 
-def _data_config(c: StepContext) -> dict[str, Any] | None:
-    """The held-out split's data config: the fine-tune's own, or (a deploy) one built the
-    fine-tune's way from the job's data; None when a deploy has no data."""
-    if c.setup is not None:
-        return dict(c.setup["config"]["data"])
-    if not c.spec.get("data"):
-        return None
-    from agent.finetune.job import FinetuneJob, build_config
-    from agent.finetune.model import load_upstream
-
-    assert c.staged_path is not None
-    _, upstream = load_upstream(c.staged_path)
-    job = FinetuneJob(checkpoint=c.staged_path, data=c.spec["data"], out=c.job_dir / "health")
-    return build_config(job, upstream, "fp32", None).data.model_dump(mode="json")
-
-
-def held_out_data(c: StepContext, samples: int | None) -> tuple[Any, Any]:
-    import numpy as np
-
-    from hpc_core.config import DataConfig
-    from hpc_core.data import build_datasets, held_out
-
-    cfg = _data_config(c)
-    if cfg is None:  # no data: a fixed random batch checks the model loads and stays finite
-        from agent.finetune.model import load_upstream
-
-        assert c.staged_path is not None
-        _, m = load_upstream(c.staged_path)
-        rng = np.random.default_rng(0)
-        shape = (32, m.in_channels, m.image_size, m.image_size)
-        return rng.random(shape, dtype=np.float32), None
-    _, val, _ = build_datasets(DataConfig.model_validate(cfg))
-    x, y = held_out(val, samples)
-    return np.ascontiguousarray(x), y
-
-
 def runner_for(slot: Path) -> tuple[Any, str]:
     """What scores a version: the very runtime that serves it (``agent.runtime.engines
     .engine_for``: its TensorRT engine where one was built for this host, else its ONNX file
@@ -122,6 +88,7 @@ def child(c: StepContext) -> dict[str, Any]:
 
     import hpc_core.data  # noqa: F401 - imported before the drop below, not inside its peak
     from agent.finetune.cold_pages import drop_cold_pages
+    from agent.jobs.held_out import finite, held_out_data
     from exporters.runtime import batch_of, measure_latency, predict
 
     # torch's start-up code, out of the resident set before the held-out data is built: on a
@@ -129,29 +96,32 @@ def child(c: StepContext) -> dict[str, Any]:
     # fine-tune's, in a spike too short for a 10 ms sampler to see every time.
     drop_cold_pages()
     opts = c.spec["health"]
-    x, y = held_out_data(c, opts["samples"])
+    held = held_out_data(c, opts["samples"])
+    x, labelled = held.inputs, held.targets is not None
     batch = infer_batch(c)
     out: dict[str, Any] = {"samples": len(x)}
+    if labelled:
+        out["gate_metric"] = held.gate_metric
     paths = {"active": c.active_path, "staged": c.staged_path}
     roles = ("active", "staged") if c.active_path else ("staged",)
     failures = []
     for role in roles:
         runner, runtime = runner_for(Path(paths[role]))  # type: ignore[arg-type]
         drop_cold_pages()  # and the runtime's (ONNX Runtime's, the first time)
-        logits = predict(runner, x, batch=batch)
-        acc = float((logits.argmax(1) == y).mean()) if y is not None else None
+        outputs = predict(runner, x, batch=batch)
+        figures = held.figures(outputs) if labelled else {"accuracy": None}
         lat = measure_latency(runner, batch_of(x, 1), warmup=5, iters=50)
-        out[role] = {"accuracy": acc, "p50_ms_b1": lat.p50_ms, "runtime": runtime}
-        if role == "staged" and not np.isfinite(logits).all():
+        out[role] = {**figures, "p50_ms_b1": lat.p50_ms, "runtime": runtime}
+        if role == "staged" and not finite(outputs):
             failures.append("the staged model gives non-finite outputs")
     anchor = anchor_of(Path(c.staged_path))  # type: ignore[arg-type]
     if anchor and "active" in out:
         failures += _anchor_gate(c, out, anchor[0], paths, batch)
-    if y is None or "active" not in out:
+    if not labelled or "active" not in out:
         out["passed"], out["failures"] = not failures, failures
         return out
     a, s = out["active"], out["staged"]
-    failures += health_failures(a, s, opts)
+    failures += health_failures(a, s, opts, held.gate_label)
     out["latency_ratio"] = round(float(np.float64(_latency_ratio(a, s))), 3)
     out["passed"], out["failures"] = not failures, failures
     return out
@@ -162,37 +132,50 @@ def _latency_ratio(active: dict[str, Any], staged: dict[str, Any]) -> float:
 
 
 def health_failures(active: dict[str, Any], staged: dict[str, Any],
-                    opts: dict[str, Any]) -> list[str]:
+                    opts: dict[str, Any], label: str = "accuracy") -> list[str]:
     """Why the staged model fails its health check against the active one, on the same
-    held-out data (``accuracy``, ``p50_ms_b1`` of each): one line per broken threshold of the
-    job's ``health`` options; none, and the job commits it, else it is rolled back. It may
-    not lose more than ``max_accuracy_drop_pts`` points of accuracy, fall below
-    ``min_accuracy``, or run slower than ``max_latency_ratio`` times the active model (a null
-    threshold is not checked)."""
+    held-out data (each one's gate metric, ``metric``: top-1 accuracy of a classifier, mAP of
+    a detector, as the model's task scores it; and ``p50_ms_b1``): one line per broken
+    threshold of the job's ``health`` options; none, and the job commits it, else it is
+    rolled back. Its gate metric may not be undefined (``nan``: it never passes), lose more
+    than ``max_accuracy_drop_pts`` points, fall below ``min_accuracy``, or run slower than
+    ``max_latency_ratio`` times the active model (a null threshold is not checked).
+    ``label`` names the metric in each line (the task's ``gate_label``)."""
+    from agent.jobs.held_out import metric_of
+    from hpc_core.tasks import passes
+
     failures = []
-    a, s = active, staged
-    drop = 100 * (a["accuracy"] - s["accuracy"])
+    a, s = metric_of(active), metric_of(staged)
+    if math.isnan(s):
+        failures.append(f"{label} of the staged model is undefined (nan: nothing in the "
+                        "held-out data to score it on, or non-finite outputs): it never passes")
+    # The difference in points first, as the threshold is given: 100 * (0.91 - 0.88) is
+    # 3.0000000000000027, and a classifier's verdicts stay what they were.
+    drop = 100 * (a - s)
     if drop > opts["max_accuracy_drop_pts"]:
-        failures.append(f"accuracy {100 * s['accuracy']:.1f}% is {drop:.1f} points below the "
-                        f"active model's {100 * a['accuracy']:.1f}% "
+        failures.append(f"{label} {100 * s:.1f}% is {drop:.1f} points below the "
+                        f"active model's {100 * a:.1f}% "
                         f"(health.max_accuracy_drop_pts={opts['max_accuracy_drop_pts']})")
-    if opts["min_accuracy"] is not None and s["accuracy"] < opts["min_accuracy"]:
-        failures.append(f"accuracy {100 * s['accuracy']:.1f}% is below health.min_accuracy="
+    if opts["min_accuracy"] is not None and not math.isnan(s) and not passes(
+            s, opts["min_accuracy"]):
+        failures.append(f"{label} {100 * s:.1f}% is below health.min_accuracy="
                         f"{opts['min_accuracy']}")
-    ratio = _latency_ratio(a, s)
+    ratio = _latency_ratio(active, staged)
     if opts["max_latency_ratio"] is not None and ratio > opts["max_latency_ratio"]:
-        failures.append(f"latency p50 {s['p50_ms_b1']:.2f} ms is {ratio:.2f}x the active "
+        failures.append(f"latency p50 {staged['p50_ms_b1']:.2f} ms is {ratio:.2f}x the active "
                         f"model's (health.max_latency_ratio={opts['max_latency_ratio']})")
     return failures
 
 
 def _anchor_gate(c: StepContext, out: dict[str, Any], anchor: Path, paths: dict[str, Any],
                  batch: int) -> list[str]:
-    """Score both models on the anchor set; the staged one may not fall more than
+    """Score both models on the anchor set (labelled images of the upstream distribution,
+    scored by the model's task); the staged one may not fall more than
     health.max_anchor_drop_pts below the active one."""
     from safetensors.numpy import load_file
 
     from agent.finetune.model import load_upstream
+    from agent.jobs.held_out import HeldOut
     from exporters.runtime import predict
     from hpc_core.data import images_from_arrays
 
@@ -202,20 +185,20 @@ def _anchor_gate(c: StepContext, out: dict[str, Any], anchor: Path, paths: dict[
         raise StepFailed("health", f"the anchor set {anchor} needs tensors x and y, has "
                          f"{sorted(arrays)}")
     x, y = images_from_arrays(arrays["x"], arrays["y"], m.image_size, f"anchor set {anchor}")
-    x, y = x[:MAX_ANCHOR_SAMPLES].numpy(), y[:MAX_ANCHOR_SAMPLES].numpy()
+    held = HeldOut(m.task, x[:MAX_ANCHOR_SAMPLES].numpy(), y[:MAX_ANCHOR_SAMPLES].numpy())
     acc = {}
     for role in ("active", "staged"):
         runner, _ = runner_for(Path(paths[role]))
-        acc[role] = float((predict(runner, x, batch=batch).argmax(1) == y).mean())
+        acc[role] = held.figures(predict(runner, held.inputs, batch=batch))["metric"]
     drop = 100 * (acc["active"] - acc["staged"])
     limit = c.spec["health"].get("max_anchor_drop_pts")
-    out["anchor"] = {"samples": len(y), "active_accuracy": acc["active"],
+    out["anchor"] = {"samples": len(held), "active_accuracy": acc["active"],
                      "staged_accuracy": acc["staged"], "drop_pts": round(drop, 2),
                      "max_drop_pts": limit}
     if limit is not None and drop > limit:
-        return [f"forgetting: accuracy on the upstream's anchor set {100 * acc['staged']:.1f}% "
-                f"is {drop:.1f} points below the active model's {100 * acc['active']:.1f}% "
-                f"(health.max_anchor_drop_pts={limit})"]
+        return [f"forgetting: {held.gate_label} on the upstream's anchor set "
+                f"{100 * acc['staged']:.1f}% is {drop:.1f} points below the active model's "
+                f"{100 * acc['active']:.1f}% (health.max_anchor_drop_pts={limit})"]
     return []
 
 

@@ -30,6 +30,15 @@ from agent.jobs.protocol import (
 from agent.jobs.spec import DeployJob
 
 
+def pulled_model(ctx: JobContext) -> Any:
+    """The model spec (``registry.model_config.ModelConfig``) of the version this job pulled,
+    from its verified manifest, torch-free: what the later steps ask of it (its task)."""
+    from registry.manifest import Manifest
+
+    slot = Path(ctx.outputs["pull"]["path"])
+    return Manifest.from_bytes((slot / "manifest.json").read_bytes(), source=str(slot)).model
+
+
 def run(ctx: JobContext) -> dict[str, Any]:
     from agent.storage.lock import StateLock
     from agent.storage.slots import ModelSlots, read_installed

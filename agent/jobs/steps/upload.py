@@ -7,6 +7,7 @@ finished before the crash); anything else there is a conflict."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -53,19 +54,28 @@ def run(ctx: JobContext) -> dict[str, Any]:
 def update_metrics(outputs: dict[str, Any]) -> dict[str, float]:
     """What upstream needs to combine this update with the fleet's (``hpc-train aggregate``):
     how many samples and steps it learned from (FedAvg weights by samples), how much of the
-    model it trained, and its accuracy before and after on this device's held-out data.
+    model it trained, and its task's gate metric (top-1 accuracy, mAP) before and after on this
+    device's held-out data.
     Counts and figures only: no sample leaves the device."""
-    ft, staged = outputs["finetune"], outputs["health"]["staged"]
-    out = {"device/acc": staged["accuracy"], "train/steps": ft["steps"]}
+    health, ft = outputs["health"], outputs["finetune"]
+    # The task's gate metric under its own name: device/acc of a classifier, device/map of a
+    # detector (a job recorded before the task seam scored top-1).
+    gate = health.get("gate_metric", "acc")
+    staged = health["staged"]
+    out = {f"device/{gate}": staged.get("metric", staged.get("accuracy")),
+           "train/steps": ft["steps"]}
     for key, name in (("train_samples", "train/samples"), ("held_out_samples",
-                      "device/held_out_samples"), ("accuracy_before", "device/acc_before"),
+                      "device/held_out_samples"), ("metric_before", f"device/{gate}_before"),
+                      ("metric_after", f"device/{gate}_after"),
+                      ("accuracy_before", "device/acc_before"),
                       ("accuracy_after", "device/acc_after"),
                       ("trainable_params", "train/trainable_params")):
         if ft.get(key) is not None:  # a job recorded before these existed lacks them
             out[name] = float(ft[key])
     if ft.get("trainable_params") and ft.get("total_params"):
         out["train/trainable_fraction"] = ft["trainable_params"] / ft["total_params"]
-    return out
+    # An undefined figure (nan: nothing to score) is left out: a manifest holds numbers only.
+    return {k: float(v) for k, v in out.items() if v is not None and math.isfinite(v)}
 
 
 def _uploaded_before(ctx: JobContext, target: str, version: str, parent: str,

@@ -6,8 +6,12 @@ Classes (13, in this order): ``digit_0`` .. ``digit_9``, ``square``, ``circle``,
 the easy part. Each image holds 1 to 6 objects of 8 % to 35 % of the image's side, on noise,
 a gradient or stripes; some overlap (at most 30 % of the smaller one is covered) and a quarter
 touch an edge. Image ``i``'s first object is of class ``i mod 13``: every class appears in any
-13 consecutive images. Image ``i`` depends only on (``seed``, ``i``, size, cameras): a set of N
-images is the first N of a larger one.
+13 consecutive images. Image ``i`` depends only on (``seed``, ``i``, size, cameras, scenes): a
+set of N images is the first N of a larger one.
+
+:class:`Scenes` makes the set easier or harder: the classes drawn (a subset, e.g. the three
+shapes, labelled ``0 .. K-1`` in the order given), the objects per image and their size range.
+The defaults are the set described above, pixel for pixel.
 
 Cameras (``cameras``) are the distortions of ``scripts/make_device_data.py``, applied to the
 whole image, so a device's set is camera-shifted against the upstream one: ``invert`` (an IR
@@ -22,6 +26,7 @@ import os
 import secrets
 import shutil
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -42,6 +47,40 @@ FORMATS = ("coco", "yolo")
 MAX_OBJECTS = 6
 MAX_COVERED = 0.3
 """At most this share of the smaller of two objects may lie under the other."""
+MIN_SIDE_PX = 8
+"""No object is drawn smaller than this many pixels a side (a digit needs its strokes)."""
+
+
+@dataclass(frozen=True)
+class Scenes:
+    """What the images hold: the classes drawn (names of :data:`CLASS_NAMES`, labelled
+    ``0 .. K-1`` in this order), ``objects`` per image (min, max; fewer when no free place is
+    found) and each object's side as a share of the image's (min, max)."""
+
+    classes: tuple[str, ...] = field(default_factory=lambda: tuple(CLASS_NAMES))
+    objects: tuple[int, int] = (1, MAX_OBJECTS)
+    object_size: tuple[float, float] = (0.08, 0.35)
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.classes if c not in CLASS_NAMES]
+        if unknown or not self.classes or len(set(self.classes)) != len(self.classes):
+            raise ValueError(f"classes {list(self.classes)}: give distinct names out of "
+                             f"{', '.join(CLASS_NAMES)}")
+        lo, hi = self.objects
+        if not 1 <= lo <= hi:
+            raise ValueError(f"objects {list(self.objects)}: need 1 <= min <= max")
+        small, large = self.object_size
+        if not 0 < small <= large <= 1:
+            raise ValueError(f"object_size {list(self.object_size)}: need "
+                             "0 < min <= max <= 1 (shares of the image side)")
+
+    def sides(self, size: int) -> tuple[int, int]:
+        """The smallest and largest object side in pixels on a ``size`` image."""
+        lo = max(MIN_SIDE_PX, round(self.object_size[0] * size))
+        return min(lo, size), min(size, max(lo, round(self.object_size[1] * size)))
+
+
+DEFAULT_SCENES = Scenes()
 
 
 @lru_cache(maxsize=1)
@@ -107,18 +146,22 @@ def _position(size: int, side: int, rng: np.random.Generator) -> int:
     return int(rng.integers(0, size - side + 1))
 
 
-def render(index: int, size: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def render(index: int, size: int, seed: int, scenes: Scenes = DEFAULT_SCENES) -> tuple[
+        np.ndarray, np.ndarray, np.ndarray]:
     """Image ``index`` of the set ``seed``: (HxWx3 float32 [0, 1], boxes (N, 4) xyxy pixels,
-    labels (N,)); boxes are the tight extent of each object's drawn pixels."""
+    labels (N,), indices into ``scenes.classes``); boxes are the tight extent of each
+    object's drawn pixels."""
     rng = np.random.default_rng([seed, index])
     image = _background(size, rng)
-    n = int(rng.integers(1, MAX_OBJECTS + 1))
-    labels = [index % len(CLASS_NAMES), *rng.integers(0, len(CLASS_NAMES), n - 1)]
+    k = len(scenes.classes)
+    n = int(rng.integers(scenes.objects[0], scenes.objects[1] + 1))
+    labels = [index % k, *rng.integers(0, k, n - 1)]
+    small, large = scenes.sides(size)
     placed: list[np.ndarray] = []
     kept: list[int] = []
     for label in labels:
-        side = int(rng.integers(max(8, round(0.08 * size)), round(0.35 * size) + 1))
-        alpha = _mask(int(label), side, rng)
+        side = int(rng.integers(small, large + 1))
+        alpha = _mask(CLASS_NAMES.index(scenes.classes[int(label)]), side, rng)
         rows, cols = np.nonzero(alpha > 0.5)
         for _ in range(20):
             x, y = _position(size, side, rng), _position(size, side, rng)
@@ -152,13 +195,13 @@ def apply_cameras(image: torch.Tensor, boxes: np.ndarray, cameras: Sequence[str]
     return image, boxes
 
 
-def generate(n_images: int, size: int = 320, seed: int = 0,
-             cameras: Sequence[str] = ()) -> Iterator[tuple[np.ndarray, ImageRecord]]:
+def generate(n_images: int, size: int = 320, seed: int = 0, cameras: Sequence[str] = (),
+             scenes: Scenes = DEFAULT_SCENES) -> Iterator[tuple[np.ndarray, ImageRecord]]:
     """The images (uint8 HxWx3) and their records one at a time (image ids 1 .. n, file names
     ``000000.png`` ..): a large set is written without holding it in memory."""
     check_kinds(cameras)
     for i in range(n_images):
-        pixels, boxes, labels = render(i, size, seed)
+        pixels, boxes, labels = render(i, size, seed, scenes)
         g = torch.Generator().manual_seed(seed * 1_000_003 + i)
         chw, boxes = apply_cameras(torch.from_numpy(pixels).permute(2, 0, 1), boxes, cameras, g)
         yield ((chw.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8),
@@ -166,13 +209,13 @@ def generate(n_images: int, size: int = 320, seed: int = 0,
                            height=chw.shape[1], boxes=boxes, labels=labels))
 
 
-def synthesize(n_images: int, size: int = 320, seed: int = 0,
-               cameras: Sequence[str] = ()) -> tuple[list[np.ndarray], DetectionSet]:
+def synthesize(n_images: int, size: int = 320, seed: int = 0, cameras: Sequence[str] = (),
+               scenes: Scenes = DEFAULT_SCENES) -> tuple[list[np.ndarray], DetectionSet]:
     """:func:`generate`'s images and records, all in memory; the set's ``images_dir`` is
     ``images`` (relative, until written)."""
-    items = list(generate(n_images, size, seed, cameras))
+    items = list(generate(n_images, size, seed, cameras, scenes))
     return ([p for p, _ in items],
-            DetectionSet(Path(IMAGES_DIR), list(CLASS_NAMES), [r for _, r in items]))
+            DetectionSet(Path(IMAGES_DIR), list(scenes.classes), [r for _, r in items]))
 
 
 def _png(pixels: np.ndarray) -> bytes:
@@ -184,7 +227,8 @@ def _png(pixels: np.ndarray) -> bytes:
 
 
 def write_synthetic(out: Path, n_images: int, size: int = 320, seed: int = 0,
-                    cameras: Sequence[str] = (), formats: Sequence[str] = ("coco",)) -> Path:
+                    cameras: Sequence[str] = (), formats: Sequence[str] = ("coco",),
+                    scenes: Scenes = DEFAULT_SCENES) -> Path:
     """Write the set to the folder ``out`` (which must not exist, or be empty) as COCO
     (``annotations.json``) and/or YOLO (``labels/``, ``data.yaml``), images in ``images/``.
 
@@ -203,10 +247,10 @@ def write_synthetic(out: Path, n_images: int, size: int = 320, seed: int = 0,
     try:
         images_dir = make_dirs(tmp / IMAGES_DIR)
         records = []
-        for pixels, record in generate(n_images, size, seed, cameras):
+        for pixels, record in generate(n_images, size, seed, cameras, scenes):
             write_bytes_atomic(images_dir / record.file_name, _png(pixels))
             records.append(record)
-        dataset = DetectionSet(images_dir, list(CLASS_NAMES), records)
+        dataset = DetectionSet(images_dir, list(scenes.classes), records)
         if "coco" in formats:
             write_coco(tmp, dataset)
         if "yolo" in formats:

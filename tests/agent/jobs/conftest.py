@@ -84,6 +84,13 @@ Trainer(cfg).train()
 make_device_data(root / "device.npz", ["invert", "noise"], image_size={image_size})
 """
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+    return make_keys(root)
+
+
+def make_keys(root: Path) -> Path:
+    """The upstream's key pair under ``root/keys`` (its private key's path in
+    ``root/upstream.key``), and a device state dir ``root/state`` with its own key pair and
+    both public keys trusted."""
     from registry.signing import generate_keypair, load_signing_key
 
     up_priv, up_pub = generate_keypair(root / "keys", "upstream")
@@ -97,15 +104,16 @@ make_device_data(root / "device.npz", ["invert", "noise"], image_size={image_siz
     return root
 
 
-def publish_v1(template: Path, reg: Path) -> None:
-    """digits@v1, signed by the upstream key, into the registry folder ``reg``."""
+def publish_v1(template: Path, reg: Path, name: str = "digits") -> None:
+    """NAME@v1 (``template/up``), signed by the upstream key, into the registry folder
+    ``reg``."""
     from hpc_core.model_spec import read_checkpoint
     from registry.publish import publish_content
     from registry.signing import load_signing_key
     from registry.stores import LocalStore
 
     key = load_signing_key(Path((template / "upstream.key").read_text()))
-    publish_content(read_checkpoint(template / "up"), LocalStore(reg), name="digits",
+    publish_content(read_checkpoint(template / "up"), LocalStore(reg), name=name,
                     version="v1", key=key)
 
 

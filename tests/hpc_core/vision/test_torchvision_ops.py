@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hpc_core.vision import torchvision_ops
 from hpc_core.vision.torchvision_ops import compiled_ops_missing, import_torchvision, nms_reference
 
 
@@ -43,6 +44,16 @@ def test_nms_equals_brute_force(seed: int, thr: float) -> None:
     got = nms_reference(boxes, scores, thr)
     assert got.dtype == torch.int64
     assert got.tolist() == brute_force_nms(boxes, scores, thr)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_nms_in_blocks_of_rows_equals_brute_force(rows: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # the IoU matrix is computed a block of rows at a time: blocks that split the boxes
+    # anywhere give the same answer
+    monkeypatch.setattr(torchvision_ops, "NMS_ROWS", rows)
+    boxes, scores = random_boxes(60, 11)
+    assert nms_reference(boxes, scores, 0.3).tolist() == brute_force_nms(boxes, scores, 0.3)
 
 
 def test_nms_ties_zero_area_and_all_suppressed() -> None:
