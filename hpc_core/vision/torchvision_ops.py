@@ -50,9 +50,9 @@ def nms_reference(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: floa
     by decreasing score.
 
     The IoU test is vectorised (``over[i, j]``: box ``i``, the higher score, would suppress
-    box ``j``), in blocks of :data:`NMS_ROWS` rows, above the diagonal; the greedy pass that follows walks the
-    boxes in numpy, one boolean OR per kept box: O(N^2) at worst, milliseconds for the
-    thousands of candidates a detector's evaluation gives it.
+    box ``j``), in blocks of :data:`NMS_ROWS` rows, above the diagonal; the greedy pass that
+    follows walks the boxes in numpy, one boolean OR per kept box: O(N^2) at worst,
+    milliseconds for the thousands of candidates a detector's evaluation gives it.
     """
     if boxes.dim() != 2 or boxes.size(-1) != 4:
         raise ValueError(f"boxes should be a (N, 4) tensor, got {tuple(boxes.shape)}")
