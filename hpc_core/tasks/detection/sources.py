@@ -14,13 +14,14 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import Dataset
 
-from hpc_core.config import DataConfig, SyntheticDetectionConfig
+from hpc_core.config import DataConfig
 from hpc_core.data import DataInfo, split_indices
 from hpc_core.tasks.detection.boxes import DetectionDataError
 from hpc_core.tasks.detection.coco import IMAGES_DIR, load_coco
 from hpc_core.tasks.detection.dataset import DetectionDataset
 from hpc_core.tasks.detection.records import DetectionSet
 from hpc_core.tasks.detection.synthetic import CLASS_NAMES, Scenes, synthesize
+from hpc_core.tasks.detection.synthetic_config import SyntheticDetectionConfig
 from hpc_core.tasks.detection.yolo import load_yolo
 
 LABEL_OFFSET = 1

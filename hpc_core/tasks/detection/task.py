@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from hpc_core.cameras import KINDS
-from hpc_core.config import CameraKind, DataConfig, SyntheticClass
+from hpc_core.config import DataConfig
 from hpc_core.data import DataInfo
 from hpc_core.distributed import DistInfo
 from hpc_core.tasks import TASKS
@@ -35,10 +35,12 @@ from hpc_core.tasks.detection.dataset import collate
 from hpc_core.tasks.detection.metrics import evaluate_detections
 from hpc_core.tasks.detection.sources import LABEL_OFFSET, build_detection_datasets
 from hpc_core.tasks.detection.synthetic import CLASS_NAMES
+from hpc_core.tasks.detection.synthetic_config import CameraKind, SyntheticClass
 
-assert set(get_args(CameraKind)) == set(KINDS), "config.CameraKind and hpc_core.cameras differ"
+assert set(get_args(CameraKind)) == set(KINDS), (
+    "synthetic_config.CameraKind and hpc_core.cameras differ")
 assert list(get_args(SyntheticClass)) == CLASS_NAMES, (
-    "config.SyntheticClass and the synthetic set's CLASS_NAMES differ")
+    "synthetic_config.SyntheticClass and the synthetic set's CLASS_NAMES differ")
 
 NumpyDetections = dict[str, np.ndarray]
 

@@ -117,11 +117,11 @@ def test_the_command_line_teaches_and_writes_a_set(tmp_path: Path,
 
 def test_each_box_is_tight_around_its_drawn_object(monkeypatch: pytest.MonkeyPatch) -> None:
     # one object per image on a black background: every pixel the object changed is its own
-    monkeypatch.setattr(synthetic, "MAX_OBJECTS", 1)
     monkeypatch.setattr(synthetic, "_background",
                         lambda size, rng: np.zeros((size, size, 3), dtype=np.float32))
+    one = synthetic.Scenes(objects=(1, 1))
     for i in range(len(CLASS_NAMES)):  # image i's object is of class i
-        pixels, boxes, labels = synthetic.render(i, SIZE, seed=0)
+        pixels, boxes, labels = synthetic.render(i, SIZE, seed=0, scenes=one)
         assert labels.tolist() == [i]
         ys, xs = np.nonzero(pixels.max(axis=2) > 0.35)  # over half covered (colour >= 0.7)
         lit = [xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]
