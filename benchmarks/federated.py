@@ -101,7 +101,7 @@ from make_device_data import distort  # noqa: E402
 from agent.finetune.job import FinetuneJob, FinetuneResult  # noqa: E402
 from agent.finetune.recipe import run_finetune  # noqa: E402
 from agent.jobs.steps.upload import update_metrics  # noqa: E402
-from benchmarks.harness import parse_args, verdict  # noqa: E402
+from benchmarks.harness import cpu_line, parse_args, verdict  # noqa: E402
 from hpc_core import checkpoint as ckpt  # noqa: E402
 from hpc_core.aggregation.options import Options  # noqa: E402
 from hpc_core.aggregation.privacy import DpSettings, epsilon  # noqa: E402
@@ -476,22 +476,6 @@ def baselines(fleet: Fleet, upstream: Release) -> dict[str, Any]:
 
 
 # --- report ------------------------------------------------------------------------------------
-
-def cpu_line() -> str:
-    model, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    has = {"AVX2": "avx2" in flags, "AVX-512F": "avx512f" in flags,
-           "AVX-512 VNNI": "avx512_vnni" in flags, "AVX-VNNI": "avx_vnni" in flags}
-    shown = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in has.items())
-    return f"CPU: {model} ({os.cpu_count()} logical CPUs visible); {shown}"
 
 
 def _row(label: str, acc: float, central: float, locals_: list[float], extra: str = "") -> str:

@@ -98,7 +98,7 @@ from torch.func import functional_call, grad, vmap
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.harness import parse_args, verdict  # noqa: E402
+from benchmarks.harness import cpu_line, parse_args, verdict  # noqa: E402
 from hpc_core.aggregation.in_memory import Rule, combine_updates  # noqa: E402
 from hpc_core.aggregation.privacy import DpSettings, epsilon  # noqa: E402
 from hpc_core.aggregation.strategies import staleness_scale  # noqa: E402
@@ -682,22 +682,6 @@ def print_personal(ps: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 # --- report -----------------------------------------------------------------------------------
-
-def cpu_line() -> str:
-    model, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    has = {"AVX2": "avx2" in flags, "AVX-512F": "avx512f" in flags,
-           "AVX-512 VNNI": "avx512_vnni" in flags, "AVX-VNNI": "avx_vnni" in flags}
-    shown = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in has.items())
-    return f"CPU: {model} ({os.cpu_count()} logical CPUs visible); {shown}"
 
 
 def mean_sd(values: Sequence[float]) -> tuple[float, float]:

@@ -27,8 +27,10 @@ from __future__ import annotations
 import argparse
 import math
 import operator
+import os
 import re
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 OPS: dict[str, Callable[[float, float], bool]] = {
@@ -92,3 +94,21 @@ def verdict(what: str, value: float, op: str, target: float, unit: str = "x", *,
             line += f" (also missed: {shown})"
     print(line, flush=True)
     return met
+
+
+def cpu_line() -> str:
+    """This host's CPU model and the flags INT8 and vector speed depend on, for a report."""
+    model, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    has = {"AVX2": "avx2" in flags, "AVX-512F": "avx512f" in flags,
+           "AVX-512 VNNI": "avx512_vnni" in flags, "AVX-VNNI": "avx_vnni" in flags}
+    shown = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in has.items())
+    return f"CPU: {model} ({os.cpu_count()} logical CPUs visible); {shown}"
