@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -30,10 +30,13 @@ class Device:
     def state(self) -> Path:
         return self.root / "state"
 
-    def spec(self, **over: Any) -> dict[str, Any]:
-        """The job the tests run: 60 steps, micro-batch given (no probes) unless overridden."""
-        spec: dict[str, Any] = {
-            "model": "digits", "version": "v1", "registry": self.registry.url,
+    model: ClassVar[str] = "digits"
+    """The model the device's upstream is published as (``NAME@v1``)."""
+
+    def base_spec(self) -> dict[str, Any]:
+        """The job the tests run: 60 steps, micro-batch given (no probes)."""
+        return {
+            "model": self.model, "version": "v1", "registry": self.registry.url,
             "data": str(self.data),
             "finetune": {"profile": "generic-x86", "sensors": "none", "trainable": "all",
                          "steps": 60, "effective_batch": 64, "micro_batch": 64, "lr": 0.01,
@@ -42,6 +45,10 @@ class Device:
                        "calibration": {"samples": 128},
                        "fallback": {"sensitivity_samples": 64}},
         }
+
+    def spec(self, **over: Any) -> dict[str, Any]:
+        """:meth:`base_spec` with ``over``'s sections merged in (a dict section key by key)."""
+        spec = self.base_spec()
         for k, v in over.items():
             if isinstance(v, dict) and isinstance(spec.get(k), dict):
                 spec[k] = {**spec[k], **v}
@@ -50,12 +57,12 @@ class Device:
         return spec
 
     def install(self) -> None:
-        """agentctl pull digits@v1: the upstream becomes the active model."""
+        """agentctl pull MODEL@v1: the upstream becomes the active model."""
         from agent.storage.update import update
         from registry.refs import parse_ref
         from registry.signing import load_trusted_keys
 
-        update(parse_ref("digits@v1", self.registry.url), state_dir=self.state,
+        update(parse_ref(f"{self.model}@v1", self.registry.url), state_dir=self.state,
                trusted=load_trusted_keys(self.state / "trusted_keys"))
 
 

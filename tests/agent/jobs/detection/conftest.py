@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -66,12 +66,14 @@ write_synthetic(root / "cam0", {device_images}, {SIZE}, seed=0, cameras={CAMERAS
 class DetectorDevice(Device):
     """A device whose model ``det`` is a detector."""
 
-    def spec(self, **over: Any) -> dict[str, Any]:
+    model: ClassVar[str] = "det"
+
+    def base_spec(self) -> dict[str, Any]:
         """The detector job the tests run: no export (a detector has none yet), paced by the
         simulated board of the Orin Nano 8 GB profile, within that profile's budget; the
-        micro-batch given (no probes) unless overridden."""
-        spec: dict[str, Any] = {
-            "model": "det", "version": "v1", "registry": self.registry.url,
+        micro-batch given (no probes)."""
+        return {
+            "model": self.model, "version": "v1", "registry": self.registry.url,
             "data": str(self.data),
             "finetune": {"profile": "jetson-orin-nano-8gb", "sensors": "sim",
                          "trainable": "all", "steps": 4, "effective_batch": 4,
@@ -79,21 +81,6 @@ class DetectorDevice(Device):
                          "val_fraction": 0.25},
             "steps": {"export": False},
         }
-        for k, v in over.items():
-            if isinstance(v, dict) and isinstance(spec.get(k), dict):
-                spec[k] = {**spec[k], **v}
-            else:
-                spec[k] = v
-        return spec
-
-    def install(self) -> None:
-        """agentctl pull det@v1: the upstream detector becomes the active model."""
-        from agent.storage.update import update
-        from registry.refs import parse_ref
-        from registry.signing import load_trusted_keys
-
-        update(parse_ref("det@v1", self.registry.url), state_dir=self.state,
-               trusted=load_trusted_keys(self.state / "trusted_keys"))
 
 
 @pytest.fixture(scope="session")
