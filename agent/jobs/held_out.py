@@ -61,7 +61,6 @@ class HeldOut:
         return {"accuracy": scores.get("acc"), "metric": metric,
                 "metrics": {k: _json_number(v) for k, v in scores.items()}}
 
-
     def worst(self) -> dict[str, Any]:
         """The figures of a model that scores nothing (non-finite outputs): 0 for each."""
         from hpc_core.tasks import task_spec
