@@ -76,7 +76,11 @@ class Probe(NamedTuple):
 
 
 class BudgetTooSmall(RuntimeError):
-    """Even a micro-batch of one does not fit the budget."""
+    """Even a micro-batch of one does not fit the budget; ``line`` is the fit that says so."""
+
+    def __init__(self, message: str, line: MemoryFit) -> None:
+        super().__init__(message)
+        self.line = line
 
 
 @dataclass(frozen=True)
@@ -156,8 +160,7 @@ def fit_plan(
             f"finetune.budget_mb={budget_mb:.0f}: the job's tree needs "
             f"~{line.peak_mb(1) + margin:.0f} MB for one sample "
             f"({parts}{margin:.0f} MB noise margin): raise the budget or train fewer layers "
-            "(--trainable head)"
-        )
+            "(--trainable head)", line)
     micro = min(micro, effective_batch)
     # Prefer a divisor of the effective batch: every micro-step then has the same shape.
     divisors = [d for d in range(micro, 0, -1) if effective_batch % d == 0]

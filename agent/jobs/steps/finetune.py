@@ -53,18 +53,24 @@ def _plan(ctx: JobContext, setup: FinetuneSetup) -> MemoryPlan:
         "run": probe_cfg.run.model_copy(update={"output_dir": ctx.job_dir / "probes"}),
         "training": probe_cfg.training.model_copy(update={"micro_batch_size": None})})
     start = Path(ctx.outputs["pull"]["path"])
+    key = fit_key(ctx.spec.model, start, Path(ctx.spec.data), ft.model_dump())
     try:
         plan = plan_micro_batch(
             probe_cfg, start, ft.trainable, setup.budget_mb,
             job_process_mb=rss_mb(os.getpid()),
             cache=ctx.state_dir / "cache" / "memory_probes.json")
     except BudgetTooSmall as e:  # the job's answer, not a crash to retry
-        raise StepFailed("finetune", str(e)) from None
+        record_fit(ctx.state_dir, key, e.line)
+        if ft.micro_batch is None:
+            raise StepFailed("finetune", str(e)) from None
+        # A forced micro-batch cannot fit a budget that holds no sample: the arguments are
+        # what is wrong, as when the budget holds some samples but fewer than forced.
+        raise StepFailed("finetune", f"finetune.micro_batch={ft.micro_batch} does not fit "
+                         f"{e}", code="BAD_ARGS") from None
     except RuntimeError as e:  # a probe that cannot train at all: the job cannot either
         raise StepFailed("finetune", _probe_failure(str(e))) from None
     # Kept for the next submission of this job: a forced micro-batch is checked there.
-    record_fit(ctx.state_dir, fit_key(ctx.spec.model, start, Path(ctx.spec.data),
-                                      ft.model_dump()), plan.line())
+    record_fit(ctx.state_dir, key, plan.line())
     return plan
 
 

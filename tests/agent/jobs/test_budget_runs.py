@@ -117,6 +117,18 @@ def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
     assert rec is not None and rec.state is JobState.FAILED, rec
     assert rec.error["code"] == "JOB_FAILED"
     assert "finetune.budget_mb=250" in rec.error["message"], rec.error
+    # The same budget beside a forced micro-batch: the arguments are what is wrong (BAD_ARGS),
+    # whether the budget holds some samples but fewer than forced or, as here, none.
+    submit(base, "m250f", finetune={"micro_batch": 8, "budget_mb": 250, "steps": 6},
+           steps={"export": False})
+    done = worker(base.state, "m250f", timeout=400)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rec = JobStore(base.state).get("m250f")
+    assert rec is not None and rec.state is JobState.FAILED, rec
+    assert rec.error["code"] == "BAD_ARGS", rec.error
+    assert "finetune.micro_batch=8 does not fit finetune.budget_mb=250: " in (
+        rec.error["message"]), rec.error
+    assert not (base.state / "jobs/m250f/finetune").exists()  # nothing trained
     # A micro-batch forced beside a budget it cannot fit is refused with the numbers, before
     # any training. The sizes, from the 450 MB runs' own probes (this model needs little per
     # sample, so 450 MB holds every batch the data allows): a budget with room for 256
