@@ -6,6 +6,9 @@ upscaled) and square, circle, triangle. Objects overlap a little (at most 30 % o
 one covered) and a quarter of them touch an image edge. Every class appears in any 13
 consecutive images.
 
+--classes, --objects and --object-size make the set easier or harder: a subset of the classes
+(labelled in the order given), fewer or more objects per image, larger or smaller objects.
+
 --camera applies a device's camera to the whole image, as scripts/make_device_data.py does to
 digits, so a device's set is camera-shifted against the upstream one:
   invert   an IR / backlit camera (x -> 1 - x)
@@ -22,6 +25,8 @@ The folder it writes (whole or not at all; folders 0700, files 0600):
     python scripts/make_detection_data.py --out det-upstream --images 200
     python scripts/make_detection_data.py --out det-cam0 --images 50 --seed 1 \\
         --camera invert,noise --format coco,yolo
+    python scripts/make_detection_data.py --out det-shapes --images 200 \\
+        --classes square,circle,triangle --objects 1,3 --object-size 0.15,0.4
 
 Load it with hpc_core.tasks.detection.coco.load_coco or .yolo.load_yolo
 (docs/how-to/detection-data.md).
@@ -32,12 +37,26 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hpc_core.tasks.detection.synthetic import CAMERAS, FORMATS, write_synthetic
+from hpc_core.tasks.detection.synthetic import (
+    CAMERAS,
+    CLASS_NAMES,
+    DEFAULT_SCENES,
+    FORMATS,
+    Scenes,
+    write_synthetic,
+)
 from registry.atomic import private_umask
 
 
 def _list(text: str) -> list[str]:
     return [t for t in text.split(",") if t and t != "none"]
+
+
+def _pair(text: str) -> tuple[str, str]:
+    low, sep, high = text.partition(",")
+    if not sep or "," in high:
+        raise ValueError(f"{text!r}: give MIN,MAX")
+    return low, high
 
 
 @private_umask()
@@ -56,12 +75,30 @@ def main() -> None:
                    help=f"comma list of {', '.join(CAMERAS)}, applied in order (default none)")
     p.add_argument("--format", default="coco",
                    help=f"comma list of {', '.join(FORMATS)} (default coco)")
+    p.add_argument("--classes", default="all",
+                   help=f"comma list out of {', '.join(CLASS_NAMES)}, labelled in this order "
+                   "(default all)")
+    lo, hi = DEFAULT_SCENES.objects
+    p.add_argument("--objects", default=f"{lo},{hi}",
+                   help=f"objects per image, MIN,MAX (default {lo},{hi})")
+    small, large = DEFAULT_SCENES.object_size
+    p.add_argument("--object-size", default=f"{small:g},{large:g}",
+                   help="object side as a share of the image side, MIN,MAX "
+                   f"(default {small:g},{large:g})")
     a = p.parse_args()
     if a.images < 1 or a.size < 32:
         p.error("--images must be at least 1 and --size at least 32")
     try:
+        classes = CLASS_NAMES if a.classes == "all" else _list(a.classes)
+        fewest, most = _pair(a.objects)
+        smallest, largest = _pair(a.object_size)
+        scenes = Scenes(tuple(classes), (int(fewest), int(most)),
+                        (float(smallest), float(largest)))
+    except ValueError as e:
+        p.error(f"--classes, --objects or --object-size: {e}")
+    try:
         out = write_synthetic(a.out, a.images, a.size, a.seed, _list(a.camera),
-                              _list(a.format))
+                              _list(a.format), scenes)
     except (ValueError, FileExistsError) as e:
         p.error(str(e))
     print(out)

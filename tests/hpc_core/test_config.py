@@ -100,7 +100,8 @@ def test_overrides_are_typed_and_validated(tmp_path: Path) -> None:
         load_config(REPO / "configs/digits.yaml", ["training.max_steps"])
 
 
-@pytest.mark.parametrize("name", ["digits.yaml", "hpc.yaml", "embedded.yaml", "detection.yaml"])
+@pytest.mark.parametrize("name", ["digits.yaml", "hpc.yaml", "embedded.yaml", "detection.yaml",
+                                  "detection_cpu.yaml"])
 def test_shipped_configs_validate(name: str, capsys) -> None:
     assert main(["validate", str(REPO / "configs" / name)]) == 0
     out = capsys.readouterr().out

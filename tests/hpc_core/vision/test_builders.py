@@ -63,6 +63,28 @@ def test_detector_trains_and_detects(name: str) -> None:
     assert all(0 < int(label) < 4 for label in out[0]["labels"])
 
 
+def test_ssdlite_batchnorm_momentum_is_a_setting() -> None:
+    def momenta(model: torch.nn.Module) -> set[float | None]:
+        return {m.momentum for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)}
+
+    kw = {"num_classes": 3, "in_channels": 3, "image_size": 64}
+    assert momenta(build("torchvision/ssdlite320_mobilenet_v3_large", **kw)) == {0.03}
+    model = build("torchvision/ssdlite320_mobilenet_v3_large", bn_momentum=0.1, **kw)
+    assert momenta(model) == {0.1}
+    # one training batch moves every running mean a tenth of the way to the batch's mean
+    bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    before = bn.running_mean.clone()
+    seen: list[torch.Tensor] = []
+    bn.register_forward_hook(lambda _m, args, _out: seen.append(args[0].detach()))
+    model.train()
+    box = {"boxes": torch.tensor([[4.0, 6.0, 30.0, 40.0]]), "labels": torch.tensor([1])}
+    model([torch.rand(3, 64, 64), torch.rand(3, 64, 64)], [box, box])
+    torch.testing.assert_close(bn.running_mean,
+                               0.9 * before + 0.1 * seen[0].mean(dim=(0, 2, 3)))
+    with pytest.raises(ValueError, match=r"model.kwargs.bn_momentum=0: .*\(0, 1\]"):
+        build("torchvision/ssdlite320_mobilenet_v3_large", bn_momentum=0, **kw)
+
+
 def test_retinanet_and_grey_detector_input() -> None:
     model = build("torchvision/retinanet_resnet18_fpn", num_classes=3, in_channels=1,
                   image_size=64).eval()

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from hpc_core.config import DataConfig
+from hpc_core.config import ConfigError, DataConfig, config_from_dict
 from hpc_core.tasks.detection.boxes import DetectionDataError
 from hpc_core.tasks.detection.dataset import load_image
 from hpc_core.tasks.detection.sources import LABEL_OFFSET, build_detection_datasets
-from hpc_core.tasks.detection.synthetic import CLASS_NAMES, synthesize, write_synthetic
+from hpc_core.tasks.detection.synthetic import CLASS_NAMES, Scenes, synthesize, write_synthetic
 
 from .conftest import coco_tree
 
@@ -34,6 +34,34 @@ def test_synthetic_set_in_memory_is_the_written_one(tmp_path: Path) -> None:
             assert torch.equal(image, load_image(str(folder / "images" / record.file_name)))
             assert torch.equal(target["labels"], torch.from_numpy(record.labels) + LABEL_OFFSET)
             assert np.array_equal(record.boxes, drawn.records[record.image_id - 1].boxes)
+
+
+def test_synthetic_scenes_come_from_the_config() -> None:
+    cfg = DataConfig(source="synthetic_detection", val_fraction=0.25, synthetic={
+        "images": 8, "size": 64, "seed": 2, "classes": ["circle", "digit_7"],
+        "objects": [2, 2], "object_size": [0.2, 0.3]})
+    train, val, info = build_detection_datasets(cfg)
+    assert info.num_classes == 2 + LABEL_OFFSET
+    assert train.dataset.class_names == val.dataset.class_names == ["circle", "digit_7"]
+    _, drawn = synthesize(8, 64, 2, scenes=Scenes(("circle", "digit_7"), (2, 2), (0.2, 0.3)))
+    for record in train.dataset.records + val.dataset.records:
+        want = drawn.records[record.image_id - 1]
+        assert np.array_equal(record.boxes, want.boxes)
+        assert np.array_equal(record.labels, want.labels)
+
+
+@pytest.mark.parametrize(("synthetic", "match"), [
+    ({"classes": ["circle", "circle"]}, r"data.synthetic.*a class is listed twice"),
+    ({"classes": ["hexagon"]}, r"data.synthetic.classes.0.*'digit_0'"),
+    ({"classes": []}, r"data.synthetic.classes"),
+    ({"objects": [4, 2]}, r"data.synthetic.objects \[4, 2\]: need 1 <= min <= max <= 20"),
+    ({"object_size": [0.3, 1.5]}, r"data.synthetic.object_size .*0 < min <= max <= 1"),
+])
+def test_bad_synthetic_scenes_are_refused_naming_the_field(synthetic: dict[str, object],
+                                                           match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict({"task": "detection", "training": {"max_steps": 1},
+                          "data": {"source": "synthetic_detection", "synthetic": synthetic}})
 
 
 def test_letterbox_and_split_seed(tmp_path: Path) -> None:

@@ -15,7 +15,13 @@ import pytest
 
 from hpc_core.tasks.detection import synthetic
 from hpc_core.tasks.detection.coco import load_coco
-from hpc_core.tasks.detection.synthetic import CLASS_NAMES, synthesize, write_synthetic
+from hpc_core.tasks.detection.synthetic import (
+    CLASS_NAMES,
+    DEFAULT_SCENES,
+    Scenes,
+    synthesize,
+    write_synthetic,
+)
 from hpc_core.tasks.detection.yolo import load_yolo
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -115,11 +121,15 @@ def test_the_command_line_teaches_and_writes_a_set(tmp_path: Path,
     assert not (tmp_path / "e").exists()
 
 
-def test_each_box_is_tight_around_its_drawn_object(monkeypatch: pytest.MonkeyPatch) -> None:
-    # one object per image on a black background: every pixel the object changed is its own
+def _black(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(synthetic, "_background",
                         lambda size, rng: np.zeros((size, size, 3), dtype=np.float32))
-    one = synthetic.Scenes(objects=(1, 1))
+
+
+def test_each_box_is_tight_around_its_drawn_object(monkeypatch: pytest.MonkeyPatch) -> None:
+    # one object per image on a black background: every pixel the object changed is its own
+    _black(monkeypatch)
+    one = Scenes(objects=(1, 1))
     for i in range(len(CLASS_NAMES)):  # image i's object is of class i
         pixels, boxes, labels = synthetic.render(i, SIZE, seed=0, scenes=one)
         assert labels.tolist() == [i]
@@ -128,3 +138,37 @@ def test_each_box_is_tight_around_its_drawn_object(monkeypatch: pytest.MonkeyPat
         # the box is the extent of the pixels more than half covered; a bilinear edge may
         # light one more pixel a little
         np.testing.assert_allclose(boxes[0], lit, atol=1)
+
+
+def test_scenes_draw_the_classes_counts_and_sizes_asked_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _black(monkeypatch)
+    shapes = Scenes(classes=("triangle", "square"), objects=(3, 3), object_size=(0.2, 0.3))
+    _, d = synthesize(12, SIZE, seed=4, scenes=shapes)
+    assert d.class_names == ["triangle", "square"]
+    counts = []
+    for i, r in enumerate(d.records):
+        assert r.labels[0] == i % 2  # the first object cycles through the classes
+        counts.append(len(r.labels))
+        for x1, y1, x2, y2 in r.boxes.astype(int):
+            assert round(0.2 * SIZE) <= max(x2 - x1, y2 - y1) <= round(0.3 * SIZE)
+    # three each, unless no free place was found for one
+    assert max(counts) == 3 and sum(c == 3 for c in counts) >= 9
+    # alone on black, how much of its box an object fills tells the shape drawn: a square
+    # all of it, a triangle (apex at the top, base along the bottom) half
+    alone = Scenes(classes=("triangle", "square"), objects=(1, 1), object_size=(0.3, 0.4))
+    images, d = synthesize(4, SIZE, seed=4, scenes=alone)
+    for pixels, r in zip(images, d.records, strict=True):
+        x1, y1, x2, y2 = r.boxes[0].astype(int)
+        lit = pixels[y1:y2, x1:x2].max(axis=2) > 90  # drawn in colour >= 0.7
+        assert lit.mean() == pytest.approx({0: 0.5, 1: 1.0}[int(r.labels[0])], abs=0.1)
+
+
+def test_default_scenes_are_the_full_set_and_bad_scenes_are_refused() -> None:
+    assert DEFAULT_SCENES == Scenes(tuple(CLASS_NAMES), (1, 6), (0.08, 0.35))
+    for bad, match in (({"classes": ("circle", "circle")}, "distinct names"),
+                       ({"classes": ("hexagon",)}, "distinct names out of digit_0"),
+                       ({"objects": (3, 2)}, "1 <= min <= max"),
+                       ({"object_size": (0.0, 0.3)}, "0 < min <= max <= 1")):
+        with pytest.raises(ValueError, match=match):
+            Scenes(**bad)  # type: ignore[arg-type]
