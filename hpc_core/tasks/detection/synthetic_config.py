@@ -43,11 +43,11 @@ class SyntheticDetectionConfig(StrictModel):
     @model_validator(mode="after")
     def _check(self) -> SyntheticDetectionConfig:
         if self.classes is not None and len(set(self.classes)) != len(self.classes):
-            raise ValueError(f"data.synthetic.classes {self.classes}: a class is listed twice")
+            raise ValueError(f"classes {self.classes}: a class is listed twice")
         if not 1 <= self.objects[0] <= self.objects[1] <= 20:
-            raise ValueError(f"data.synthetic.objects {list(self.objects)}: need "
+            raise ValueError(f"objects {list(self.objects)}: need "
                              "1 <= min <= max <= 20")
         if not 0 < self.object_size[0] <= self.object_size[1] <= 1:
-            raise ValueError(f"data.synthetic.object_size {list(self.object_size)}: need "
+            raise ValueError(f"object_size {list(self.object_size)}: need "
                              "0 < min <= max <= 1 (shares of the image side)")
         return self

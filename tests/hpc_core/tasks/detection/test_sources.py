@@ -51,11 +51,11 @@ def test_synthetic_scenes_come_from_the_config() -> None:
 
 
 @pytest.mark.parametrize(("synthetic", "match"), [
-    ({"classes": ["circle", "circle"]}, r"data.synthetic.*a class is listed twice"),
+    ({"classes": ["circle", "circle"]}, r"data.synthetic: classes .*: a class is listed twice"),
     ({"classes": ["hexagon"]}, r"data.synthetic.classes.0.*'digit_0'"),
     ({"classes": []}, r"data.synthetic.classes"),
-    ({"objects": [4, 2]}, r"data.synthetic.objects \[4, 2\]: need 1 <= min <= max <= 20"),
-    ({"object_size": [0.3, 1.5]}, r"data.synthetic.object_size .*0 < min <= max <= 1"),
+    ({"objects": [4, 2]}, r"data.synthetic: objects \[4, 2\]: need 1 <= min <= max <= 20"),
+    ({"object_size": [0.3, 1.5]}, r"data.synthetic: object_size .*0 < min <= max <= 1"),
 ])
 def test_bad_synthetic_scenes_are_refused_naming_the_field(synthetic: dict[str, object],
                                                            match: str) -> None:
