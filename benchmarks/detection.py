@@ -37,6 +37,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import torch
 
@@ -45,7 +46,12 @@ sys.path.insert(0, str(REPO))  # before benchmarks/ itself (see benchmarks/harne
 
 from benchmarks.harness import fmt, parse_args, verdict  # noqa: E402
 from exporters.cpu_isa import detect_isa  # noqa: E402
-from hpc_core.config import TrainConfig, load_config  # noqa: E402
+from hpc_core.config import (  # noqa: E402
+    SyntheticClass,
+    SyntheticDetectionConfig,
+    TrainConfig,
+    load_config,
+)
 from hpc_core.metrics import read_metrics  # noqa: E402
 from hpc_core.trainer import Trainer  # noqa: E402
 
@@ -64,8 +70,8 @@ class UpstreamResult:
     steps: int
     scheduled_steps: int
     train_s: float
-    """Wall time of the optimizer steps and the evaluations the config asks for on the way
-    (set-up, drawing the set and the final evaluation excluded)."""
+    """Wall time of the optimizer steps and checkpoints (set-up, drawing the set and the
+    evaluations excluded)."""
     cpu_s: float
     """The process's CPU time (all its threads) over the same span."""
     global_batch: int
@@ -76,8 +82,12 @@ class UpstreamResult:
     """... and of the last LOSS_WINDOW steps."""
     data_s: float
     """Drawing the synthetic set (in memory) and building the model."""
+    evals: int
     eval_s: float
-    """The final evaluation and checkpoint."""
+    """Wall time of the evaluations (those the config asks for on the way, and the final
+    one)."""
+    eval_cpu_s: float
+    val_images: int
 
     @property
     def steps_per_s(self) -> float:
@@ -90,24 +100,39 @@ class UpstreamResult:
 
 
 class TimeBudget:
-    """A trainer hook: stop at the first step boundary past ``budget_s`` of training."""
+    """A trainer hook: stop at the first step boundary past ``budget_s`` of training (the
+    evaluations on the way included)."""
 
     def __init__(self, budget_s: float) -> None:
         self.budget_s = budget_s
         self.t0: float | None = None
-        self.cpu0 = 0.0
-        self.last = 0.0
-        self.last_cpu = 0.0
 
     def start(self) -> None:
-        self.t0, self.cpu0 = time.perf_counter(), time.process_time()
+        self.t0 = time.perf_counter()
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         assert self.t0 is not None
-        self.last = time.perf_counter() - self.t0
-        self.last_cpu = time.process_time() - self.cpu0
-        if self.last >= self.budget_s:
+        if time.perf_counter() - self.t0 >= self.budget_s:
             trainer.request_stop(f"time budget {self.budget_s:g} s")
+
+
+class EvalTimer:
+    """Wraps a trainer's ``evaluate``: how many ran, their wall and CPU time."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.calls, self.wall, self.cpu = 0, 0.0, 0.0
+        inner = trainer.evaluate
+
+        def timed() -> dict[str, float]:
+            w, c = time.perf_counter(), time.process_time()
+            try:
+                return inner()
+            finally:
+                self.calls += 1
+                self.wall += time.perf_counter() - w
+                self.cpu += time.process_time() - c
+
+        trainer.evaluate = timed  # type: ignore[method-assign]
 
 
 def upstream_config(out: Path, args: argparse.Namespace) -> TrainConfig:
@@ -131,23 +156,28 @@ def upstream_config(out: Path, args: argparse.Namespace) -> TrainConfig:
 
 
 def train_upstream(cfg: TrainConfig, budget_s: float) -> UpstreamResult:
-    """Train ``cfg`` for its schedule or ``budget_s`` seconds of steps, whichever ends first;
+    """Train ``cfg`` for its schedule or ``budget_s`` seconds, whichever ends first;
     evaluated at the end."""
     budget = TimeBudget(budget_s)
     t0 = time.perf_counter()
     trainer = Trainer(cfg, hooks=[budget])
+    evals = EvalTimer(trainer)
     data_s = time.perf_counter() - t0
     budget.start()
+    cpu0 = time.process_time()
     result = trainer.train()
-    total = time.perf_counter() - budget.t0  # type: ignore[operator]
+    total_s = time.perf_counter() - budget.t0  # type: ignore[operator]
+    total_cpu = time.process_time() - cpu0
     out = cfg.run.output_dir
     losses = [m["train/loss"] for m in read_metrics(out / "metrics.jsonl") if "train/loss" in m]
     return UpstreamResult(
         checkpoint=out / "checkpoints", steps=result.final_step,
-        scheduled_steps=trainer.total_steps, train_s=budget.last, cpu_s=budget.last_cpu,
-        global_batch=cfg.training.global_batch_size, metrics=result.metrics,
-        first_loss=_mean(losses[:LOSS_WINDOW]), last_loss=_mean(losses[-LOSS_WINDOW:]),
-        data_s=data_s, eval_s=total - budget.last)
+        scheduled_steps=trainer.total_steps, train_s=total_s - evals.wall,
+        cpu_s=total_cpu - evals.cpu, global_batch=cfg.training.global_batch_size,
+        metrics=result.metrics, first_loss=_mean(losses[:LOSS_WINDOW]),
+        last_loss=_mean(losses[-LOSS_WINDOW:]), data_s=data_s, evals=evals.calls,
+        eval_s=evals.wall, eval_cpu_s=evals.cpu,
+        val_images=len(trainer.val_ds))  # type: ignore[arg-type]
 
 
 def _mean(values: list[float]) -> float:
@@ -210,9 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         device = finetune_on_device(up, args)
     load1 = os.getloadavg()
     m = up.metrics
-    syn = cfg.data.synthetic
-    assert syn is not None
-    classes = len(syn.classes) if syn.classes else 13
+    syn = cfg.data.synthetic or SyntheticDetectionConfig()
+    classes = len(syn.classes) if syn.classes else len(get_args(SyntheticClass))
     print(host_line(threads, why))
     print(f"load average (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in load0)} at the start, "
           f"{', '.join(f'{x:.1f}' for x in load1)} at the end")
@@ -234,8 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| mAP@0.5 | {fmt(m['eval/map50'])} |")
     print(f"| mAP@0.5:0.95 | {fmt(m['eval/map'])} |")
     print(f"| mAP@0.75, AR@100 | {fmt(m['eval/map75'])}, {fmt(m['eval/ar100'])} |")
-    print(f"| drawing the set + building the model, final evaluation + save | "
-          f"{fmt(up.data_s)} s, {fmt(up.eval_s)} s |")
+    print(f"| evaluations ({up.evals}, {up.val_images} held-out images each) | "
+          f"{fmt(up.eval_s)} s ({fmt(up.eval_cpu_s)} s CPU) |")
+    print(f"| drawing the set + building the model | {fmt(up.data_s)} s |")
     print(f"## device fine-tune: {'not measured here' if device is None else device}")
     verdict("detection upstream mAP@0.5", m["eval/map50"], ">=", TARGET_MAP50, "",
             also=[(f"train/loss last/first {fmt(ratio)}x <= {TARGET_LOSS_RATIO:g}x",
