@@ -120,9 +120,7 @@ def ssdlite320_mobilenet_v3_large(*, num_classes: int, in_channels: int, image_s
     train mode and finds nothing in eval mode); 0.1, PyTorch's default, follows them.
     Other keywords (``width_mult``, ``score_thresh``, ``topk_candidates``,
     ``detections_per_img``, ...) go to torchvision's builder."""
-    if not 0 < bn_momentum <= 1:
-        raise ValueError(f"model.kwargs.bn_momentum={bn_momentum}: give a share in (0, 1], "
-                         f"e.g. 0.1 (torchvision's SSDlite uses {SSDLITE_BN_MOMENTUM})")
+    _check_momentum(bn_momentum, SSDLITE_BN_MOMENTUM)
     tv = import_torchvision()
     model = tv.models.detection.ssdlite320_mobilenet_v3_large(
         weights=None, weights_backbone=None, num_classes=num_classes,
@@ -131,36 +129,50 @@ def ssdlite320_mobilenet_v3_large(*, num_classes: int, in_channels: int, image_s
     return model
 
 
-def _resnet18_fpn(tv: Any) -> nn.Module:
+def _check_momentum(bn_momentum: float, default: float) -> None:
+    if not 0 < bn_momentum <= 1:
+        raise ValueError(f"model.kwargs.bn_momentum={bn_momentum}: give a share in (0, 1], "
+                         f"e.g. 0.1 (this detector's default is {default})")
+
+
+def _resnet18_fpn(tv: Any, bn_momentum: float) -> nn.Module:
     from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 
     # Plain BatchNorm (torchvision freezes it only under its own pretrained weights), so the
     # layout does not depend on whether model.weights is given.
     return tv.models.detection.backbone_utils.resnet_fpn_backbone(
-        backbone_name="resnet18", weights=None, norm_layer=nn.BatchNorm2d, trainable_layers=5,
+        backbone_name="resnet18", weights=None,
+        norm_layer=partial(nn.BatchNorm2d, momentum=bn_momentum), trainable_layers=5,
         returned_layers=[2, 3, 4], extra_blocks=LastLevelP6P7(256, 256))
 
 
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+RESNET_BN_MOMENTUM = 0.1
+"""PyTorch's BatchNorm default, which torchvision's ResNets keep."""
 
 
 def fcos_resnet18_fpn(*, num_classes: int, in_channels: int, image_size: int,
-                      **kwargs: Any) -> nn.Module:
+                      bn_momentum: float = RESNET_BN_MOMENTUM, **kwargs: Any) -> nn.Module:
     """FCOS (anchor-free) on a ResNet-18 FPN with P6/P7, the layout torchvision's
-    fcos_resnet50_fpn has on ResNet-50 (~14 M parameters)."""
+    fcos_resnet50_fpn has on ResNet-50 (~14 M parameters). ``bn_momentum``: the backbone's
+    BatchNorm (as SSDlite's); other keywords go to torchvision's FCOS."""
+    _check_momentum(bn_momentum, RESNET_BN_MOMENTUM)
     tv = import_torchvision()
-    model = tv.models.detection.FCOS(_resnet18_fpn(tv), num_classes, min_size=image_size,
-                                     max_size=image_size, **kwargs)
+    model = tv.models.detection.FCOS(_resnet18_fpn(tv, bn_momentum), num_classes,
+                                     min_size=image_size, max_size=image_size, **kwargs)
     _set_transform(model, image_size, in_channels, IMAGENET_MEAN, IMAGENET_STD)
     return model
 
 
 def retinanet_resnet18_fpn(*, num_classes: int, in_channels: int, image_size: int,
+                           bn_momentum: float = RESNET_BN_MOMENTUM,
                            **kwargs: Any) -> nn.Module:
-    """RetinaNet on a ResNet-18 FPN with P6/P7 (as torchvision's retinanet_resnet50_fpn)."""
+    """RetinaNet on a ResNet-18 FPN with P6/P7 (as torchvision's retinanet_resnet50_fpn).
+    ``bn_momentum`` and other keywords as for :func:`fcos_resnet18_fpn`."""
+    _check_momentum(bn_momentum, RESNET_BN_MOMENTUM)
     tv = import_torchvision()
-    model = tv.models.detection.RetinaNet(_resnet18_fpn(tv), num_classes, min_size=image_size,
-                                          max_size=image_size, **kwargs)
+    model = tv.models.detection.RetinaNet(_resnet18_fpn(tv, bn_momentum), num_classes,
+                                          min_size=image_size, max_size=image_size, **kwargs)
     _set_transform(model, image_size, in_channels, IMAGENET_MEAN, IMAGENET_STD)
     return model
 
