@@ -46,13 +46,12 @@ sys.path.insert(0, str(REPO))  # before benchmarks/ itself (see benchmarks/harne
 
 from benchmarks.harness import fmt, parse_args, verdict  # noqa: E402
 from exporters.cpu_isa import detect_isa  # noqa: E402
-from hpc_core.config import (  # noqa: E402
+from hpc_core.config import TrainConfig, load_config  # noqa: E402
+from hpc_core.metrics import read_metrics  # noqa: E402
+from hpc_core.tasks.detection.synthetic_config import (  # noqa: E402
     SyntheticClass,
     SyntheticDetectionConfig,
-    TrainConfig,
-    load_config,
 )
-from hpc_core.metrics import read_metrics  # noqa: E402
 from hpc_core.trainer import Trainer  # noqa: E402
 
 CONFIG = REPO / "configs/detection_cpu.yaml"

@@ -28,7 +28,8 @@ class SyntheticDetectionConfig(StrictModel):
     size: int = Field(default=320, ge=32, le=1024)
     """Side of each (square) image, in pixels."""
     seed: int = 0
-    """The same seed draws the same set; image i depends only on (seed, i, size, cameras)."""
+    """The same seed draws the same set; image i depends only on (seed, i, size, cameras,
+    classes, objects, object_size)."""
     cameras: list[CameraKind] = Field(default_factory=list)
     """Device cameras the whole set is seen through, in order (invert, noise, blur, rotate;
     rotate turns the boxes with the pixels)."""

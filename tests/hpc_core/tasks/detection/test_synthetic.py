@@ -165,7 +165,7 @@ def test_scenes_draw_the_classes_counts_and_sizes_asked_for(
 
 
 def test_default_scenes_are_the_full_set_and_bad_scenes_are_refused() -> None:
-    assert DEFAULT_SCENES == Scenes(tuple(CLASS_NAMES), (1, 6), (0.08, 0.35))
+    assert Scenes(tuple(CLASS_NAMES), (1, 6), (0.08, 0.35)) == DEFAULT_SCENES
     for bad, match in (({"classes": ("circle", "circle")}, "distinct names"),
                        ({"classes": ("hexagon",)}, "distinct names out of digit_0"),
                        ({"objects": (3, 2)}, "1 <= min <= max"),
