@@ -192,6 +192,8 @@ class Trainer:
 
                 load_pretrained(model, m.weights)
         self.raw_model = model.to(self.device)
+        if self.cfg.training.channels_last:
+            self.raw_model.to(memory_format=torch.channels_last)  # 4-D tensors, in place
         self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters (all requires_grad=False)")

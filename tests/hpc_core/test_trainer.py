@@ -157,6 +157,41 @@ def test_request_stop_from_a_hook_checkpoints(make_config) -> None:
     assert result.checkpoint_dir == ckpt.step_dir(t.ckpt_root, 3)
 
 
+def test_channels_last_trains_as_nchw_does_and_resumes_bit_for_bit(make_config) -> None:
+    # SGD: an update linear in the gradient, so float rounding stays rounding (AdamW turns a
+    # tiny gradient's rounding into a whole step of either sign)
+    cnn = ["model.name=small_cnn", "model.kwargs={width: 8}", "data.image_size=16",
+           "optimizer.name=sgd", "optimizer.lr=0.05", "training.max_steps=6",
+           "training.device=cpu"]
+    plain = Trainer(make_config("plain", cnn))
+    plain.train()
+    nhwc = Trainer(make_config("nhwc", [*cnn, "training.channels_last=true"]))
+    convs = [m.weight for m in nhwc.raw_model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert convs and all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
+    assert any(not w.is_contiguous() for w in convs)  # (one input channel: the same order)
+    nhwc.train()
+    # other convolution kernels, the same training to float rounding
+    assert_close(params(nhwc), params(plain), atol=1e-4, rtol=1e-3)
+    # checkpoints hold the usual order, which a plain model loads
+    saved = load_file(str(nhwc.ckpt_root / "final" / "model.safetensors"))
+    assert all(t.is_contiguous() for t in saved.values())
+    fresh = Trainer(make_config("fresh", cnn))
+    fresh.raw_model.load_state_dict(saved)
+    assert_close(params(fresh), params(nhwc), atol=0, rtol=0)
+
+    class StopAt2:
+        def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+            if step == 2:
+                trainer.request_stop("preempted")
+
+    cut = make_config("cut", [*cnn, "training.channels_last=true"])
+    Trainer(cut, hooks=[StopAt2()]).train()
+    resumed = Trainer(cut)
+    resumed.train(resume="auto")
+    assert resumed.state.step == 6
+    assert_close(params(resumed), params(nhwc), atol=0, rtol=0)
+
+
 def test_frozen_batchnorm_stays_in_eval_mode(make_config) -> None:
     cfg = make_config(model={"name": "small_cnn", "kwargs": {"width": 8}})
     t = Trainer(cfg)
