@@ -1,4 +1,5 @@
-"""Detection: configs/detection_cpu.yaml trained upstream on this machine's CPU, then scored.
+"""Detection, both halves in one run: configs/detection_cpu.yaml trained upstream on this
+machine's CPU, then fine-tuned by the device job on a device's camera-shifted images.
 
 Upstream half: the config as it stands (SSDlite on a half-width MobileNetV3-Large, from
 scratch, 320 px, on the synthetic set) trains for its whole schedule (``training.max_steps``,
@@ -15,15 +16,21 @@ at least one. OpenMP threads that lose their core to another process stall the o
 every barrier: on 2 shared cores at load 7, a 320 px step of batch 16 took 8.8 s with 2
 threads and 2.5 s with 1; on the same cores idle, 1.1 s with 2 and 1.8 s with 1.
 
-Device half: :func:`finetune_on_device` (the upstream checkpoint fine-tuned and scored on a
-device's camera-shifted set); not here yet, it returns None and the report says so.
+Device half (:mod:`benchmarks.detection_device`): that checkpoint, published signed, pulled
+by a device's job and fine-tuned at the same size on the device's own images (another seed,
+seen through ``--camera``, rotate by default: a camera mounted 90 degrees off) under the
+Jetson Orin Nano 8 GB profile's memory budget, the planner choosing the micro-batch; its
+health step scores the upstream and the fine-tuned model on the device's held-out images.
 
-Target: mAP@0.5 >= 0.5 on the held-out split of the clean synthetic set: the detector finds
-most objects with the right class, what a device fine-tune needs to start from. Also: the
-training loss falls to at most 0.85 of where it started (mean of the last three steps against
-the first three), and the schedule ends inside the budget.
+Target: the device fine-tune raises mAP@0.5 on the device's held-out images by at least 10
+points. Also: the upstream reaches mAP@0.5 >= 0.5 on the held-out split of the clean set (the
+detector finds most objects with the right class, what a device fine-tune needs to start
+from), its training loss falls to at most 0.85 of where it started (mean of the last three
+steps against the first three), its schedule ends inside the budget, and the device job's
+whole process tree peaks within 1.05 x its budget.
 
-    python benchmarks/detection.py [--budget-s 300] [--threads auto|N] [--steps N] [--quick]
+    python benchmarks/detection.py [--budget-s 300] [--threads auto|N] [--steps N]
+        [--camera rotate] [--device-images 96] [--device-steps 40] [--quick]
 """
 
 from __future__ import annotations
@@ -44,11 +51,18 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # before benchmarks/ itself (see benchmarks/harness.py)
 
+from benchmarks.detection_device import (  # noqa: E402
+    DeviceFineTune,
+    device_fine_tune,
+    report_lines,
+)
 from benchmarks.harness import fmt, parse_args, verdict  # noqa: E402
 from exporters.cpu_isa import detect_isa  # noqa: E402
 from hpc_core.config import TrainConfig, load_config  # noqa: E402
 from hpc_core.metrics import read_metrics  # noqa: E402
+from hpc_core.tasks.detection.synthetic import CLASS_NAMES, Scenes  # noqa: E402
 from hpc_core.tasks.detection.synthetic_config import (  # noqa: E402
+    CameraKind,
     SyntheticClass,
     SyntheticDetectionConfig,
 )
@@ -56,6 +70,8 @@ from hpc_core.trainer import Trainer  # noqa: E402
 
 CONFIG = REPO / "configs/detection_cpu.yaml"
 TARGET_MAP50 = 0.5
+TARGET_GAIN_PTS = 10.0
+"""mAP@0.5 on the device's held-out images, fine-tuned minus upstream, in points."""
 TARGET_LOSS_RATIO = 0.85
 LOSS_WINDOW = 3
 """Steps averaged at each end of the run for the loss ratio (one step's loss is noisy)."""
@@ -183,12 +199,17 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def finetune_on_device(upstream: UpstreamResult,
-                       args: argparse.Namespace) -> dict[str, float] | None:
-    """The device half: fine-tune ``upstream``'s checkpoint on a device's camera-shifted
-    synthetic set and score it there (mAP before and after). Not written yet: None."""
-    del upstream, args
-    return None
+def finetune_on_device(cfg: TrainConfig, upstream: Path, work: Path,
+                       args: argparse.Namespace) -> DeviceFineTune:
+    """The device half: ``upstream`` (a checkpoint of ``cfg``) fine-tuned by the device job on
+    a device's camera-shifted synthetic images (other images than upstream's: seed 1), scored
+    there before and after (:func:`benchmarks.detection_device.device_fine_tune`)."""
+    syn = cfg.data.synthetic or SyntheticDetectionConfig()
+    scenes = Scenes(tuple(syn.classes or CLASS_NAMES), syn.objects, syn.object_size)
+    return device_fine_tune(upstream, work, size=cfg.data.image_size or syn.size,
+                            images=args.device_images, steps=args.device_steps,
+                            effective_batch=args.device_batch, lr=args.device_lr,
+                            cameras=[args.camera], scenes=scenes)
 
 
 def pick_threads(requested: str) -> tuple[int, str]:
@@ -218,25 +239,40 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget-s", type=float, default=300.0,
-                    help="cap on the seconds of training steps (default: 300)")
+                    help="cap on the seconds of upstream training steps (default: 300)")
     ap.add_argument("--threads", default="auto",
-                    help="torch threads, or auto: the cores the load leaves free (default)")
+                    help="torch threads upstream, or auto: the cores the load leaves free "
+                    "(default); the device job's children take one, as on a device")
     ap.add_argument("--images", type=int, default=None,
-                    help="synthetic images (default: the config's)")
+                    help="upstream synthetic images (default: the config's)")
     ap.add_argument("--size", type=int, default=None,
-                    help="image side in px (default: the config's)")
+                    help="image side in px, upstream and on the device (default: the config's)")
     ap.add_argument("--batch", type=int, default=None,
-                    help="global batch (default: the config's)")
+                    help="upstream global batch (default: the config's)")
     ap.add_argument("--steps", type=int, default=None,
-                    help="optimizer steps, the schedule's length (default: the config's)")
-    args = parse_args(ap, {"images": 8, "size": 64, "batch": 4, "steps": 3}, argv)
+                    help="upstream optimizer steps, the schedule's length (default: the "
+                    "config's)")
+    ap.add_argument("--camera", default="rotate", choices=get_args(CameraKind),
+                    help="the device camera its images are seen through (default: rotate)")
+    ap.add_argument("--device-images", type=int, default=96,
+                    help="the device's images, a quarter held out for health (default: 96)")
+    ap.add_argument("--device-steps", type=int, default=40,
+                    help="the device fine-tune's optimizer steps (default: 40)")
+    ap.add_argument("--device-batch", type=int, default=16,
+                    help="the device fine-tune's effective batch (default: 16)")
+    ap.add_argument("--device-lr", type=float, default=0.001,
+                    help="the device fine-tune's learning rate (default: 0.001)")
+    args = parse_args(ap, {"images": 8, "size": 64, "batch": 4, "steps": 3,
+                           "device_images": 24, "device_steps": 2, "device_batch": 8}, argv)
     threads, why = pick_threads(args.threads)
     torch.set_num_threads(threads)
     load0 = os.getloadavg()
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="detection-bench-") as tmp:
         cfg = upstream_config(Path(tmp) / "upstream", args)
         up = train_upstream(cfg, args.budget_s)
-        device = finetune_on_device(up, args)
+        device = finetune_on_device(cfg, up.checkpoint, Path(tmp) / "device", args)
+    total_s = time.perf_counter() - t0
     load1 = os.getloadavg()
     m = up.metrics
     syn = cfg.data.synthetic or SyntheticDetectionConfig()
@@ -265,13 +301,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| evaluations ({up.evals}, {up.val_images} held-out images each) | "
           f"{fmt(up.eval_s)} s ({fmt(up.eval_cpu_s)} s CPU) |")
     print(f"| drawing the set + building the model | {fmt(up.data_s)} s |")
-    print(f"## device fine-tune: {'not measured here' if device is None else device}")
-    verdict("detection upstream mAP@0.5", m["eval/map50"], ">=", TARGET_MAP50, "",
-            also=[(f"train/loss last/first {fmt(ratio)}x <= {TARGET_LOSS_RATIO:g}x",
+    print("\n".join(report_lines(device)))
+    print(f"the whole command: {fmt(total_s)} s")
+    within = device.job_peak_mb <= 1.05 * device.budget_mb
+    verdict("detection device fine-tune mAP@0.5 gain", device.gain_pts, ">=",
+            TARGET_GAIN_PTS, "pts",
+            also=[(f"upstream mAP@0.5 {fmt(m['eval/map50'])} >= {TARGET_MAP50:g}",
+                   m["eval/map50"] >= TARGET_MAP50),
+                  (f"train/loss last/first {fmt(ratio)}x <= {TARGET_LOSS_RATIO:g}x",
                    ratio <= TARGET_LOSS_RATIO),
-                  (f"schedule done inside {args.budget_s:g} s", not up.cut)],
-            note=f"mAP@0.5:0.95 {fmt(m['eval/map'])}; {fmt(up.steps_per_s)} steps/s, "
-            f"{fmt(up.cpu_s)} s CPU in {fmt(up.train_s)} s")
+                  (f"schedule done inside {args.budget_s:g} s", not up.cut),
+                  ("device whole-tree peak <= 1.05 x budget", within)],
+            note=f"{args.camera} camera: mAP@0.5 {fmt(device.map50_before)} -> "
+            f"{fmt(device.map50_after)}, {device.outcome}; micro-batch {device.micro_batch}, "
+            f"peak predicted {fmt(device.predicted_peak_mb)} / measured "
+            f"{fmt(device.finetune_peak_mb)} MB of {fmt(device.budget_mb)} MB; upstream "
+            f"{fmt(up.steps_per_s)} steps/s, {fmt(up.cpu_s)} s CPU in {fmt(up.train_s)} s")
     return 0
 
 

@@ -28,15 +28,16 @@ REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
 
 NOT_BENCHMARKS = {
+    "detection_device.py": "benchmarks/detection.py's device half (a detector's whole device "
+                           "job): no main",
     "fleet_tier.py": "benchmarks/fleet.py's brokers, simulated devices and counters: no main",
     "harness.py": "--quick and the verdict line every script shares: no main",
     "oip_threaded.py": "the former threaded agentctl serve server, http_server.py's baseline: "
                        "no main",
 }
-DEVICE_JOB = ("device_job.py", "job_budget.py", "detection_device.py")
+DEVICE_JOB = ("device_job.py", "job_budget.py", "detection.py")
 """Whole device jobs (worker, probes, fine-tune, INT8 export, health): the heaviest."""
-TRAINING = ("runtime.py", "upstream.py", "finetune.py", "export.py", "trainer_overhead.py",
-            "detection.py")
+TRAINING = ("runtime.py", "upstream.py", "finetune.py", "export.py", "trainer_overhead.py")
 """Training, probing and exporting in fresh torch processes."""
 NEEDS = {
     "agent.py": ("mosquitto", have_mosquitto),

@@ -5,7 +5,7 @@ COCO folder (``scripts/make_detection_data.py --camera invert``).
 
 Small on purpose (64 px, half-width MobileNetV3, two dozen images, a few steps): the tests are
 about the job's path (pull, plan, fine-tune, stage, health by mAP, commit or rollback), not
-about how good a detector gets; ``benchmarks/detection_device.py`` measures that at 320 px.
+about how good a detector gets; ``benchmarks/detection.py`` measures that at 320 px.
 """
 
 from __future__ import annotations
