@@ -2,11 +2,15 @@
 HTTP registry, plan its micro-batch under the Orin Nano 8 GB profile's budget (probes of list
 batches), fine-tune it paced by that board's simulated governor, stage it, check its health by
 COCO mAP against the active model, then commit (and upload) or roll back; a job that asks to
-export a detector, or gives it classification data, is refused before it trains."""
+export a detector, or gives it classification data, is refused before it trains. The rollback
+runs through the daemon (agentctl over its control socket), the others through the worker the
+daemon starts."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +19,10 @@ import pytest
 
 from agent.jobs.spec import DeviceJob
 from agent.jobs.store import JobState, JobStore
+from tests.agent.daemon.conftest import AgentProc
 from tests.agent.jobs.detection.conftest import DetectorDevice
 from tests.agent.jobs.test_device_job import tree_digest, worker
+from tests.support.mosquitto import Broker, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -120,11 +126,38 @@ def test_a_detector_job_plans_fine_tunes_and_commits_by_map(
 
 
 def test_a_detector_below_its_min_map_is_rolled_back_leaving_the_models_untouched(
-        detector_device: DetectorDevice) -> None:
+        detector_device: DetectorDevice, subprocess_env: dict[str, str],
+        tmp_path: Path) -> None:
+    """Through the daemon, as a device owner runs it: ``agentctl finetune --follow`` over the
+    control socket (the broker unreachable), the daemon's own registry and data root."""
     dev = detector_device
     dev.install()
     before = tree_digest(dev.state / "models")
-    rec, out = run_job(dev, "d2", health={"min_accuracy": 0.99})
+    nowhere = Broker("127.0.0.1", free_port(), tmp_path / "none.conf", tmp_path)  # never started
+    daemon = AgentProc(tmp_path / "agent", nowhere, "cam-a", subprocess_env,
+                       state_dir=str(dev.state), data_root=str(dev.data.parent),
+                       registry={"url": dev.registry.url})
+    daemon.start()
+    try:
+        ft = dev.base_spec()["finetune"]
+        done = subprocess.run(
+            [sys.executable, "-m", "agent.cli", "finetune", "--model", dev.model,
+             "--data", dev.data.name, "--profile", ft["profile"], "--sensors", ft["sensors"],
+             "--trainable", "all", "--steps", str(ft["steps"]), "--effective-batch",
+             str(ft["effective_batch"]), "--micro-batch", str(ft["micro_batch"]),
+             "--val-fraction", str(ft["val_fraction"]), "--no-export",
+             "--health-min-accuracy", "0.99", "--job-id", "d2", "--follow",
+             "--state-dir", str(dev.state)],
+            env=subprocess_env, capture_output=True, text=True, timeout=900, check=False)
+    finally:
+        assert daemon.stop() == 0, daemon.log.read_text()[-3000:]
+    assert done.returncode != 0 and "FAILED" in done.stdout + done.stderr, (
+        done.stdout[-2000:] + done.stderr[-2000:])
+    store = JobStore(dev.state)
+    rec, steps = store.get("d2"), store.steps("d2")
+    store.close()
+    assert rec is not None
+    out = {s.name: {"status": s.status, **(s.outputs or {})} for s in steps}
     assert rec.state is JobState.FAILED and rec.result["outcome"] == "rolled_back", rec.error
     assert "mAP@0.5:0.95" in rec.result["reason"], rec.result["reason"]
     assert "below health.min_accuracy=0.99" in rec.error["message"]
