@@ -2,7 +2,8 @@
 restart and without failing a request.
 
     with ActiveModel(Path("/var/lib/edge-agent"), "digits", slo_ms=20) as model:
-        logits = model.predict(batch)            # float32 NCHW in, logits out
+        logits = model.predict(batch)            # float32 NCHW in, a classifier's logits out
+        outputs = model.infer(batch)             # every output by name (a detector's four)
         with model.hold_updates():               # no version change inside this block
             ...
 
@@ -41,6 +42,7 @@ from typing import Protocol
 
 import numpy as np
 
+from agent.runtime.engine_outputs import EngineOutputs
 from agent.runtime.engines import ServingEngine, engine_for
 from agent.runtime.latency import LatencyWindow, percentiles
 from agent.runtime.stats import ServingStats, remove_stats, write_stats
@@ -143,12 +145,25 @@ class ActiveModel:
     # -- the request path
 
     def predict(self, batch: np.ndarray) -> np.ndarray:
-        """Logits of a float32 NCHW batch, from the version active when the call began."""
+        """Logits of a float32 NCHW batch (a one-output model's output), from the version
+        active when the call began; a TypeError for a model of several outputs (a
+        detector): :meth:`infer` answers those."""
         return self.predict_versioned(batch)[0]
 
     def predict_versioned(self, batch: np.ndarray) -> tuple[np.ndarray, str]:
         """:meth:`predict`, and the version that answered (a swap may land between a call
         and a later look at :attr:`version`)."""
+        outputs, version = self.infer_versioned(batch)
+        return outputs.sole(), version
+
+    def infer(self, batch: np.ndarray) -> EngineOutputs:
+        """Every output of a float32 NCHW batch by name, in the model's order (a classifier's
+        logits; a detector's num_detections, boxes, scores, classes)."""
+        return self.infer_versioned(batch)[0]
+
+    def infer_versioned(self, batch: np.ndarray) -> tuple[EngineOutputs, str]:
+        """:meth:`infer`, and the version that answered: every output of one run comes
+        from that one version, whatever commit lands meanwhile."""
         with self._lock:
             loaded = self._current
             if loaded is None:
@@ -181,10 +196,14 @@ class ActiveModel:
 
     def record(self, x: np.ndarray, label: int | None = None) -> int:
         """Score ``x`` and hand it, its logits and ``label`` to the spool; returns what the
-        spool says it holds."""
+        spool says it holds. A model of several outputs (a detector) has no logits: its
+        samples go without them (no confidence, no argmax pseudo-label: kept as the spool
+        keeps an unscored sample), with ``label`` when given."""
         if self.spool is None:
             raise NoSpoolError(f"{self.name}: no spool configured: pass spool= to ActiveModel")
-        return self.spool.record(x, label=label, logits=self.predict(x))
+        outputs = self.infer(x)
+        logits = outputs.sole() if len(outputs) == 1 else None
+        return self.spool.record(x, label=label, logits=logits)
 
     # -- state
 

@@ -31,6 +31,7 @@ from typing import Protocol
 import numpy as np
 import onnxruntime as ort
 
+from agent.runtime.engine_outputs import EngineOutputs, TensorSpec, onnx_datatype
 from agent.runtime.trt_cache import ProviderSpec, with_engine_cache
 from exporters.jetpack import l4t_release
 from exporters.ort_runner import ort_session
@@ -51,24 +52,33 @@ class NoServableArtefactError(RuntimeError):
 
 
 class ServingEngine(Protocol):
-    """One loaded model: float32 NCHW batch in, float32 logits out. Safe to call from many
-    threads at once (an engine that is not serializes its calls itself)."""
+    """One loaded model: a float32 NCHW batch in, every output out by name (a classifier's
+    one float32 logits; a detector's num_detections, boxes, scores and classes, typed as the
+    model declares them). Safe to call from many threads at once (an engine that is not
+    serializes its calls itself)."""
 
     name: str
     """onnxruntime | tensorrt"""
     platform: str
     """The Open Inference Protocol's platform name: onnxruntime_onnx | tensorrt_plan."""
     input_name: str
-    output_name: str
     input_shape: tuple[int, ...]
     """-1 where a dimension varies (the batch)."""
+    outputs: tuple[TensorSpec, ...]
+    """Every output: name, the protocol's datatype, shape (-1 where it varies), in the
+    model's order."""
+    output_name: str
+    """The first output's name (a classifier's logits)."""
     output_shape: tuple[int, ...]
+    """The first output's shape."""
     providers: tuple[str, ...]
     """What runs it: the ONNX Runtime providers in use, or ('TensorRT x.y',)."""
     notes: tuple[str, ...]
     """Why a better runtime was not chosen (empty when nothing was passed over)."""
 
-    def __call__(self, x: np.ndarray) -> np.ndarray: ...
+    def __call__(self, x: np.ndarray) -> EngineOutputs:
+        """Every output of ``x``'s run, in the model's order, each batch-first."""
+        ...
 
     def close(self) -> None: ...
 
@@ -96,16 +106,19 @@ class OnnxEngine:
         self.path = Path(path)
         self.session: ort.InferenceSession | None = ort_session(
             self.path, threads=threads, providers=providers or onnx_providers())
-        inp, out = self.session.get_inputs()[0], self.session.get_outputs()[0]
-        self.input_name, self.output_name = inp.name, out.name
-        self.input_shape, self.output_shape = _dims(inp.shape), _dims(out.shape)
+        inp = self.session.get_inputs()[0]
+        self.input_name, self.input_shape = inp.name, _dims(inp.shape)
+        self.outputs = tuple(TensorSpec(o.name, onnx_datatype(o.type, o.name), _dims(o.shape))
+                             for o in self.session.get_outputs())
+        self.output_name, self.output_shape = self.outputs[0].name, self.outputs[0].shape
         self.providers = tuple(self.session.get_providers())
         self.notes = notes
-        self._outputs = [self.output_name]
+        self._names = [o.name for o in self.outputs]
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def __call__(self, x: np.ndarray) -> EngineOutputs:
         assert self.session is not None, "closed"
-        return self.session.run(self._outputs, {self.input_name: x})[0]  # type: ignore[no-any-return]
+        return EngineOutputs(zip(self._names, self.session.run(self._names, {self.input_name: x}),
+                                 strict=True))
 
     def close(self) -> None:
         # ONNX Runtime frees a session's arena when the last reference goes.

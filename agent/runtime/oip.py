@@ -225,9 +225,8 @@ class OipApp:
             stored = model.record(req.x, label=label)
             return _json(200, {"model_name": model.name, "model_version": model.version,
                                "stored": stored})
-        logits, version = model.predict_versioned(req.x)
-        out, headers = encode_infer({engine.output_name: logits}, req, model_name=model.name,
-                                    model_version=version)
+        outputs, version = model.infer_versioned(req.x)
+        out, headers = encode_infer(outputs, req, model_name=model.name, model_version=version)
         return 200, out, headers
 
 

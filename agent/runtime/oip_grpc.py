@@ -231,10 +231,10 @@ class _Service:
     def model_infer(self, request: Any) -> Any:
         engine = self._serving(request.model_name, request.model_version)
         req = infer_request(request, ModelSignature.of(engine))
-        logits, version = self.model.predict_versioned(req.x)
+        outputs, version = self.model.infer_versioned(req.x)
         response = pb.ModelInferResponse(model_name=self.model.name, model_version=version,
                                          id=request.id)
-        for wanted, arr in answered({engine.output_name: logits}, req.outputs):
+        for wanted, arr in answered(outputs, req.outputs):
             response.outputs.add(name=wanted.name, datatype=datatype_of(arr),
                                  shape=list(arr.shape))
             response.raw_output_contents.append(

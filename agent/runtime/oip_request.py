@@ -16,6 +16,9 @@ against the model (:class:`ModelSignature`):
   nested JSON ``data`` follows the shape level by level;
 - then the tensor must fit the model: its name, the datatype the model's metadata declares
   (FP32 today: every serving engine takes float32, and nothing is converted) and the shape;
+- the outputs are the model's, each of the datatype its metadata declares (a detector's
+  INT32 ``num_detections`` and ``classes`` answered as JSON integers, or raw little-endian
+  int32, beside its FP32 ``boxes`` and ``scores``);
 - requested outputs name outputs the model has (an unknown one is refused, listing the known
   ones); only those are answered; with none requested, every output is;
 - an answer carries finite numbers only: a model output holding NaN or Inf is an error (500,
@@ -36,6 +39,7 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from agent.runtime.engine_outputs import TensorSpec
 from agent.runtime.engines import ServingEngine
 from agent.runtime.oip_tensors import DATATYPES, UNSUPPORTED, ProtocolError, brief
 
@@ -173,23 +177,6 @@ def where_of(index: int, t: InputTensor) -> str:
 # -- the model's side: what it takes and answers
 
 @dataclass(frozen=True)
-class TensorSpec:
-    """A model tensor as its metadata declares it."""
-
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-    """-1 where a dimension varies."""
-
-    def fits(self, shape: Sequence[int]) -> bool:
-        return len(shape) == len(self.shape) and all(
-            w in (-1, g) for w, g in zip(self.shape, shape, strict=True))
-
-    def metadata(self) -> dict[str, Any]:
-        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
-
-
-@dataclass(frozen=True)
 class ModelSignature:
     """The model's inputs and outputs: what requests are checked against."""
 
@@ -198,10 +185,11 @@ class ModelSignature:
 
     @classmethod
     def of(cls, engine: ServingEngine) -> ModelSignature:
-        # FP32 both ways: the ServingEngine contract (float32 NCHW in, float32 out), which
-        # ActiveModel enforces; the metadata endpoints declare the same.
+        # The input FP32: the ServingEngine contract (float32 NCHW in), which ActiveModel
+        # enforces. The outputs as the engine declares them (a detector's INT32 counts and
+        # classes beside its FP32 boxes and scores); the metadata endpoints list the same.
         return cls((TensorSpec(engine.input_name, "FP32", tuple(engine.input_shape)),),
-                   (TensorSpec(engine.output_name, "FP32", tuple(engine.output_shape)),))
+                   tuple(engine.outputs))
 
     @property
     def output_names(self) -> list[str]:
@@ -281,6 +269,10 @@ def answered(results: Mapping[str, np.ndarray], wanted: Sequence[OutputWanted]
     """The wanted outputs of a model run, each refused unless every value is finite."""
     out = []
     for w in wanted:
+        if w.name not in results:  # checked against the version that was serving a moment ago
+            raise ProtocolError(503, f"output {w.name!r} is not among the outputs of the "
+                                f"version that answered ({', '.join(results)}): a version "
+                                "with other outputs was committed meanwhile; send it again")
         arr = np.asarray(results[w.name])
         if arr.dtype.kind == "f" and not np.isfinite(arr).all():
             raise ProtocolError(500, f"the model's output {w.name!r} holds NaN or Inf for this "

@@ -7,7 +7,10 @@ hundreds of MB and seconds of start-up to a process that never trains). The CUDA
 library ships with JetPack and with every TensorRT install, so six of its calls through
 ctypes are all the engine needs. The engine's buffers are sized once for the optimization
 profile's largest batch (``model.engine.json``: ``profile.max``); a larger request is run in
-slices of that size. An execution context is not thread-safe: calls are serialized.
+slices of that size, each output put back together along the batch. Every output (a
+classifier's logits; a detector's num_detections, boxes, scores, classes) has its own buffer
+and the numpy type TensorRT declares for it. An execution context is not thread-safe: calls
+are serialized.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
+
+from agent.runtime.engine_outputs import EngineOutputs, TensorSpec, numpy_datatype
 
 CUDART_NAMES = ("libcudart.so", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so.10.2")
 H2D, D2H = 1, 2
@@ -87,42 +92,53 @@ class TensorRTEngine:
         names = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)]
         inputs = [n for n in names if self._engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.input_name = inputs[0]
-        self.output_name = next(n for n in names if n not in inputs)
         sample = tuple(int(d) for d in meta["input_shape"])
         self.max_batch = int(meta.get("profile", {}).get("max", 1))
         self._context.set_input_shape(self.input_name, (self.max_batch, *sample))
-        out_max = tuple(int(d) for d in self._context.get_tensor_shape(self.output_name))
-        self.input_shape, self.output_shape = (-1, *sample), (-1, *out_max[1:])
+        self.input_shape = (-1, *sample)
+        specs: list[TensorSpec] = []
+        self._dtypes: dict[str, np.dtype[Any]] = {}
+        out_bytes: dict[str, int] = {}
+        for name in (n for n in names if n not in inputs):  # the engine's order: the model's
+            dtype = np.dtype(trt.nptype(self._engine.get_tensor_dtype(name)))
+            at_max = tuple(int(d) for d in self._context.get_tensor_shape(name))
+            specs.append(TensorSpec(name, numpy_datatype(dtype, name), (-1, *at_max[1:])))
+            self._dtypes[name], out_bytes[name] = dtype, dtype.itemsize * int(np.prod(at_max))
+        self.outputs = tuple(specs)
+        self.output_name, self.output_shape = self.outputs[0].name, self.outputs[0].shape
         self._in_bytes = 4 * self.max_batch * int(np.prod(sample))
-        self._out_bytes = 4 * int(np.prod(out_max))
         self._stream = self._cuda.stream()
         self._d_in = self._cuda.malloc(self._in_bytes)
-        self._d_out = self._cuda.malloc(self._out_bytes)
+        # One device buffer per output, each sized for the profile's largest batch.
+        self._d_out = {name: self._cuda.malloc(n) for name, n in out_bytes.items()}
 
-    def _run(self, x: np.ndarray) -> np.ndarray:
+    def _run(self, x: np.ndarray) -> EngineOutputs:
         x = np.ascontiguousarray(x, dtype=np.float32)
         ctx, cuda = self._context, self._cuda
         ctx.set_input_shape(self.input_name, tuple(x.shape))
-        out = np.empty(tuple(ctx.get_tensor_shape(self.output_name)), dtype=np.float32)
+        out = EngineOutputs((name, np.empty(tuple(ctx.get_tensor_shape(name)), dtype=dtype))
+                            for name, dtype in self._dtypes.items())
         cuda.copy(self._d_in, x.ctypes.data, x.nbytes, H2D, self._stream)
         ctx.set_tensor_address(self.input_name, self._d_in)
-        ctx.set_tensor_address(self.output_name, self._d_out)
+        for name, ptr in self._d_out.items():
+            ctx.set_tensor_address(name, ptr)
         if not ctx.execute_async_v3(self._stream):
             raise RuntimeError("TensorRT execution failed")
-        cuda.copy(out.ctypes.data, self._d_out, out.nbytes, D2H, self._stream)
+        for name, arr in out.items():
+            cuda.copy(arr.ctypes.data, self._d_out[name], arr.nbytes, D2H, self._stream)
         cuda.sync(self._stream)
         return out
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def __call__(self, x: np.ndarray) -> EngineOutputs:
         with self._lock:
             if len(x) <= self.max_batch:
                 return self._run(x)
-            return np.concatenate([self._run(x[i:i + self.max_batch])
-                                   for i in range(0, len(x), self.max_batch)])
+            return EngineOutputs.concat([self._run(x[i:i + self.max_batch])
+                                         for i in range(0, len(x), self.max_batch)])
 
     def close(self) -> None:
         with self._lock:
-            for ptr in (self._d_in, self._d_out):
+            for ptr in (self._d_in, *self._d_out.values()):
                 self._cuda.free(ptr)
             self._cuda.destroy_stream(self._stream)
             self._context = self._engine = None

@@ -15,6 +15,7 @@ import pytest
 
 from agent.runtime import active_model as am
 from agent.runtime.active_model import ActiveModel, NoSpoolError
+from agent.runtime.engine_outputs import EngineOutputs, TensorSpec
 from agent.runtime.latency import LatencyWindow, percentiles
 from agent.runtime.stats import read_stats
 from registry.errors import NoActiveModelError
@@ -85,6 +86,7 @@ class GatedEngine:
     name, platform, providers, notes = "fake", "onnxruntime_onnx", ("fake",), ()
     input_name, output_name = "input", "logits"
     input_shape, output_shape = (-1, 1, 8, 8), (-1, 10)
+    outputs = (TensorSpec("logits", "FP32", (-1, 10)),)
 
     def __init__(self, version: int) -> None:
         self.version = version
@@ -92,12 +94,12 @@ class GatedEngine:
         self.gate.set()
         self.closed = 0
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def __call__(self, x: np.ndarray) -> EngineOutputs:
         assert self.closed == 0, "called after close"
         self.gate.wait(10)
         out = np.zeros((len(x), 10), np.float32)
         out[:, 0] = self.version
-        return out
+        return EngineOutputs(logits=out)
 
     def close(self) -> None:
         self.closed += 1

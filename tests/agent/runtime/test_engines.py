@@ -16,6 +16,7 @@ import onnxruntime as ort
 import pytest
 
 from agent.runtime import engines, tensorrt_engine
+from agent.runtime.engine_outputs import TensorSpec
 from agent.runtime.engines import NoServableArtefactError, OnnxEngine, engine_for, onnx_providers
 from agent.runtime.trt_cache import (
     CACHE_DIR,
@@ -62,8 +63,11 @@ def test_the_onnx_file_serves_where_there_is_no_engine(tmp_path: Path) -> None:
     assert isinstance(engine, OnnxEngine) and engine.platform == "onnxruntime_onnx"
     assert (engine.input_name, engine.input_shape) == ("input", (-1, 1, 8, 8))
     assert (engine.output_name, engine.output_shape) == ("logits", (-1, 10))
+    assert engine.outputs == (TensorSpec("logits", "FP32", (-1, 10)),)
     assert engine.providers[-1] == "CPUExecutionProvider"
-    assert served_version(engine(np.zeros((3, 1, 8, 8), np.float32))) == 4
+    out = engine(np.zeros((3, 1, 8, 8), np.float32))
+    assert list(out) == ["logits"] and served_version(out["logits"]) == 4
+    assert served_version(np.asarray(out)) == 4  # a one-output model's reads as its array
     assert not any("model.engine" in n for n in engine.notes)
 
 
@@ -162,7 +166,9 @@ def test_a_real_tensorrt_engine_matches_onnx_runtime(tmp_path: Path) -> None:
     assert engine.name == "tensorrt" and engine.providers == (f"TensorRT {trt.__version__}",)
     x = np.random.default_rng(0).random((20, 1, 8, 8), dtype=np.float32)  # > max_batch: sliced
     want = OnnxEngine(art / "model.onnx")(x)
-    np.testing.assert_allclose(engine(x), want, rtol=1e-3, atol=1e-3)
+    got = engine(x)
+    assert list(got) == list(want) == ["logits"]
+    np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-3, atol=1e-3)
     engine.close()
 
 
@@ -189,7 +195,7 @@ def test_the_tensorrt_provider_gets_an_engine_cache_per_model_file_beside_the_sl
         slots.append(slot.parent)
         engine = engine_for(slot.parent, ["TensorrtExecutionProvider", "CPUExecutionProvider"])
         assert engine.providers == ("CPUExecutionProvider",)
-        assert engine(np.zeros((1, *INPUT_SHAPE), np.float32))[0, 0] == 4 + i
+        assert engine(np.zeros((1, *INPUT_SHAPE), np.float32))["logits"][0, 0] == 4 + i
         time.sleep(0.01)  # distinct folder times
     trt, cpu = asked[-1]
     assert cpu == "CPUExecutionProvider" and trt[0] == "TensorrtExecutionProvider"
