@@ -88,7 +88,7 @@ def test_the_engine_declares_and_returns_every_typed_output(
         alone = engine(x[i:i + 1])
         for name in OUTPUTS:
             np.testing.assert_array_equal(alone[name], got[name][i:i + 1])
-    with pytest.raises(TypeError, match="4 outputs .*read each by name"):
+    with pytest.raises(TypeError, match=r"4 outputs .*read each by name"):
         np.asarray(got)
     engine.close()
 
