@@ -44,6 +44,11 @@ model's metadata declares (FP32), requested outputs the model has. A refusal is 
 INVALID_ARGUMENT naming the input and the fix; a NaN or Inf output is a 500 / INTERNAL,
 never a NaN in JSON.
 
+Every output of the model is served in the datatype it declares: a classifier's FP32 logits;
+an exported detector's num_detections [N,1] INT32, boxes [N,K,4] FP32, scores [N,K] FP32 and
+classes [N,K] INT32 (EfficientNMS_TRT's layout), INT32 as JSON integers or raw int32. The
+metadata lists them all; a request may name the ones it wants in "outputs".
+
 examples:
   agentctl serve --state-dir /var/lib/edge-agent --model digits --unix-socket /run/app/oip.sock
   curl --unix-socket /run/app/oip.sock http://localhost/v2/models/digits

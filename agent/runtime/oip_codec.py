@@ -5,7 +5,9 @@ in :mod:`agent.runtime.oip_request`, the same code the gRPC server runs.
 JSON: ``{"inputs": [{"name", "shape", "datatype", "data": [...]}], "outputs": [{"name"}]}``
 in, ``{"model_name", "model_version", "outputs": [{"name", "shape", "datatype", "data"}]}``
 out; ``data`` flat in row-major order (or nested as the shape). ``outputs`` in the request is
-optional: given, only those outputs are answered, in that order.
+optional: given, only those outputs are answered, in that order. Each output keeps the
+datatype the model's metadata declares: a detector's INT32 ``num_detections`` and ``classes``
+are JSON integers (raw: little-endian int32), its ``boxes`` and ``scores`` FP32.
 
 Binary extension (what tritonclient sends by default): the request header
 ``Inference-Header-Content-Length: N`` says the first N bytes of the body are the JSON, the
