@@ -82,7 +82,9 @@ class EngineOutputs(dict[str, np.ndarray]):
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         arr = self.sole()
-        return arr if dtype is None else arr.astype(dtype, copy=bool(copy))
+        if dtype is not None:
+            arr = arr.astype(dtype, copy=False)
+        return arr.copy() if copy else arr
 
     @classmethod
     def concat(cls, parts: Sequence[EngineOutputs]) -> EngineOutputs:
