@@ -22,6 +22,7 @@ from urllib.parse import unquote, urlsplit
 
 from agent.runtime.active_model import ActiveModel
 from agent.runtime.oip_codec import HEADER_LENGTH, ProtocolError, encode_infer, parse_infer
+from agent.runtime.oip_request import ModelSignature
 from registry.errors import NoActiveModelError
 
 Answer = tuple[int, bytes, dict[str, str]]
@@ -87,12 +88,10 @@ class _Handler(BaseHTTPRequestHandler):
             engine = model.engine
             if engine is None:
                 raise NoActiveModelError(f"no version of {model.name!r} serves yet")
-            req = parse_infer(body, self.headers.get(HEADER_LENGTH),
-                              input_name=engine.input_name, input_shape=engine.input_shape)
-            logits, version = model.predict_versioned(req.x)
-            out, headers = encode_infer(logits, model_name=model.name, model_version=version,
-                                        output_name=engine.output_name, request_id=req.id,
-                                        binary=req.binary_output)
+            req = parse_infer(body, self.headers.get(HEADER_LENGTH), ModelSignature.of(engine))
+            outputs, version = model.infer_versioned(req.x)
+            out, headers = encode_infer(outputs, req, model_name=model.name,
+                                        model_version=version)
             return 200, out, headers
         raise ProtocolError(404, f"no route {self.path!r}")
 
