@@ -78,7 +78,7 @@ test-gpu: setup
 # with a "verdict:" line (its ratio beside its target). Every benchmarks/*.py but the helpers
 # (tests/benchmarks/quick.py lists them too), so a new script is never left out. All of them
 # run; the exit status says whether one failed (fleet.py also fails on a missed target).
-BENCH_HELPERS := benchmarks/fleet_tier.py benchmarks/harness.py benchmarks/oip_threaded.py
+BENCH_HELPERS := benchmarks/detection_device.py benchmarks/fleet_tier.py benchmarks/harness.py benchmarks/oip_threaded.py
 BENCHES := $(filter-out $(BENCH_HELPERS),$(sort $(wildcard benchmarks/*.py)))
 
 bench: setup services

@@ -138,7 +138,7 @@ def test_a_detector_below_its_min_map_is_rolled_back_leaving_the_models_untouche
                        state_dir=str(dev.state), data_root=str(dev.data.parent),
                        registry={"url": dev.registry.url})
     daemon.start()
-    try:
+    try:  # the job's worker and its children share the 2 cores with the rest of the suite
         ft = dev.base_spec()["finetune"]
         done = subprocess.run(
             [sys.executable, "-m", "agent.cli", "finetune", "--model", dev.model,
@@ -150,9 +150,10 @@ def test_a_detector_below_its_min_map_is_rolled_back_leaving_the_models_untouche
              "--state-dir", str(dev.state)],
             env=subprocess_env, capture_output=True, text=True, timeout=900, check=False)
     finally:
-        assert daemon.stop() == 0, daemon.log.read_text()[-3000:]
+        stopped = daemon.stop(timeout_s=180)
     assert done.returncode != 0 and "FAILED" in done.stdout + done.stderr, (
-        done.stdout[-2000:] + done.stderr[-2000:])
+        done.stdout[-2000:] + done.stderr[-2000:] + daemon.log.read_text()[-3000:])
+    assert stopped == 0, daemon.log.read_text()[-3000:]
     store = JobStore(dev.state)
     rec, steps = store.get("d2"), store.steps("d2")
     store.close()
