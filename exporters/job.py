@@ -16,10 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from hpc_core.config import DataConfig
 from hpc_core.job_args import flag
 
-EXPORTED_TASKS = ("classification",)
-"""The tasks whose models this exporter takes: one image batch in, one logits array out, which
-ONNX, the INT8 calibration and the gates handle as they are. A detector's output is per-image
-boxes of varying count (NMS inside the model): its export is not built yet."""
+EXPORTED_TASKS = ("classification", "detection")
+"""The tasks whose models this exporter takes (``exporters.model_forms``): a classifier's
+logits, a detector's (torchvision SSD/SSDlite) padded detections with NMS in the graph
+(``exporters.detection_outputs``). Within a task, a model the export cannot take (another
+detector family) is refused when it is loaded, with what to do instead."""
 
 
 def unexportable(task: str) -> str | None:
@@ -159,7 +160,13 @@ class GateConfig(BaseModel):
     max_top1_drop_pts: float | None = Field(
         default=1.0, ge=0.0, json_schema_extra=flag("max-top1-drop")
     )
-    """Largest allowed top-1 accuracy drop vs the FP32 reference, in percentage points."""
+    """Largest allowed drop of the task's gate metric vs the FP32 reference, in percentage
+    points: top-1 accuracy for a classifier, mAP@0.5:0.95 for a detector."""
+    max_map50_drop_pts: float | None = Field(
+        default=1.0, ge=0.0, json_schema_extra=flag("max-map50-drop")
+    )
+    """Detectors: largest allowed mAP@0.5 drop vs the FP32 reference, in percentage points
+    (not applied to classifiers)."""
     max_abs_logit_delta: float | None = Field(
         default=None, ge=0.0, json_schema_extra=flag("max-logit-delta")
     )
@@ -227,6 +234,22 @@ class FallbackConfig(BaseModel):
     """Try FP32 last."""
     sensitivity_samples: int = Field(default=256, ge=1)
     """Calibration samples used to rank the layers' sensitivity."""
+    qat: bool = Field(default=False, json_schema_extra=flag("qat"))
+    """After the INT8 steps, before fp16: quantization-aware training (``qat``: a short
+    fake-quant fine-tune, then INT8 again). Off by default: it trains for minutes."""
+
+
+class QatConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    steps: int = Field(default=300, ge=1, json_schema_extra=flag("qat-steps"))
+    """Optimizer steps of the fake-quant fine-tune."""
+    lr: float = Field(default=2e-4, gt=0.0)
+    """Constant AdamW learning rate: low, the weights only adapt to the INT8 grid."""
+    batch_size: int = Field(default=8, ge=1)
+    """Samples per optimizer step."""
+    seed: int = 0
+    """Seed of the sample order."""
 
 
 class ExportJob(BaseModel):
@@ -258,6 +281,8 @@ class ExportJob(BaseModel):
     onnx: OnnxExportConfig = Field(default_factory=OnnxExportConfig)
     gates: GateConfig = Field(default_factory=GateConfig)
     fallback: FallbackConfig = Field(default_factory=FallbackConfig)
+    qat: QatConfig = Field(default_factory=QatConfig)
+    """The fine-tune of the ``int8-qat`` step (``fallback.qat``)."""
     tensorrt: TensorRTConfig = Field(default_factory=TensorRTConfig)
     keep_intermediates: bool = False
     """Keep <out>/work (every attempt's artefact, the calibration cache)."""

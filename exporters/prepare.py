@@ -19,16 +19,15 @@ from exporters.calibration import representative_inputs
 from exporters.flops import count_flops
 from exporters.handoff import Prepared, write_prepared
 from exporters.job import ExportJob, unexportable
-from exporters.onnx_export import export_onnx
+from exporters.model_forms import form_of
 from exporters.onnx_weights import check_semi_structured
 from exporters.prune import PruneResult, prune_model
 from exporters.recovery import recover
 from exporters.report import ExportReport, versions
-from exporters.runtime import TorchRunner, predict
 from exporters.tensorrt_build import require_tensorrt
 from hpc_core.checkpoint import load_model, resolve_checkpoint
 from hpc_core.config import DataConfig, TrainConfig
-from hpc_core.data import build_datasets, held_out
+from hpc_core.tasks import get_task
 
 INSTALLED = ("model.onnx", "model.onnx.json", "model.engine", "model.engine.json", "report.json")
 
@@ -48,14 +47,14 @@ def load_source(job: ExportJob) -> Source:
     ckpt_dir = resolve_checkpoint(job.checkpoint)
     model, cfg = load_model(ckpt_dir, "cpu")
     m = cfg.model
-    why = unexportable(cfg.task)
+    why = unexportable(cfg.task) or form_of(cfg.task).check(model)
     if why is not None:
         raise ValueError(f"{ckpt_dir}: {why}")
     data = cfg.data.model_dump()
     if job.data is not None:  # the fields the job sets override the checkpoint's
         data.update(job.data.model_dump(include=job.data.model_fields_set))
     data = DataConfig.model_validate({**data, "image_size": m.image_size})
-    train, val, info = build_datasets(data)
+    train, val, info = get_task(cfg.task).build_datasets(data)
     if info.in_channels != m.in_channels:
         raise ValueError(
             f"data has {info.in_channels} channel(s) but the model takes {m.in_channels}: "
@@ -111,9 +110,14 @@ def prepare(job: ExportJob) -> Prepared:
     report = ExportReport(target=job.target, job=job.model_dump(mode="json"), versions=versions())
     src = load_source(job)
     report.checkpoint = str(src.checkpoint)
-    inputs, labels = held_out(src.val, job.gates.eval_samples)
+    form = form_of(src.config.task)
+    if not form.logits and job.gates.max_abs_logit_delta is not None:
+        raise ValueError("gates.max_abs_logit_delta: a detector's outputs are boxes after NMS, "
+                         "with no logits to compare; unset it (gates.max_map50_drop_pts and "
+                         "gates.max_top1_drop_pts gate a detector by mAP)")
+    inputs, labels = form.held_out(src.val, job.gates.eval_samples)
     batch = job.gates.batch_size  # every scoring pass: the job's batch, never more
-    reference_logits = predict(TorchRunner(src.model), inputs, batch=batch)
+    reference_logits = form.outputs(src.model, inputs, batch)
     before = _model_summary(src.model, src.input_shape)
     model = copy.deepcopy(src.model)
     sparse = _prune(job, src, model, report) if job.prune is not None else False
@@ -128,8 +132,9 @@ def prepare(job: ExportJob) -> Prepared:
         "flops_before": before["flops"],
         "flops_after": after["flops"],
     }
-    fidelity_logits = predict(TorchRunner(model), inputs, batch=batch)
-    fp32 = export_onnx(model, out / "model.fp32.onnx", src.input_shape, job.onnx)
+    fidelity_logits = form.outputs(model, inputs, batch)
+    exported = form.export(model, out / "model.fp32.onnx", src.input_shape, job.onnx, work)
+    fp32 = exported.onnx
     report.onnx = {
         "opset": fp32.opset,
         "exporter": job.onnx.exporter,
@@ -153,6 +158,7 @@ def prepare(job: ExportJob) -> Prepared:
                         input_shape=src.input_shape, sparse=sparse, inputs=inputs,
                         labels=labels, reference_logits=reference_logits,
                         fidelity_logits=fidelity_logits, calib=calib, report=report,
-                        task=src.config.task)
+                        task=src.config.task, core_path=exported.core,
+                        tail_path=exported.tail)
     write_prepared(prepared, work)
     return prepared
