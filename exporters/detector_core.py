@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from exporters.detection_tail import TailSpec
+from exporters.job import NO_EXPORT_FIX
 
 
 def _is_ssd(model: nn.Module) -> bool:
@@ -29,9 +30,8 @@ def detector_unexportable(model: nn.Module) -> str | None:
     """Why ``model`` (a detector) has no ONNX export here, or None."""
     if _is_ssd(model):
         return None
-    return (f"a {type(model).__name__} detector has no ONNX export yet (SSD and SSDlite do): "
-            "run the job with steps.export: false (--no-export) to serve the PyTorch "
-            "checkpoint")
+    return (f"a {type(model).__name__} detector has no ONNX export yet (SSD and SSDlite "
+            f"do): {NO_EXPORT_FIX}")
 
 
 class DetectorCore(nn.Module):
@@ -45,6 +45,7 @@ class DetectorCore(nn.Module):
         t = ssd.transform
         self.register_buffer("mean", torch.tensor(t.image_mean).view(1, -1, 1, 1))
         self.register_buffer("std", torch.tensor(t.image_std).view(1, -1, 1, 1))
+        self.train(ssd.training)  # a new module starts in train mode: keep the detector's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         features = self.ssd.backbone((x - self.mean) / self.std)

@@ -47,7 +47,7 @@ def load_source(job: ExportJob) -> Source:
     ckpt_dir = resolve_checkpoint(job.checkpoint)
     model, cfg = load_model(ckpt_dir, "cpu")
     m = cfg.model
-    why = unexportable(cfg.task) or form_of(cfg.task).check(model)
+    why = unexportable(cfg.task, m.name) or form_of(cfg.task).check(model)
     if why is not None:
         raise ValueError(f"{ckpt_dir}: {why}")
     data = cfg.data.model_dump()
