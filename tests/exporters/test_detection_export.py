@@ -163,8 +163,8 @@ def test_an_int8_detector_is_gated_by_map(detector: TrainedDetector, tmp_path: P
     assert 0.3 < m.reference_map50 <= 1 and m.map50 is not None and m.map50_drop_pts <= 5.0
     assert np.isnan(m.max_abs_logit_delta)  # no logits after NMS
     # the reference is torchvision's own detections, scored by pycocotools directly
-    from hpc_core.tasks.detection.sources import build_detection_datasets
     from hpc_core.config import DataConfig
+    from hpc_core.tasks.detection.sources import build_detection_datasets
 
     _, val, _ = build_detection_datasets(DataConfig.model_validate(detector.data()))
     x = torch.stack([val[i][0] for i in range(len(val))]).numpy()
