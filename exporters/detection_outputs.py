@@ -33,6 +33,10 @@ OUTPUT_DTYPES = {NUM_DETECTIONS: np.int32, BOXES: np.float32, SCORES: np.float32
                  CLASSES: np.int32}
 PAD_CLASS = -1
 """``classes`` of a padding row."""
+MODEL_LABEL_OFFSET = 1
+"""What a PyTorch detector's labels add to the task's class ids (torchvision's background is
+label 0): ``hpc_core.tasks.detection.sources.LABEL_OFFSET``, repeated here torch-free (a test
+holds the two equal)."""
 PACKED_COLUMNS = 6
 """A packed detection row: x1, y1, x2, y2, score, class (a float; -1 on padding)."""
 
@@ -116,9 +120,15 @@ def as_scored(packed: np.ndarray, target_rows: np.ndarray
     """Packed detections and packed targets as the detection task's scorer
     (``hpc_core.tasks.score``) takes them: per-image dicts, labels as the model's data sets
     give them (the task's class ids shifted by its background offset)."""
-    from hpc_core.tasks.detection.sources import LABEL_OFFSET
-
-    preds = [{**d, "labels": d["labels"] + LABEL_OFFSET} for d in unpack(packed)]
-    truth = [{**t, "labels": t["labels"] + LABEL_OFFSET}
+    preds = [{**d, "labels": d["labels"] + MODEL_LABEL_OFFSET} for d in unpack(packed)]
+    truth = [{**t, "labels": t["labels"] + MODEL_LABEL_OFFSET}
              for t in unpack_targets(target_rows, len(packed))]
     return preds, truth
+
+
+def model_detections(outputs: Sequence[np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """The four outputs of a batch as a PyTorch detector gives its detections: per image
+    ``{"boxes", "scores", "labels"}``, labels with the background offset
+    (:data:`MODEL_LABEL_OFFSET`): what the detection task's scorer and the device's health
+    check take from either runtime."""
+    return [{**d, "labels": d["labels"] + MODEL_LABEL_OFFSET} for d in unpack(pack(outputs))]

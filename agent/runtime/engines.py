@@ -26,12 +26,13 @@ import json
 import logging
 from pathlib import Path
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import onnxruntime as ort
 
 from agent.runtime.trt_cache import ProviderSpec, with_engine_cache
+from exporters.detection_outputs import OUTPUT_NAMES, model_detections
 from exporters.jetpack import l4t_release
 from exporters.ort_runner import ort_session
 
@@ -101,11 +102,17 @@ class OnnxEngine:
         self.input_shape, self.output_shape = _dims(inp.shape), _dims(out.shape)
         self.providers = tuple(self.session.get_providers())
         self.notes = notes
-        self._outputs = [self.output_name]
+        names = {o.name for o in self.session.get_outputs()}
+        # An exported detector (exporters.detection_outputs): its four padded outputs, given
+        # per image as a PyTorch detector gives them, so the health check scores both alike.
+        self.detections = set(OUTPUT_NAMES) <= names
+        self._outputs = list(OUTPUT_NAMES) if self.detections else [self.output_name]
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def __call__(self, x: np.ndarray) -> Any:
         assert self.session is not None, "closed"
-        return self.session.run(self._outputs, {self.input_name: x})[0]  # type: ignore[no-any-return]
+        if self.detections:
+            return model_detections(self.session.run(self._outputs, {self.input_name: x}))
+        return self.session.run(self._outputs, {self.input_name: x})[0]
 
     def close(self) -> None:
         # ONNX Runtime frees a session's arena when the last reference goes.
