@@ -91,7 +91,7 @@ def _job(args: argparse.Namespace, checkpoint: Path, out: Path) -> ExportJob:
 
 def _shifted_data(job: ExportJob, camera: str) -> tuple[np.ndarray, np.ndarray]:
     """The job's held-out split drawn again through ``camera``."""
-    from exporters.model_forms import DetectionForm
+    from exporters.detection.form import DetectionForm
     from exporters.prepare import load_source
     from hpc_core.config import DataConfig
     from hpc_core.tasks import get_task

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from exporters.detection_outputs import as_scored
+from exporters.detection.outputs import as_scored
 from exporters.job import GateConfig
 from exporters.runtime import Latency, batch_of, measure_latency, predict
 from hpc_core.tasks import score, task_spec

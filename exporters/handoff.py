@@ -46,7 +46,7 @@ class Prepared:
     without its decoding and NMS)."""
     tail_path: Path | None = None
     """The settings of the float tail joined to the quantized core
-    (``exporters.detection_tail.TailSpec``)."""
+    (``exporters.detection.tail.TailSpec``)."""
 
 
 def _paths(work: Path) -> tuple[Path, Path]:

@@ -17,16 +17,16 @@ from hpc_core.config import DataConfig
 from hpc_core.job_args import flag
 
 EXPORTED_TASKS = ("classification", "detection")
-"""The tasks whose models this exporter takes (``exporters.model_forms``): a classifier's
+"""The tasks whose models this exporter takes (``exporters.prepare.FORMS``): a classifier's
 logits, a detector's (torchvision SSD/SSDlite) padded detections with NMS in the graph
-(``exporters.detection_outputs``). Within a task, a model the export cannot take (another
+(``exporters.detection.outputs``). Within a task, a model the export cannot take (another
 detector family) is refused when it is loaded, with what to do instead."""
 
 
 EXPORTED_DETECTORS = ("ssd",)
 """The torchvision detector families exported (``torchvision/ssdlite320_mobilenet_v3_large``,
 ``torchvision/ssd300_vgg16``): their head is one convolution per feature map over fixed
-anchors, which ``exporters.detector_core`` cuts from its post-processing. FCOS and RetinaNet
+anchors, which ``exporters.detection.core`` cuts from its post-processing. FCOS and RetinaNet
 are not exported yet."""
 
 NO_EXPORT_FIX = ("run the job with steps.export: false (--no-export), and it stages and "

@@ -36,6 +36,16 @@ class OnnxExport:
     size_bytes: int
 
 
+@dataclass
+class Exported:
+    onnx: OnnxExport
+    """The whole graph (what FP32 serves)."""
+    core: Path | None = None
+    """The part INT8 quantizes, when it is not the whole graph."""
+    tail: Path | None = None
+    """The settings of the float tail appended after the core."""
+
+
 @contextlib.contextmanager
 def _quiet_exporter() -> Iterator[None]:
     # The exporter logs a warning per missing optional op library (torchvision) and emits

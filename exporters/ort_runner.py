@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from exporters.detection_outputs import OUTPUT_NAMES, pack
+from exporters.detection.outputs import OUTPUT_NAMES, pack
 
 PRECISE_INT8 = ("session.x64quantprecision", "1")
 
@@ -57,7 +57,7 @@ def ort_session(
 
 class OrtRunner:
     """Float32 batch in, float32 logits out, through :func:`ort_session`; an exported
-    detector's four outputs (``exporters.detection_outputs``) come out packed as one
+    detector's four outputs (``exporters.detection.outputs``) come out packed as one
     ``[N, K, 6]`` array, so that batching, scoring and timing treat both alike."""
 
     def __init__(

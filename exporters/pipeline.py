@@ -18,7 +18,7 @@ Steps, in order, each gated on the artefact it produced:
 4. ``fp16``; 5. ``fp32``.
 
 A detector's graph is its network (the core) followed by box decoding and NMS (the tail,
-``exporters.detection_tail``): every step quantizes or converts the core alone and joins
+``exporters.detection.tail``): every step quantizes or converts the core alone and joins
 the float tail to it afterwards, so no quantizer ever touches decoding or NMS; the layer
 sensitivity is measured on the core's raw head (class logits and box regressions before
 NMS). A TensorRT engine of a detector is built from the core with the ``EfficientNMS_TRT``
@@ -47,7 +47,7 @@ import numpy as np
 import onnx
 
 from exporters.cpu_isa import detect_isa
-from exporters.detection_tail import NmsKind, TailSpec, attach
+from exporters.detection.tail import NmsKind, TailSpec, attach
 from exporters.gates import GateResult, judge, measure
 from exporters.handoff import Prepared, read_prepared
 from exporters.int8_recipe import Int8Recipe, choose_recipe

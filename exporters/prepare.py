@@ -10,26 +10,79 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 from exporters.calibration import representative_inputs
+from exporters.detection.form import DetectionForm
 from exporters.flops import count_flops
 from exporters.handoff import Prepared, write_prepared
-from exporters.job import ExportJob, unexportable
-from exporters.model_forms import form_of
+from exporters.job import ExportJob, OnnxExportConfig, unexportable
+from exporters.onnx_export import Exported, export_onnx
 from exporters.onnx_weights import check_semi_structured
 from exporters.prune import PruneResult, prune_model
 from exporters.recovery import recover
 from exporters.report import ExportReport, versions
+from exporters.runtime import TorchRunner, predict
 from exporters.tensorrt_build import require_tensorrt
 from hpc_core.checkpoint import load_model, resolve_checkpoint
 from hpc_core.config import DataConfig, TrainConfig
+from hpc_core.data import held_out
 from hpc_core.tasks import get_task
 
 INSTALLED = ("model.onnx", "model.onnx.json", "model.engine", "model.engine.json", "report.json")
+
+
+class ModelForm(Protocol):
+    """How the torch half reads one task's models (one form per exported task)."""
+
+    logits: bool
+    """Its outputs are logits (a classifier): the logit fidelity gate applies."""
+
+    def check(self, model: nn.Module) -> str | None:
+        """Why this model cannot be exported, or None."""
+
+    def held_out(self, val: Dataset, limit: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """The held-out images and their targets, as arrays."""
+
+    def outputs(self, model: nn.Module, inputs: np.ndarray, batch: int) -> np.ndarray:
+        """The PyTorch model's outputs on ``inputs`` in the exported graph's form."""
+
+    def export(self, model: nn.Module, path: Path, shape: tuple[int, int, int],
+               cfg: OnnxExportConfig, work: Path) -> Exported: ...
+
+
+class LogitsForm:
+    """A classifier: one logits array out."""
+
+    logits = True
+
+    def check(self, model: nn.Module) -> str | None:
+        return None
+
+    def held_out(self, val: Dataset, limit: int | None) -> tuple[np.ndarray, np.ndarray]:
+        return held_out(val, limit)
+
+    def outputs(self, model: nn.Module, inputs: np.ndarray, batch: int) -> np.ndarray:
+        return predict(TorchRunner(model), inputs, batch=batch)  # type: ignore[no-any-return]
+
+    def export(self, model: nn.Module, path: Path, shape: tuple[int, int, int],
+               cfg: OnnxExportConfig, work: Path) -> Exported:
+        return Exported(export_onnx(model, path, shape, cfg))
+
+
+FORMS: dict[str, ModelForm] = {"classification": LogitsForm(), "detection": DetectionForm()}
+"""Each exported task's form (``exporters.job.EXPORTED_TASKS``): the steps below call it and
+never ask which task they hold."""
+
+
+def form_of(task: str) -> ModelForm:
+    """The form of ``task``'s models (``exporters.job.unexportable`` refused the others)."""
+    return FORMS[task]
 
 
 @dataclass

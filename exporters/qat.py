@@ -15,7 +15,7 @@ pass, so that its weights settle where the INT8 grid costs least, then quantized
    on the job's training split (a detector's: torchvision's SSD losses), at a low learning
    rate;
 4. the wrappers are removed and the network exported to FP32 ONNX (a detector: its core,
-   ``exporters.detector_core``), which ``exporters.pipeline`` quantizes with the recipe
+   ``exporters.detection.core``), which ``exporters.pipeline`` quantizes with the recipe
    mirrored here and the same calibration samples: the weight scales are those the
    fine-tune trained against, by construction; the activation scales are measured again by
    the calibrator on the fine-tuned model rather than copied.
@@ -41,6 +41,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from registry.atomic import write_bytes_atomic, write_json_atomic
 
 QMAX = 127
 """Symmetric int8 as ONNX Runtime quantizes it: [-127, 127], zero-point 0."""
@@ -119,8 +121,7 @@ def qat_finetune(job_path: Path, out: Path) -> dict[str, object]:
     graph under ``out``; what the pipeline reads back (the graph's path, the fine-tune's
     final metrics)."""
     from exporters.job import ExportJob, RecoveryConfig
-    from exporters.model_forms import form_of
-    from exporters.prepare import load_source
+    from exporters.prepare import form_of, load_source
     from exporters.recovery import recovery_train_config
     from hpc_core.trainer import Trainer
 
@@ -151,7 +152,7 @@ def run_qat_child(job_json: str, out: Path, timeout_s: float | None = None) -> d
     """:func:`qat_finetune` in a child process (torch stays out of the caller)."""
     out.mkdir(parents=True, exist_ok=True)
     job_path = out / "job.json"
-    job_path.write_text(job_json)
+    write_bytes_atomic(job_path, job_json.encode())
     proc = subprocess.run([sys.executable, "-m", "exporters.qat", str(job_path), str(out)],
                           capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args[1])
     result = qat_finetune(Path(args[0]), out)
-    (out / "qat.json").write_text(json.dumps(result, default=float))
+    write_json_atomic(out / "qat.json", json.loads(json.dumps(result, default=float)))
     return 0
 
 

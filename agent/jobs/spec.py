@@ -141,8 +141,7 @@ class StepSwitches(BaseModel):
 
     export: bool = Field(default=True, json_schema_extra=flag("export"))
     """Export (and gate) an ONNX artefact; without it the staged model carries none and the
-    health check runs it in PyTorch. Detectors: SSD and SSDlite export (NMS in the graph);
-    FCOS and RetinaNet have no export yet, their jobs need false."""
+    health check runs it in PyTorch. FCOS and RetinaNet detectors have no export yet: false."""
     upload: bool = Field(default=False, json_schema_extra=flag("upload"))
     """Publish the committed model back to the registry, signed by this device."""
 

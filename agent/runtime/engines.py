@@ -32,7 +32,7 @@ import numpy as np
 import onnxruntime as ort
 
 from agent.runtime.trt_cache import ProviderSpec, with_engine_cache
-from exporters.detection_outputs import OUTPUT_NAMES, model_detections
+from exporters.detection.outputs import OUTPUT_NAMES, model_detections
 from exporters.jetpack import l4t_release
 from exporters.ort_runner import ort_session
 
@@ -103,7 +103,7 @@ class OnnxEngine:
         self.providers = tuple(self.session.get_providers())
         self.notes = notes
         names = {o.name for o in self.session.get_outputs()}
-        # An exported detector (exporters.detection_outputs): its four padded outputs, given
+        # An exported detector (exporters.detection.outputs): its four padded outputs, given
         # per image as a PyTorch detector gives them, so the health check scores both alike.
         self.detections = set(OUTPUT_NAMES) <= names
         self._outputs = list(OUTPUT_NAMES) if self.detections else [self.output_name]

@@ -11,7 +11,8 @@ import onnx
 import pytest
 import torch
 
-from exporters.detection_outputs import (
+from exporters.detection.form import CORE_FILE, TAIL_FILE, DetectionForm
+from exporters.detection.outputs import (
     BOXES,
     CLASSES,
     NUM_DETECTIONS,
@@ -21,9 +22,8 @@ from exporters.detection_outputs import (
     output_shapes,
     pack_detections,
 )
-from exporters.detection_tail import TRT_DOMAIN, TRT_PLUGIN, TailSpec, attach
+from exporters.detection.tail import TRT_DOMAIN, TRT_PLUGIN, TailSpec, attach
 from exporters.job import ExportJob, OnnxExportConfig, unexportable
-from exporters.model_forms import CORE_FILE, TAIL_FILE, DetectionForm
 from exporters.ort_runner import ort_session
 from exporters.qdq_check import check_qdq
 from tests.exporters.conftest import DETECTOR_SIZE, TrainedDetector
@@ -151,7 +151,7 @@ def run_detector_export(det: TrainedDetector, out: Path, checkpoint: Path | None
 
 
 def test_an_int8_detector_is_gated_by_map(detector: TrainedDetector, tmp_path: Path) -> None:
-    from exporters.detection_outputs import as_scored, unpack
+    from exporters.detection.outputs import as_scored, unpack
     from exporters.gates import gate_scores
     from exporters.runtime import TorchRunner, predict
     from hpc_core.tasks.detection.metrics import evaluate_detections

@@ -63,7 +63,7 @@ def test_fake_quant_keeps_the_float_function_of_folded_batchnorm(
         detector: TrainedDetector) -> None:
     model = detector.model()
     x = torch.rand(2, 3, 64, 64)
-    from exporters.detector_core import DetectorCore
+    from exporters.detection.core import DetectorCore
 
     with torch.no_grad():
         ref = DetectorCore(model)(x)

@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 from agent.jobs.store import JobState
-from exporters.detection_outputs import OUTPUT_NAMES
+from exporters.detection.outputs import OUTPUT_NAMES
 from tests.agent.jobs.detection.conftest import DetectorDevice
 from tests.agent.jobs.detection.test_detection_job import run_job
 

@@ -6,8 +6,8 @@ runs the network, decodes boxes from its anchors and runs NMS through torchvisio
 stand-in answers it, ``hpc_core.vision.torchvision_ops``, and it has no ONNX symbolic). So
 the export splits the model where quantization should stop: :class:`DetectorCore` is the
 network alone, a batch of images at the model's ``image_size`` in, the raw head out
-(``exporters.detection_outputs.HEAD_NAME``); :func:`tail_spec` reads what decoding and NMS
-need (anchors at that size, box coder, thresholds), which ``exporters.detection_tail`` builds
+(``exporters.detection.outputs.HEAD_NAME``); :func:`tail_spec` reads what decoding and NMS
+need (anchors at that size, box coder, thresholds), which ``exporters.detection.tail`` builds
 as ONNX nodes after the core. Only SSD and SSDlite are exported today; other detectors are
 refused by :func:`detector_unexportable` with what to do instead.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from exporters.detection_tail import TailSpec
+from exporters.detection.tail import TailSpec
 from exporters.job import NO_EXPORT_FIX
 
 

@@ -1,6 +1,6 @@
 """The outputs of an exported detector: names, shapes and dtypes, in one place.
 
-An exported detector (``exporters.detector_core`` + ``exporters.detection_tail``) ends in
+An exported detector (``exporters.detection.core`` + ``exporters.detection.tail``) ends in
 non-maximum suppression inside the graph and gives fixed-size, padded outputs shaped like
 those of TensorRT's ``EfficientNMS_TRT`` plugin, which TensorRT and DeepStream users expect:
 

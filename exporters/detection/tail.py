@@ -2,8 +2,8 @@
 non-maximum suppression, appended to the quantized core after quantization.
 
 Where NMS lives: inside the exported graph, after the network. The core
-(``exporters.detector_core``) ends at the raw head, ``[N, A, C + 4]`` per anchor; this tail
-turns it into the fixed-size outputs of ``exporters.detection_outputs``:
+(``exporters.detection.core``) ends at the raw head, ``[N, A, C + 4]`` per anchor; this tail
+turns it into the fixed-size outputs of ``exporters.detection.outputs``:
 
 1. softmax over the ``C`` classes (background first), boxes decoded from the anchors
    (torchvision's ``BoxCoder``: weights, the ``exp`` clip) and clipped to the image;
@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from exporters.detection_outputs import (
+from exporters.detection.outputs import (
     BOXES,
     CLASSES,
     HEAD_NAME,
@@ -75,7 +75,9 @@ class TailSpec:
         return min(self.detections_per_img, (self.num_classes - 1) * len(self.anchors))
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self)))
+        from registry.atomic import write_json_atomic
+
+        write_json_atomic(path, asdict(self))
 
     @classmethod
     def load(cls, path: Path) -> TailSpec:
