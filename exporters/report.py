@@ -105,7 +105,8 @@ def fallback_note(report: ExportReport) -> str | None:
     why = first.error or "; ".join(first.failures) or "failed"
     missed = f"{first.step} missed its gates ({why})"
     if m is not None and not first.error:
-        missed = f"{first.step} missed its gates at top-1 drop {m.top1_drop_pts:.2f} pts ({why})"
+        what = "top-1" if m.gate_metric == "acc" else m.gate_metric
+        missed = f"{first.step} missed its gates at {what} drop {m.top1_drop_pts:.2f} pts ({why})"
     win = next((a for a in report.attempts if a.passed), None)
     if win is None:
         return f"{missed}; no later step passed either"
