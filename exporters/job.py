@@ -250,8 +250,8 @@ class FallbackConfig(BaseModel):
     sensitivity_samples: int = Field(default=256, ge=1)
     """Calibration samples used to rank the layers' sensitivity."""
     qat: bool = Field(default=False, json_schema_extra=flag("qat"))
-    """After the INT8 steps, before fp16: quantization-aware training (``qat``: a short
-    fake-quant fine-tune, then INT8 again). Off by default: it trains for minutes."""
+    """After the INT8 steps, before fp16: quantization-aware training (the int8-qat step: a
+    short fake-quant fine-tune, then INT8 again). Off by default: it trains for minutes."""
 
 
 class QatConfig(BaseModel):
@@ -297,7 +297,7 @@ class ExportJob(BaseModel):
     gates: GateConfig = Field(default_factory=GateConfig)
     fallback: FallbackConfig = Field(default_factory=FallbackConfig)
     qat: QatConfig = Field(default_factory=QatConfig)
-    """The fine-tune of the ``int8-qat`` step (``fallback.qat``)."""
+    """The fine-tune of the int8-qat step (`fallback.qat`)."""
     tensorrt: TensorRTConfig = Field(default_factory=TensorRTConfig)
     keep_intermediates: bool = False
     """Keep <out>/work (every attempt's artefact, the calibration cache)."""
