@@ -203,12 +203,31 @@ def build_tail(spec: TailSpec, opset: int, nms: NmsKind = "onnx") -> onnx.ModelP
     return helper.make_model(graph, opset_imports=imports)
 
 
+def _sort_topologically(graph: onnx.GraphProto) -> None:
+    """Order ``graph``'s nodes so that each comes after the producers of its inputs: the FP16
+    converter appends its input casts at the end, which the checker (and the merge) refuse."""
+    ready = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    pending, ordered = list(graph.node), []
+    while pending:
+        rest = [n for n in pending if not all(i in ready for i in n.input)]
+        placed = [n for n in pending if all(i in ready for i in n.input)]
+        if not placed:
+            raise ValueError(f"the graph has a cycle or an unknown input at {rest[0].name}")
+        for n in placed:
+            ordered.append(n)
+            ready.update(n.output)
+        pending = rest
+    del graph.node[:]
+    graph.node.extend(ordered)
+
+
 def attach(core_path: Path, spec: TailSpec, out_path: Path, nms: NmsKind = "onnx") -> Path:
     """The core at ``core_path`` (float or Q/DQ) with the tail joined to its ``head``
     output, written to ``out_path``."""
     from registry.atomic import atomic_output
 
     core = onnx.load(str(core_path))
+    _sort_topologically(core.graph)
     opset = next(int(i.version) for i in core.opset_import if i.domain in ("", "ai.onnx"))
     tail = build_tail(spec, opset, nms)
     for imp in core.opset_import:  # merge_models wants the same imports on both sides

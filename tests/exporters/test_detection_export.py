@@ -236,3 +236,16 @@ def test_the_sensitivity_search_keeps_the_fragile_layer_in_float(
     # the ranking is measured on the raw head, a clear first
     s = [r["logit_mse"] for r in report.sensitivity]
     assert s[0] > 10 * s[1]
+
+
+def test_an_fp16_detector_keeps_its_float32_tail(detector: TrainedDetector,
+                                                  tmp_path: Path) -> None:
+    report = run_detector_export(detector, tmp_path / "out", precision="fp16")
+    assert report.winner == "fp16", report.fallback_reason
+    m = report.attempts[0].measurement
+    assert abs(m.map50_drop_pts) <= 1.0  # FP16 of a 64 px SSDlite: the same detections, nearly
+    g = onnx.load(str(tmp_path / "out" / "model.onnx")).graph
+    assert [o.name for o in g.output] == list(OUTPUT_NAMES)
+    fp16 = {i.name for i in g.initializer if i.data_type == onnx.TensorProto.FLOAT16}
+    assert fp16 and not [n for n in g.node if n.name.startswith("tail/")
+                         and any(i in fp16 for i in n.input)]  # the tail stays float32
