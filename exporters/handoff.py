@@ -1,6 +1,9 @@
 """What the torch half of an export (``exporters.prepare``) hands the quantizing half
 (``exporters.pipeline``): the FP32 ONNX file, the held-out inputs and labels, the reference
-and fidelity logits, the calibration inputs, and the report so far.
+and fidelity logits, the calibration inputs, and the report so far. A detector's labels are
+its ground-truth boxes packed as rows and its "logits" its padded detections
+(``exporters.detection.outputs``); its quantizable core and the settings of its float tail
+travel as two more paths.
 
 Two processes on a device: the dynamo exporter and a recovery fine-tune need torch, the
 quantization and the gates need ONNX Runtime, and one process holding both peaked 1.2 x the

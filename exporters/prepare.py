@@ -3,6 +3,11 @@ recovered, exported to FP32 ONNX; the held-out inputs with the reference and fid
 and the calibration inputs drawn — everything the quantizing half (``exporters.pipeline``)
 needs, handed over through ``exporters.handoff``. A device job runs each half in its own
 process so that torch and ONNX Runtime are never resident together.
+
+What differs by task is a form (:data:`FORMS`): a classifier's outputs are logits and its
+targets labels; a detector's (``exporters.detection.form``) are padded detections after NMS
+in the graph and packed ground-truth rows, and its ONNX file is a core that INT8 quantizes
+with a float tail joined to it.
 """
 
 from __future__ import annotations
