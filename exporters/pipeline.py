@@ -231,12 +231,14 @@ def _make_artefact(
         qat = step == QAT_STEP
         if qat:
             run.qat = run.run_qat()
-        core = run.quantize(run.work / f"{step}.core.onnx", recipe, exclude, qat=qat)
+        core_name = f"{step}.core.onnx" if run.src.tail_path is not None else whole.name
+        core = run.quantize(run.work / core_name, recipe, exclude, qat=qat)
         onnx_path = run.with_tail(core, whole)
         violations = [str(v) for v in check_qdq(
             onnx_path, activations_signed=recipe.activations_signed)]
     elif precision == "fp16" and run.job.target == "onnxruntime":
-        onnx_path = run.with_tail(_fp16_onnx(run.float_core, run.work / "fp16.core.onnx"), whole)
+        core_name = "fp16.core.onnx" if run.src.tail_path is not None else whole.name
+        onnx_path = run.with_tail(_fp16_onnx(run.float_core, run.work / core_name), whole)
     elif run.src.tail_path is not None and run.nms != "onnx":
         onnx_path = run.with_tail(run.float_core, whole)
     else:
