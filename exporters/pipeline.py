@@ -37,7 +37,10 @@ torch. :func:`run_export` runs both in one process; a device job runs each in it
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -58,7 +61,7 @@ from exporters.quantize import prepare_for_quantization, quantizable_nodes, quan
 from exporters.report import Attempt, ExportReport, artefact_info, fallback_note, write_report
 from exporters.runtime import Runner, predict
 from exporters.tensorrt_build import TensorRTRunner, build_engine
-from registry.atomic import atomic_output, write_json_atomic
+from registry.atomic import atomic_output, write_bytes_atomic, write_json_atomic
 
 
 def _sha256(path: Path) -> str:
@@ -86,6 +89,9 @@ class _Run:
     """Why planned steps were skipped; ends up in the report's fallback_reason."""
     qat: dict[str, object] | None = None
     """The QAT fine-tune's summary (steps, final metrics, seconds), once it ran."""
+    qat_ranges: dict[str, float] = field(default_factory=dict)
+    """The fine-tune's input range (max |x|) of each convolution, by the tensor's name in the
+    prepared QAT core: the Q/DQ ranges its INT8 file takes instead of calibrated ones."""
 
     @property
     def exact_recipe(self) -> Int8Recipe:
@@ -129,6 +135,7 @@ class _Run:
             cache_path=self.cache(recipe, ".qat" if qat else ""),
             nodes_to_exclude=exclude,
             nodes_to_quantize=only,
+            range_overrides=self.qat_ranges if qat else None,
         )
         return out
 
@@ -144,12 +151,22 @@ class _Run:
         return attach(core, TailSpec.load(self.src.tail_path), out, self.nms)
 
     def run_qat(self) -> dict[str, object]:
-        """The QAT fine-tune (a child process), once; its float core prepared."""
-        from exporters.qat import run_qat_child
-
-        result = run_qat_child(self.job.model_dump_json(), self.work / "qat")
+        """The QAT fine-tune (a child process: torch), once; its float core prepared, its
+        activation ranges mapped onto that core's tensors."""
+        out = self.work / "qat"
+        out.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(out / "job.json", self.job.model_dump_json().encode())
+        proc = subprocess.run([sys.executable, "-m", "exporters.qat", str(out / "job.json"),
+                               str(out)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the QAT fine-tune failed (exit {proc.returncode}): "
+                               f"{proc.stderr.strip()[-1500:]}")
+        result: dict[str, object] = json.loads((out / "qat.json").read_text())
         self.qat_prepared = prepare_for_quantization(Path(str(result["core"])),
                                                      self.work / "qat.prep.onnx")
+        ranges = result.pop("activation_ranges")
+        self.qat_ranges = conv_input_ranges(self.qat_prepared, ranges)  # type: ignore[arg-type]
+        result["activation_ranges_set"] = len(self.qat_ranges)
         return result
 
     def layer_sensitivity(self) -> list[tuple[str, float]]:
@@ -170,6 +187,22 @@ class _Run:
 
 
 QAT_STEP = "int8-qat"
+
+
+def conv_input_ranges(model_path: Path, by_weight: dict[str, float]) -> dict[str, float]:
+    """``by_weight`` (range by ``exporters.qat.weight_key``) as ranges of the Conv inputs of
+    ``model_path``; a tensor two convolutions read takes the wider range."""
+    model = onnx.load(str(model_path))
+    inits = {i.name: i for i in model.graph.initializer}
+    out: dict[str, float] = {}
+    for n in model.graph.node:
+        if n.op_type != "Conv" or len(n.input) < 2 or n.input[1] not in inits:
+            continue
+        w = np.ascontiguousarray(onnx.numpy_helper.to_array(inits[n.input[1]]), np.float32)
+        r = by_weight.get(hashlib.sha1(w.tobytes()).hexdigest())
+        if r is not None:
+            out[n.input[0]] = max(r, out.get(n.input[0], 0.0))
+    return out
 
 Step = tuple[str, Precision, int, Int8Recipe | None]
 """(step name, precision, layers excluded, INT8 recipe)"""

@@ -16,24 +16,27 @@ pass, so that its weights settle where the INT8 grid costs least, then quantized
    rate;
 4. the wrappers are removed and the network exported to FP32 ONNX (a detector: its core,
    ``exporters.detection.core``), which ``exporters.pipeline`` quantizes with the recipe
-   mirrored here and the same calibration samples: the weight scales are those the
-   fine-tune trained against, by construction; the activation scales are measured again by
-   the calibrator on the fine-tuned model rather than copied.
+   mirrored here: the weight scales are those the fine-tune trained against, by
+   construction, and the convolutions' input scales are the fine-tune's own (below).
 
 Only Conv2d is simulated (ONNX Runtime also quantizes the activations around Add, Concat and
 the like: their rounding is not trained against). A pruned model is not fine-tuned here: the
 fine-tune would fill its zeros again.
 
+The activation ranges the fine-tune ended with go with it (:func:`activation_ranges`, keyed
+by each convolution's weights): the pipeline sets them as the Q/DQ ranges of those
+convolutions' inputs (ONNX Runtime's ``TensorQuantOverrides``), so the file carries the
+scales the fine-tune trained against, weights and activations.
+
 Torch: the quantizing half of an export (``exporters.pipeline``) never imports torch, so it
-runs this module as a child process (:func:`run_qat_child`), ``python -m exporters.qat JOB
-OUT``.
+runs this module as a child process, ``python -m exporters.qat JOB OUT``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from registry.atomic import write_bytes_atomic, write_json_atomic
+from registry.atomic import write_json_atomic
 
 QMAX = 127
 """Symmetric int8 as ONNX Runtime quantizes it: [-127, 127], zero-point 0."""
@@ -116,6 +119,21 @@ def remove_fake_quant(model: nn.Module) -> int:
     return _swap(model, FakeQuantConv, None)
 
 
+def weight_key(weight: object) -> str:
+    """A convolution's identity across the export: the SHA-1 of its float32 weights (the
+    ONNX graph renames tensors, the weights it keeps bit for bit)."""
+    import numpy as np
+
+    arr = np.ascontiguousarray(np.asarray(weight, dtype=np.float32))
+    return hashlib.sha1(arr.tobytes()).hexdigest()
+
+
+def activation_ranges(model: nn.Module) -> dict[str, float]:
+    """Each fake-quantized convolution's input range (max |x|), by :func:`weight_key`."""
+    return {weight_key(m.conv.weight.detach().cpu().numpy()): float(m.act_absmax)
+            for m in model.modules() if isinstance(m, FakeQuantConv)}
+
+
 def qat_finetune(job_path: Path, out: Path) -> dict[str, object]:
     """Fine-tune the job's model under fake quantization and export its quantizable FP32
     graph under ``out``; what the pipeline reads back (the graph's path, the fine-tune's
@@ -139,26 +157,15 @@ def qat_finetune(job_path: Path, out: Path) -> dict[str, object]:
                                                                    "name": "export-qat"})})
     result = Trainer(cfg, model=model, datasets=(src.train, src.val)).train()
     model.cpu().eval()
+    ranges = activation_ranges(model)
     remove_fake_quant(model)
     exported = form_of(src.config.task).export(model, out / "qat.fp32.onnx", src.input_shape,
                                                job.onnx, out)
     core = exported.core or exported.onnx.path
     return {"core": str(core), "steps": result.final_step, "metrics": result.metrics,
+            "activation_ranges": ranges,
             "folded_batchnorms": folded, "fake_quant_convs": wrapped,
             "seconds": time.perf_counter() - t0}
-
-
-def run_qat_child(job_json: str, out: Path, timeout_s: float | None = None) -> dict[str, object]:
-    """:func:`qat_finetune` in a child process (torch stays out of the caller)."""
-    out.mkdir(parents=True, exist_ok=True)
-    job_path = out / "job.json"
-    write_bytes_atomic(job_path, job_json.encode())
-    proc = subprocess.run([sys.executable, "-m", "exporters.qat", str(job_path), str(out)],
-                          capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the QAT fine-tune failed (exit {proc.returncode}): "
-                           f"{proc.stderr.strip()[-1500:]}")
-    return json.loads((out / "qat.json").read_text())  # type: ignore[no-any-return]
 
 
 def main(argv: list[str] | None = None) -> int:

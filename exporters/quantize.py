@@ -144,6 +144,13 @@ def with_float_inputs(model_path: Path, nodes: Sequence[str]) -> list[str]:
     return out
 
 
+def _overrides(ranges: dict[str, float] | None) -> dict[str, object]:
+    if not ranges:
+        return {}
+    return {"TensorQuantOverrides": {
+        name: [{"rmin": np.float32(-r), "rmax": np.float32(r)}] for name, r in ranges.items()}}
+
+
 def quantize_int8(
     fp32_path: Path,
     out_path: Path,
@@ -155,11 +162,14 @@ def quantize_int8(
     cache_path: Path | None = None,
     nodes_to_exclude: Sequence[str] = (),
     nodes_to_quantize: Sequence[str] | None = None,
+    range_overrides: dict[str, float] | None = None,
 ) -> QuantizeResult:
     """Quantize ``fp32_path`` (prepared by :func:`prepare_for_quantization`) to ``out_path``.
 
     With ``cache_path`` the ranges are read from there when it exists (and ``calib_inputs``
     is not run), else computed and saved there; ignored where ONNX Runtime has no cache.
+    ``range_overrides``: symmetric ranges (max |x|) of named activations that replace the
+    calibrated ones (a QAT fine-tune's own).
     """
     t0 = time.perf_counter()
     reader = BatchReader(calib_inputs, input_name, cfg.batch_size)
@@ -180,7 +190,8 @@ def quantize_int8(
             nodes_to_exclude=[*with_float_inputs(fp32_path, nodes_to_exclude),
                               *float_parameter_nodes(fp32_path)],
             nodes_to_quantize=list(nodes_to_quantize) if nodes_to_quantize is not None else None,
-            extra_options={**qdq_options(recipe), **ort_calibration_options(cfg)},
+            extra_options={**qdq_options(recipe), **ort_calibration_options(cfg),
+                           **_overrides(range_overrides)},
             **cache,  # type: ignore[arg-type]
         )
     return QuantizeResult(

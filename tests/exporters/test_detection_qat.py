@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 import torch
 from onnx import numpy_helper
 
@@ -57,6 +58,20 @@ def test_qat_recovers_a_post_training_int8_miss(detector: TrainedDetector,
         np.testing.assert_allclose(w_q * scale.reshape(-1, 1, 1, 1), fq.numpy(), atol=1e-7)
         checked += 1
     assert checked > 50
+    # ... and each convolution's input takes the range the fine-tune ended with, not a
+    # calibrated one: its Q/DQ scale is that range / 127.
+    import json
+
+    from exporters.pipeline import conv_input_ranges
+
+    ranges = json.loads((work / "qat" / "qat.json").read_text())["activation_ranges"]
+    by_tensor = conv_input_ranges(work / "qat.prep.onnx", ranges)
+    assert len(by_tensor) == report.qat["activation_ranges_set"] > 50
+    quant = {n.input[0]: inits[n.input[1]] for n in q.node if n.op_type == "QuantizeLinear"}
+    shared = [t for t in by_tensor if t in quant]
+    assert len(shared) > 50
+    for t in shared:
+        assert float(quant[t]) == pytest.approx(by_tensor[t] / QMAX, rel=1e-6)
 
 
 def test_fake_quant_keeps_the_float_function_of_folded_batchnorm(
