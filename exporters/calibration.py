@@ -40,7 +40,9 @@ def ort_calibration_options(cfg: CalibrationConfig) -> dict[str, object]:
 def representative_inputs(dataset: Dataset, samples: int, seed: int = 0) -> np.ndarray:
     """``samples`` inputs drawn at random from ``dataset``, as one float32 NCHW array.
 
-    A data set smaller than ``samples`` is used whole. Drawn by the torch half of an export
+    A data set smaller than ``samples`` is used whole. Images only, whatever the task (a
+    detector's targets are not needed to calibrate; its gates read them from the held-out
+    split). Drawn by the torch half of an export
     (``exporters.prepare``); the quantizing half reads them back and never imports torch.
     """
     import torch

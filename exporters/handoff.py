@@ -1,6 +1,9 @@
 """What the torch half of an export (``exporters.prepare``) hands the quantizing half
 (``exporters.pipeline``): the FP32 ONNX file, the held-out inputs and labels, the reference
-and fidelity logits, the calibration inputs, and the report so far.
+and fidelity logits, the calibration inputs, and the report so far. A detector's labels are
+its ground-truth boxes packed as rows and its "logits" its padded detections
+(``exporters.detection.outputs``); its quantizable core and the settings of its float tail
+travel as two more paths.
 
 Two processes on a device: the dynamo exporter and a recovery fine-tune need torch, the
 quantization and the gates need ONNX Runtime, and one process holding both peaked 1.2 x the
@@ -41,6 +44,12 @@ class Prepared:
     report: ExportReport
     task: str = "classification"
     """The model's task (``hpc_core.tasks``): its gate metric scores every artefact."""
+    core_path: Path | None = None
+    """The part of ``fp32_path`` that INT8 quantizes, when not all of it (a detector's network
+    without its decoding and NMS)."""
+    tail_path: Path | None = None
+    """The settings of the float tail joined to the quantized core
+    (``exporters.detection.tail.TailSpec``)."""
 
 
 def _paths(work: Path) -> tuple[Path, Path]:
@@ -56,7 +65,8 @@ def write_prepared(p: Prepared, work: Path) -> None:
     write_json_atomic(meta, {
         "fp32_path": str(p.fp32_path), "input_name": p.input_name,
         "input_shape": list(p.input_shape), "sparse": p.sparse, "report": report,
-        "task": p.task,
+        "task": p.task, "core_path": str(p.core_path) if p.core_path else None,
+        "tail_path": str(p.tail_path) if p.tail_path else None,
     })
 
 
@@ -75,4 +85,10 @@ def read_prepared(work: Path) -> Prepared:
     shape = tuple(int(d) for d in meta["input_shape"])
     return Prepared(fp32_path=Path(meta["fp32_path"]), input_name=meta["input_name"],
                     input_shape=(shape[0], shape[1], shape[2]), sparse=bool(meta["sparse"]),
-                    report=report, task=str(meta.get("task", "classification")), **arrays)
+                    report=report, task=str(meta.get("task", "classification")),
+                    core_path=_path(meta.get("core_path")), tail_path=_path(meta.get("tail_path")),
+                    **arrays)
+
+
+def _path(value: str | None) -> Path | None:
+    return None if value is None else Path(value)

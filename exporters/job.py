@@ -16,20 +16,36 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from hpc_core.config import DataConfig
 from hpc_core.job_args import flag
 
-EXPORTED_TASKS = ("classification",)
-"""The tasks whose models this exporter takes: one image batch in, one logits array out, which
-ONNX, the INT8 calibration and the gates handle as they are. A detector's output is per-image
-boxes of varying count (NMS inside the model): its export is not built yet."""
+EXPORTED_TASKS = ("classification", "detection")
+"""The tasks whose models this exporter takes (``exporters.prepare.FORMS``): a classifier's
+logits, a detector's (torchvision SSD/SSDlite) padded detections with NMS in the graph
+(``exporters.detection.outputs``). Within a task, a model the export cannot take (another
+detector family) is refused when it is loaded, with what to do instead."""
 
 
-def unexportable(task: str) -> str | None:
-    """Why a model of ``task`` cannot be exported here, with what to do instead; None when it
-    can."""
-    if task in EXPORTED_TASKS:
-        return None
-    return (f"a {task} model has no ONNX export yet (the exporter takes "
-            f"{', '.join(EXPORTED_TASKS)} models): run the job with steps.export: false "
-            "(--no-export), and it stages and serves the PyTorch checkpoint")
+EXPORTED_DETECTORS = ("ssd",)
+"""The torchvision detector families exported (``torchvision/ssdlite320_mobilenet_v3_large``,
+``torchvision/ssd300_vgg16``): their head is one convolution per feature map over fixed
+anchors, which ``exporters.detection.core`` cuts from its post-processing. FCOS and RetinaNet
+are not exported yet."""
+
+NO_EXPORT_FIX = ("run the job with steps.export: false (--no-export), and it stages and "
+                 "serves the PyTorch checkpoint")
+
+
+def unexportable(task: str, model: str | None = None) -> str | None:
+    """Why a model of ``task`` (built by the name ``model``, when known) cannot be exported
+    here, with what to do instead; None when it can. Torch-free: a model built by a factory
+    of its own is checked again when it is loaded."""
+    if task not in EXPORTED_TASKS:
+        return (f"a {task} model has no ONNX export yet (the exporter takes "
+                f"{', '.join(EXPORTED_TASKS)} models): {NO_EXPORT_FIX}")
+    source, _, name = (model or "").partition("/")
+    if task == "detection" and source == "torchvision" and not name.startswith(
+            EXPORTED_DETECTORS):
+        return (f"a detection model {model} has no ONNX export yet (the exporter takes "
+                f"torchvision's SSD and SSDlite detectors): {NO_EXPORT_FIX}")
+    return None
 
 
 Precision = Literal["int8", "fp16", "fp32"]
@@ -159,7 +175,13 @@ class GateConfig(BaseModel):
     max_top1_drop_pts: float | None = Field(
         default=1.0, ge=0.0, json_schema_extra=flag("max-top1-drop")
     )
-    """Largest allowed top-1 accuracy drop vs the FP32 reference, in percentage points."""
+    """Largest allowed drop of the task's gate metric vs the FP32 reference, in percentage
+    points: top-1 accuracy for a classifier, mAP@0.5:0.95 for a detector."""
+    max_map50_drop_pts: float | None = Field(
+        default=1.0, ge=0.0, json_schema_extra=flag("max-map50-drop")
+    )
+    """Detectors: largest allowed mAP@0.5 drop vs the FP32 reference, in percentage points
+    (not applied to classifiers)."""
     max_abs_logit_delta: float | None = Field(
         default=None, ge=0.0, json_schema_extra=flag("max-logit-delta")
     )
@@ -227,6 +249,22 @@ class FallbackConfig(BaseModel):
     """Try FP32 last."""
     sensitivity_samples: int = Field(default=256, ge=1)
     """Calibration samples used to rank the layers' sensitivity."""
+    qat: bool = Field(default=False, json_schema_extra=flag("qat"))
+    """After the INT8 steps, before fp16: quantization-aware training (the int8-qat step: a
+    short fake-quant fine-tune, then INT8 again). Off by default: it trains for minutes."""
+
+
+class QatConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    steps: int = Field(default=300, ge=1, json_schema_extra=flag("qat-steps"))
+    """Optimizer steps of the fake-quant fine-tune."""
+    lr: float = Field(default=2e-4, gt=0.0)
+    """Constant AdamW learning rate: low, the weights only adapt to the INT8 grid."""
+    batch_size: int = Field(default=8, ge=1)
+    """Samples per optimizer step."""
+    seed: int = 0
+    """Seed of the sample order."""
 
 
 class ExportJob(BaseModel):
@@ -258,6 +296,8 @@ class ExportJob(BaseModel):
     onnx: OnnxExportConfig = Field(default_factory=OnnxExportConfig)
     gates: GateConfig = Field(default_factory=GateConfig)
     fallback: FallbackConfig = Field(default_factory=FallbackConfig)
+    qat: QatConfig = Field(default_factory=QatConfig)
+    """The fine-tune of the int8-qat step (`fallback.qat`)."""
     tensorrt: TensorRTConfig = Field(default_factory=TensorRTConfig)
     keep_intermediates: bool = False
     """Keep <out>/work (every attempt's artefact, the calibration cache)."""

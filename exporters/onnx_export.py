@@ -36,6 +36,16 @@ class OnnxExport:
     size_bytes: int
 
 
+@dataclass
+class Exported:
+    onnx: OnnxExport
+    """The whole graph (what FP32 serves)."""
+    core: Path | None = None
+    """The part INT8 quantizes, when it is not the whole graph."""
+    tail: Path | None = None
+    """The settings of the float tail appended after the core."""
+
+
 @contextlib.contextmanager
 def _quiet_exporter() -> Iterator[None]:
     # The exporter logs a warning per missing optional op library (torchvision) and emits
@@ -54,9 +64,10 @@ def _quiet_exporter() -> Iterator[None]:
 
 
 def _torch_export(
-    model: nn.Module, example: torch.Tensor, path: Path, cfg: OnnxExportConfig
+    model: nn.Module, example: torch.Tensor, path: Path, cfg: OnnxExportConfig,
+    output_name: str,
 ) -> None:
-    common = {"input_names": [INPUT_NAME], "output_names": [OUTPUT_NAME]}
+    common = {"input_names": [INPUT_NAME], "output_names": [output_name]}
     with _quiet_exporter(), torch.no_grad():
         if cfg.exporter == "dynamo":
             dynamic = ({0: torch.export.Dim("batch")},) if cfg.dynamic_batch else None
@@ -65,7 +76,7 @@ def _torch_export(
                 dynamic_shapes=dynamic, external_data=False, verbose=False, **common,
             )
         else:
-            axes = {INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}}
+            axes = {INPUT_NAME: {0: "batch"}, output_name: {0: "batch"}}
             torch.onnx.export(
                 model, (example,), str(path), opset_version=cfg.opset, dynamo=False,
                 dynamic_axes=axes if cfg.dynamic_batch else None, **common,
@@ -113,8 +124,10 @@ def export_onnx(
     path: Path,
     input_shape: tuple[int, ...],
     cfg: OnnxExportConfig | None = None,
+    output_name: str = OUTPUT_NAME,
 ) -> OnnxExport:
-    """Export ``model`` (in eval mode) for inputs ``(batch, *input_shape)`` to ``path``."""
+    """Export ``model`` (in eval mode) for inputs ``(batch, *input_shape)`` to ``path``; its
+    one output is named ``output_name``."""
     cfg = cfg or OnnxExportConfig()
     was_training = model.training
     model.eval()
@@ -123,7 +136,7 @@ def export_onnx(
     example = torch.zeros(2, *input_shape, device=device)
     try:
         with atomic_output(Path(path)) as tmp:
-            _torch_export(model, example, tmp, cfg)
+            _torch_export(model, example, tmp, cfg, output_name)
             proto = onnx.load(str(tmp))
             strip_debug_info(proto)
             simplified_by = None

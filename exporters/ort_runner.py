@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from exporters.detection.outputs import OUTPUT_NAMES, pack
+
 PRECISE_INT8 = ("session.x64quantprecision", "1")
 
 
@@ -54,7 +56,9 @@ def ort_session(
 
 
 class OrtRunner:
-    """Float32 batch in, float32 logits out, through :func:`ort_session`."""
+    """Float32 batch in, float32 logits out, through :func:`ort_session`; an exported
+    detector's four outputs (``exporters.detection.outputs``) come out packed as one
+    ``[N, K, 6]`` array, so that batching, scoring and timing treat both alike."""
 
     def __init__(
         self,
@@ -68,6 +72,10 @@ class OrtRunner:
         self.session = ort_session(path, threads=threads, providers=providers, optimize=optimize)
         self.input_name = self.session.get_inputs()[0].name
         self.name = name
+        names = {o.name for o in self.session.get_outputs()}
+        self.detections = set(OUTPUT_NAMES) <= names
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.detections:
+            return pack(self.session.run(list(OUTPUT_NAMES), {self.input_name: x}))
         return self.session.run(None, {self.input_name: x})[0]

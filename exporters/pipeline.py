@@ -12,7 +12,17 @@ Steps, in order, each gated on the artefact it produced:
 2. ``int8-exclude-<k>``: the k layers most sensitive to quantization left in float,
    k = 1 .. ``fallback.max_excluded_layers`` (sensitivity measured per layer: quantize that
    layer alone, compare logits with FP32 on calibration data);
-3. ``fp16``; 4. ``fp32``.
+3. ``int8-qat`` (``fallback.qat``): quantization-aware training, a short fake-quant
+   fine-tune (``exporters.qat``, in a child process: torch), then the whole model in INT8
+   again;
+4. ``fp16``; 5. ``fp32``.
+
+A detector's graph is its network (the core) followed by box decoding and NMS (the tail,
+``exporters.detection.tail``): every step quantizes or converts the core alone and joins
+the float tail to it afterwards, so no quantizer ever touches decoding or NMS; the layer
+sensitivity is measured on the core's raw head (class logits and box regressions before
+NMS). A TensorRT engine of a detector is built from the core with the ``EfficientNMS_TRT``
+plugin as its tail.
 
 The first step that meets every gate wins and is installed into the output folder
 (``model.onnx``, and ``model.engine`` + ``model.engine.json`` for TensorRT); the report says
@@ -27,7 +37,10 @@ torch. :func:`run_export` runs both in one process; a device job runs each in it
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +50,7 @@ import numpy as np
 import onnx
 
 from exporters.cpu_isa import detect_isa
+from exporters.detection.tail import NmsKind, TailSpec, attach
 from exporters.gates import GateResult, judge, measure
 from exporters.handoff import Prepared, read_prepared
 from exporters.int8_recipe import Int8Recipe, choose_recipe
@@ -47,7 +61,7 @@ from exporters.quantize import prepare_for_quantization, quantizable_nodes, quan
 from exporters.report import Attempt, ExportReport, artefact_info, fallback_note, write_report
 from exporters.runtime import Runner, predict
 from exporters.tensorrt_build import TensorRTRunner, build_engine
-from registry.atomic import atomic_output, write_json_atomic
+from registry.atomic import atomic_output, write_bytes_atomic, write_json_atomic
 
 
 def _sha256(path: Path) -> str:
@@ -68,9 +82,16 @@ class _Run:
     recipe: Int8Recipe
     """The first INT8 step's recipe."""
     prepared: Path | None = None
+    qat_prepared: Path | None = None
+    """The QAT fine-tune's float core, prepared for quantization (after ``int8-qat`` ran)."""
     sensitivity: list[tuple[str, float]] | None = None
     notes: list[str] = field(default_factory=list)
     """Why planned steps were skipped; ends up in the report's fallback_reason."""
+    qat: dict[str, object] | None = None
+    """The QAT fine-tune's summary (steps, final metrics, seconds), once it ran."""
+    qat_ranges: dict[str, float] = field(default_factory=dict)
+    """The fine-tune's input range (max |x|) of each convolution, by the tensor's name in the
+    prepared QAT core: the Q/DQ ranges its INT8 file takes instead of calibrated ones."""
 
     @property
     def exact_recipe(self) -> Int8Recipe:
@@ -79,35 +100,74 @@ class _Run:
             return self.recipe
         return Int8Recipe("s8s8-symmetric", "fallback: u8s8-reduce-range missed its gates")
 
-    def cache(self, recipe: Int8Recipe) -> Path:
-        return self.work / f"calibration_ranges.{recipe.name}.json"
+    def cache(self, recipe: Int8Recipe, tag: str = "") -> Path:
+        return self.work / f"calibration_ranges.{recipe.name}{tag}.json"
 
     def calibration_inputs(self) -> np.ndarray:
         return self.src.calib
 
+    @property
+    def float_core(self) -> Path:
+        """The float graph INT8 quantizes: the whole model, or a detector's core."""
+        return self.src.core_path or self.src.fp32_path
+
     def prepared_fp32(self) -> Path:
         if self.prepared is None:
-            self.prepared = prepare_for_quantization(self.src.fp32_path,
+            self.prepared = prepare_for_quantization(self.float_core,
                                                      self.work / "fp32.prep.onnx")
         return self.prepared
 
     def quantize(
         self, out: Path, recipe: Int8Recipe, exclude: Sequence[str] = (),
-        only: Sequence[str] | None = None,
+        only: Sequence[str] | None = None, qat: bool = False,
     ) -> Path:
-        """Quantize the FP32 model; the ranges of the first call are reused where possible."""
+        """Quantize the FP32 model (``qat``: the QAT fine-tune's); the ranges of the first
+        call are reused where possible."""
+        source = self.qat_prepared if qat else self.prepared_fp32()
+        assert source is not None, "the QAT fine-tune has not run"
         quantize_int8(
-            self.prepared_fp32(),
+            source,
             out,
             calib_inputs=self.calibration_inputs(),
             input_name=self.src.input_name,
             cfg=self.job.calibration,
             recipe=recipe,
-            cache_path=self.cache(recipe),
+            cache_path=self.cache(recipe, ".qat" if qat else ""),
             nodes_to_exclude=exclude,
             nodes_to_quantize=only,
+            range_overrides=self.qat_ranges if qat else None,
         )
         return out
+
+    @property
+    def nms(self) -> NmsKind:
+        return "efficient_nms_trt" if self.job.target == "tensorrt" else "onnx"
+
+    def with_tail(self, core: Path, out: Path) -> Path:
+        """``core`` as the served graph: with a detector's float tail joined to it, else
+        itself."""
+        if self.src.tail_path is None:
+            return core
+        return attach(core, TailSpec.load(self.src.tail_path), out, self.nms)
+
+    def run_qat(self) -> dict[str, object]:
+        """The QAT fine-tune (a child process: torch), once; its float core prepared, its
+        activation ranges mapped onto that core's tensors."""
+        out = self.work / "qat"
+        out.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(out / "job.json", self.job.model_dump_json().encode())
+        proc = subprocess.run([sys.executable, "-m", "exporters.qat", str(out / "job.json"),
+                               str(out)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the QAT fine-tune failed (exit {proc.returncode}): "
+                               f"{proc.stderr.strip()[-1500:]}")
+        result: dict[str, object] = json.loads((out / "qat.json").read_text())
+        self.qat_prepared = prepare_for_quantization(Path(str(result["core"])),
+                                                     self.work / "qat.prep.onnx")
+        ranges = result.pop("activation_ranges")
+        self.qat_ranges = conv_input_ranges(self.qat_prepared, ranges)  # type: ignore[arg-type]
+        result["activation_ranges_set"] = len(self.qat_ranges)
+        return result
 
     def layer_sensitivity(self) -> list[tuple[str, float]]:
         """Layers ranked by the logit MSE when only that layer is quantized, worst first."""
@@ -125,6 +185,24 @@ class _Run:
             self.sensitivity = sorted(scores, key=lambda s: -s[1])
         return self.sensitivity
 
+
+QAT_STEP = "int8-qat"
+
+
+def conv_input_ranges(model_path: Path, by_weight: dict[str, float]) -> dict[str, float]:
+    """``by_weight`` (range by ``exporters.qat.weight_key``) as ranges of the Conv inputs of
+    ``model_path``; a tensor two convolutions read takes the wider range."""
+    model = onnx.load(str(model_path))
+    inits = {i.name: i for i in model.graph.initializer}
+    out: dict[str, float] = {}
+    for n in model.graph.node:
+        if n.op_type != "Conv" or len(n.input) < 2 or n.input[1] not in inits:
+            continue
+        w = np.ascontiguousarray(onnx.numpy_helper.to_array(inits[n.input[1]]), np.float32)
+        r = by_weight.get(hashlib.sha1(w.tobytes()).hexdigest())
+        if r is not None:
+            out[n.input[0]] = max(r, out.get(n.input[0], 0.0))
+    return out
 
 Step = tuple[str, Precision, int, Int8Recipe | None]
 """(step name, precision, layers excluded, INT8 recipe)"""
@@ -153,6 +231,12 @@ def plan_steps(job: ExportJob, run: _Run) -> Iterator[Step]:
                     n = 0
                 for k in range(1, min(fb.max_excluded_layers, n - 1) + 1):
                     yield f"int8-exclude-{k}", "int8", k, exact
+            if fb.enabled and fb.qat:
+                if job.prune is None:
+                    yield QAT_STEP, "int8", 0, exact
+                else:
+                    run.notes.append(f"{QAT_STEP} skipped: a fine-tune would fill the pruned "
+                                     "weights again")
         elif precision == "fp16" and (precision == job.precision or fb.fp16):
             yield "fp16", "fp16", 0, None
         elif precision == "fp32" and (precision == job.precision or fb.fp32):
@@ -174,13 +258,22 @@ def _make_artefact(
 ) -> tuple[Path, Path, list[str]]:
     """(ONNX file, served artefact, Q/DQ violations) of one step."""
     violations: list[str] = []
+    whole = run.work / f"{step}.onnx"
     if precision == "int8":
         assert recipe is not None
-        onnx_path = run.quantize(run.work / f"{step}.onnx", recipe, exclude)
+        qat = step == QAT_STEP
+        if qat:
+            run.qat = run.run_qat()
+        core_name = f"{step}.core.onnx" if run.src.tail_path is not None else whole.name
+        core = run.quantize(run.work / core_name, recipe, exclude, qat=qat)
+        onnx_path = run.with_tail(core, whole)
         violations = [str(v) for v in check_qdq(
             onnx_path, activations_signed=recipe.activations_signed)]
     elif precision == "fp16" and run.job.target == "onnxruntime":
-        onnx_path = _fp16_onnx(run.src.fp32_path, run.work / "fp16.onnx")
+        core_name = "fp16.core.onnx" if run.src.tail_path is not None else whole.name
+        onnx_path = run.with_tail(_fp16_onnx(run.float_core, run.work / core_name), whole)
+    elif run.src.tail_path is not None and run.nms != "onnx":
+        onnx_path = run.with_tail(run.float_core, whole)
     else:
         onnx_path = run.src.fp32_path
     if run.job.target == "onnxruntime":
@@ -244,6 +337,8 @@ def quantize_and_gate(job: ExportJob, started: float | None = None) -> ExportRep
     report.fallback = fallback_note(report)
     if report.sensitivity is None and run.sensitivity is not None:
         report.sensitivity = [{"node": n, "logit_mse": s} for n, s in run.sensitivity]
+    if run.qat is not None:
+        report.qat = run.qat
     if not job.keep_intermediates:
         shutil.rmtree(work, ignore_errors=True)
     report.seconds += time.perf_counter() - t0

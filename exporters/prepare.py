@@ -3,6 +3,11 @@ recovered, exported to FP32 ONNX; the held-out inputs with the reference and fid
 and the calibration inputs drawn — everything the quantizing half (``exporters.pipeline``)
 needs, handed over through ``exporters.handoff``. A device job runs each half in its own
 process so that torch and ONNX Runtime are never resident together.
+
+What differs by task is a form (:data:`FORMS`): a classifier's outputs are logits and its
+targets labels; a detector's (``exporters.detection.form``) are padded detections after NMS
+in the graph and packed ground-truth rows, and its ONNX file is a core that INT8 quantizes
+with a float tail joined to it.
 """
 
 from __future__ import annotations
@@ -10,16 +15,19 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 from exporters.calibration import representative_inputs
+from exporters.detection.form import DetectionForm
 from exporters.flops import count_flops
 from exporters.handoff import Prepared, write_prepared
-from exporters.job import ExportJob, unexportable
-from exporters.onnx_export import export_onnx
+from exporters.job import ExportJob, OnnxExportConfig, unexportable
+from exporters.onnx_export import Exported, export_onnx
 from exporters.onnx_weights import check_semi_structured
 from exporters.prune import PruneResult, prune_model
 from exporters.recovery import recover
@@ -28,9 +36,58 @@ from exporters.runtime import TorchRunner, predict
 from exporters.tensorrt_build import require_tensorrt
 from hpc_core.checkpoint import load_model, resolve_checkpoint
 from hpc_core.config import DataConfig, TrainConfig
-from hpc_core.data import build_datasets, held_out
+from hpc_core.data import held_out
+from hpc_core.tasks import get_task
 
 INSTALLED = ("model.onnx", "model.onnx.json", "model.engine", "model.engine.json", "report.json")
+
+
+class ModelForm(Protocol):
+    """How the torch half reads one task's models (one form per exported task)."""
+
+    logits: bool
+    """Its outputs are logits (a classifier): the logit fidelity gate applies."""
+
+    def check(self, model: nn.Module) -> str | None:
+        """Why this model cannot be exported, or None."""
+
+    def held_out(self, val: Dataset, limit: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """The held-out images and their targets, as arrays."""
+
+    def outputs(self, model: nn.Module, inputs: np.ndarray, batch: int) -> np.ndarray:
+        """The PyTorch model's outputs on ``inputs`` in the exported graph's form."""
+
+    def export(self, model: nn.Module, path: Path, shape: tuple[int, int, int],
+               cfg: OnnxExportConfig, work: Path) -> Exported: ...
+
+
+class LogitsForm:
+    """A classifier: one logits array out."""
+
+    logits = True
+
+    def check(self, model: nn.Module) -> str | None:
+        return None
+
+    def held_out(self, val: Dataset, limit: int | None) -> tuple[np.ndarray, np.ndarray]:
+        return held_out(val, limit)
+
+    def outputs(self, model: nn.Module, inputs: np.ndarray, batch: int) -> np.ndarray:
+        return predict(TorchRunner(model), inputs, batch=batch)  # type: ignore[no-any-return]
+
+    def export(self, model: nn.Module, path: Path, shape: tuple[int, int, int],
+               cfg: OnnxExportConfig, work: Path) -> Exported:
+        return Exported(export_onnx(model, path, shape, cfg))
+
+
+FORMS: dict[str, ModelForm] = {"classification": LogitsForm(), "detection": DetectionForm()}
+"""Each exported task's form (``exporters.job.EXPORTED_TASKS``): the steps below call it and
+never ask which task they hold."""
+
+
+def form_of(task: str) -> ModelForm:
+    """The form of ``task``'s models (``exporters.job.unexportable`` refused the others)."""
+    return FORMS[task]
 
 
 @dataclass
@@ -48,14 +105,14 @@ def load_source(job: ExportJob) -> Source:
     ckpt_dir = resolve_checkpoint(job.checkpoint)
     model, cfg = load_model(ckpt_dir, "cpu")
     m = cfg.model
-    why = unexportable(cfg.task)
+    why = unexportable(cfg.task, m.name) or form_of(cfg.task).check(model)
     if why is not None:
         raise ValueError(f"{ckpt_dir}: {why}")
     data = cfg.data.model_dump()
     if job.data is not None:  # the fields the job sets override the checkpoint's
         data.update(job.data.model_dump(include=job.data.model_fields_set))
     data = DataConfig.model_validate({**data, "image_size": m.image_size})
-    train, val, info = build_datasets(data)
+    train, val, info = get_task(cfg.task).build_datasets(data)
     if info.in_channels != m.in_channels:
         raise ValueError(
             f"data has {info.in_channels} channel(s) but the model takes {m.in_channels}: "
@@ -111,9 +168,14 @@ def prepare(job: ExportJob) -> Prepared:
     report = ExportReport(target=job.target, job=job.model_dump(mode="json"), versions=versions())
     src = load_source(job)
     report.checkpoint = str(src.checkpoint)
-    inputs, labels = held_out(src.val, job.gates.eval_samples)
+    form = form_of(src.config.task)
+    if not form.logits and job.gates.max_abs_logit_delta is not None:
+        raise ValueError("gates.max_abs_logit_delta: a detector's outputs are boxes after NMS, "
+                         "with no logits to compare; unset it (gates.max_map50_drop_pts and "
+                         "gates.max_top1_drop_pts gate a detector by mAP)")
+    inputs, labels = form.held_out(src.val, job.gates.eval_samples)
     batch = job.gates.batch_size  # every scoring pass: the job's batch, never more
-    reference_logits = predict(TorchRunner(src.model), inputs, batch=batch)
+    reference_logits = form.outputs(src.model, inputs, batch)
     before = _model_summary(src.model, src.input_shape)
     model = copy.deepcopy(src.model)
     sparse = _prune(job, src, model, report) if job.prune is not None else False
@@ -128,8 +190,9 @@ def prepare(job: ExportJob) -> Prepared:
         "flops_before": before["flops"],
         "flops_after": after["flops"],
     }
-    fidelity_logits = predict(TorchRunner(model), inputs, batch=batch)
-    fp32 = export_onnx(model, out / "model.fp32.onnx", src.input_shape, job.onnx)
+    fidelity_logits = form.outputs(model, inputs, batch)
+    exported = form.export(model, out / "model.fp32.onnx", src.input_shape, job.onnx, work)
+    fp32 = exported.onnx
     report.onnx = {
         "opset": fp32.opset,
         "exporter": job.onnx.exporter,
@@ -153,6 +216,7 @@ def prepare(job: ExportJob) -> Prepared:
                         input_shape=src.input_shape, sparse=sparse, inputs=inputs,
                         labels=labels, reference_logits=reference_logits,
                         fidelity_logits=fidelity_logits, calib=calib, report=report,
-                        task=src.config.task)
+                        task=src.config.task, core_path=exported.core,
+                        tail_path=exported.tail)
     write_prepared(prepared, work)
     return prepared

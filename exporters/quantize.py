@@ -115,6 +115,42 @@ def float_parameter_nodes(model_path: Path) -> list[str]:
     ]
 
 
+ACTIVATION_OPS = ("Relu", "Clip", "LeakyRelu", "HardSwish", "HardSigmoid", "Sigmoid", "Tanh")
+"""Elementwise activations ONNX Runtime quantizes at their output: the tensor they feed a
+layer is then quantized whether or not that layer is."""
+
+
+def with_float_inputs(model_path: Path, nodes: Sequence[str]) -> list[str]:
+    """``nodes`` plus the activations that feed only them (a conv's ReLU), so that a layer
+    left in float also takes its input in float: excluding the conv alone leaves the Q/DQ
+    pair on its input, where a tensor whose channels differ by orders of magnitude loses
+    the small ones."""
+    model = onnx.load(str(model_path))
+    producer = {o: n for n in model.graph.node for o in n.output}
+    uses: dict[str, int] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            uses[i] = uses.get(i, 0) + 1
+    by_name = {n.name: n for n in model.graph.node}
+    out = list(nodes)
+    for name in nodes:
+        node = by_name.get(name)
+        while node is not None and node.input:
+            p = producer.get(node.input[0])
+            if p is None or p.op_type not in ACTIVATION_OPS or uses.get(node.input[0], 0) != 1:
+                break
+            out.append(p.name)
+            node = p
+    return out
+
+
+def _overrides(ranges: dict[str, float] | None) -> dict[str, object]:
+    if not ranges:
+        return {}
+    return {"TensorQuantOverrides": {
+        name: [{"rmin": np.float32(-r), "rmax": np.float32(r)}] for name, r in ranges.items()}}
+
+
 def quantize_int8(
     fp32_path: Path,
     out_path: Path,
@@ -126,11 +162,14 @@ def quantize_int8(
     cache_path: Path | None = None,
     nodes_to_exclude: Sequence[str] = (),
     nodes_to_quantize: Sequence[str] | None = None,
+    range_overrides: dict[str, float] | None = None,
 ) -> QuantizeResult:
     """Quantize ``fp32_path`` (prepared by :func:`prepare_for_quantization`) to ``out_path``.
 
     With ``cache_path`` the ranges are read from there when it exists (and ``calib_inputs``
     is not run), else computed and saved there; ignored where ONNX Runtime has no cache.
+    ``range_overrides``: symmetric ranges (max |x|) of named activations that replace the
+    calibrated ones (a QAT fine-tune's own).
     """
     t0 = time.perf_counter()
     reader = BatchReader(calib_inputs, input_name, cfg.batch_size)
@@ -148,9 +187,11 @@ def quantize_int8(
             per_channel=True,
             reduce_range=recipe.reduce_range,
             calibrate_method=ort_calibration_method(cfg.method),
-            nodes_to_exclude=[*nodes_to_exclude, *float_parameter_nodes(fp32_path)],
+            nodes_to_exclude=[*with_float_inputs(fp32_path, nodes_to_exclude),
+                              *float_parameter_nodes(fp32_path)],
             nodes_to_quantize=list(nodes_to_quantize) if nodes_to_quantize is not None else None,
-            extra_options={**qdq_options(recipe), **ort_calibration_options(cfg)},
+            extra_options={**qdq_options(recipe), **ort_calibration_options(cfg),
+                           **_overrides(range_overrides)},
             **cache,  # type: ignore[arg-type]
         )
     return QuantizeResult(

@@ -20,7 +20,7 @@ FORMAT = "edgetrain.export-report/1"
 @dataclass
 class Attempt:
     step: str
-    """int8 | int8-exclude-<k> | fp16 | fp32"""
+    """int8 | int8-s8s8 | int8-exclude-<k> | int8-qat | fp16 | fp32"""
     precision: str
     excluded: list[str] = field(default_factory=list)
     """Layers left in float (int8 fallback steps)."""
@@ -60,6 +60,11 @@ class ExportReport:
     onnx: dict[str, Any] = field(default_factory=dict)
     semi_structured: dict[str, Any] | None = None
     sensitivity: list[dict[str, Any]] | None = None
+    """Layers by their output MSE when quantized alone (a classifier's logits, a detector's raw
+    head: class logits and box regressions before NMS), worst first."""
+    qat: dict[str, Any] | None = None
+    """The ``int8-qat`` step's fine-tune, when it ran: steps, final metrics (under fake
+    quantization), seconds."""
     attempts: list[Attempt] = field(default_factory=list)
     job: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
@@ -100,7 +105,8 @@ def fallback_note(report: ExportReport) -> str | None:
     why = first.error or "; ".join(first.failures) or "failed"
     missed = f"{first.step} missed its gates ({why})"
     if m is not None and not first.error:
-        missed = f"{first.step} missed its gates at top-1 drop {m.top1_drop_pts:.2f} pts ({why})"
+        what = "top-1" if m.gate_metric == "acc" else m.gate_metric
+        missed = f"{first.step} missed its gates at {what} drop {m.top1_drop_pts:.2f} pts ({why})"
     win = next((a for a in report.attempts if a.passed), None)
     if win is None:
         return f"{missed}; no later step passed either"
@@ -158,7 +164,9 @@ def render_table(report: ExportReport) -> str:
     batch = next(
         (a.measurement.latency_batch.batch for a in report.attempts if a.measurement), "N"
     )
-    head = ["step", "precision", "top-1 %", "drop pts", "max|dlogit|", "b1 p50/p99 ms",
+    metric = next((a.measurement.gate_metric for a in report.attempts if a.measurement), "acc")
+    head = ["step", "precision", "top-1 %" if metric == "acc" else f"{metric} %", "drop pts",
+            "max|dlogit|", "b1 p50/p99 ms",
             f"b{batch} p50/p99 ms", "size MB", "gate"]
     rows = [head] + [_cell(a) for a in report.attempts]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -167,8 +175,14 @@ def render_table(report: ExportReport) -> str:
     first = next((a.measurement for a in report.attempts if a.measurement), None)
     out = []
     if first is not None:
-        out.append(f"FP32 reference top-1: {first.reference_top1 * 100:.2f}% "
+        what = "top-1" if first.gate_metric == "acc" else first.gate_metric
+        out.append(f"FP32 reference {what}: {first.reference_top1 * 100:.2f}% "
                    f"({first.samples} held-out samples)")
+        if first.reference_map50 is not None:
+            maps = ", ".join(f"{a.step} {a.measurement.map50 * 100:.2f}%"
+                             for a in report.attempts
+                             if a.measurement and a.measurement.map50 is not None)
+            out.append(f"mAP@0.5: FP32 reference {first.reference_map50 * 100:.2f}%; {maps}")
     if report.prune:
         out.append(f"pruning: {report.prune.get('spec')} -> sparsity "
                    f"{report.prune.get('sparsity', 0) * 100:.1f}%, FLOPs "

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from exporters.detection.outputs import OUTPUT_NAMES, pack
 from exporters.jetpack import l4t_release
 from exporters.job import Precision, TensorRTConfig
 from registry.atomic import atomic_output, write_json_atomic
@@ -89,6 +90,8 @@ def build_engine(
     trt = require_tensorrt()
     t0 = time.perf_counter()
     logger = trt.Logger(trt.Logger.WARNING)
+    # The parser finds plugin nodes (a detector's EfficientNMS_TRT) only once they are registered.
+    trt.init_libnvinfer_plugins(logger, "")
     builder = trt.Builder(logger)
     flags = 0
     if int(trt.__version__.split(".")[0]) < 10:  # explicit batch became the only mode in 10
@@ -163,7 +166,9 @@ class TensorRTRunner:
             raise TensorRTUnavailable("running a TensorRT engine needs a CUDA device")
         self._torch = torch
         self.name = name
-        self.runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        logger = trt.Logger(trt.Logger.WARNING)
+        trt.init_libnvinfer_plugins(logger, "")  # a detector's engine holds EfficientNMS_TRT
+        self.runtime = trt.Runtime(logger)
         self.engine = self.runtime.deserialize_cuda_engine(Path(engine_path).read_bytes())
         if self.engine is None:
             raise RuntimeError(f"{engine_path}: TensorRT could not deserialize the engine")
@@ -171,21 +176,31 @@ class TensorRTRunner:
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.input_name = inputs[0]
-        self.output_name = next(n for n in names if n not in inputs)
+        self.output_names = [n for n in names if n not in inputs]
+        self.output_name = self.output_names[0]
+        # A detector's engine (EfficientNMS_TRT): its four outputs, packed as ONNX Runtime's
+        # runner packs them (exporters.detection.outputs).
+        self.detections = set(OUTPUT_NAMES) <= set(self.output_names)
+        self._int32 = {n for n in self.output_names
+                       if self.engine.get_tensor_dtype(n) == trt.DataType.INT32}
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         torch = self._torch
         xt = torch.from_numpy(np.ascontiguousarray(x)).cuda()
         self.context.set_input_shape(self.input_name, tuple(xt.shape))
-        out = torch.empty(
-            tuple(self.context.get_tensor_shape(self.output_name)),
-            dtype=torch.float32,
-            device="cuda",
-        )
         self.context.set_tensor_address(self.input_name, xt.data_ptr())
-        self.context.set_tensor_address(self.output_name, out.data_ptr())
+        outs = {}
+        for name in self.output_names if self.detections else [self.output_name]:
+            outs[name] = torch.empty(
+                tuple(self.context.get_tensor_shape(name)),
+                dtype=torch.int32 if name in self._int32 else torch.float32,
+                device="cuda",
+            )
+            self.context.set_tensor_address(name, outs[name].data_ptr())
         stream = torch.cuda.current_stream()
         if not self.context.execute_async_v3(stream.cuda_stream):
             raise RuntimeError("TensorRT execution failed")
         stream.synchronize()
-        return out.cpu().numpy()
+        if self.detections:
+            return pack([outs[n].cpu().numpy() for n in OUTPUT_NAMES])
+        return outs[self.output_name].cpu().numpy()

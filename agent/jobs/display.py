@@ -158,7 +158,7 @@ def summary_rows(rec: Any, steps: list[Any]) -> list[tuple[str, str]]:
         drop = ex.get("int8_drop_pts")
         p50 = ex.get("p50_ms_b1")
         rows.append(("export", f"{ex.get('winner')} won"
-                     + (f", top-1 drop {drop:.2f} pts" if drop is not None else "")
+                     + (f", {_drop_label(ex)} drop {drop:.2f} pts" if drop is not None else "")
                      + (f", p50 {p50:.3f} ms at batch 1" if p50 is not None else "")
                      + (f", recipe {ex['int8_recipe']}" if ex.get("int8_recipe") else "")
                      + f" ({ex.get('seconds', 0):.1f} s)"))
@@ -199,3 +199,9 @@ def print_rows(rows: list[tuple[str, str]], out: IO[str] | None = None) -> None:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         out.write(f"{k:<{width}}  {v}\n")
+
+
+def _drop_label(ex: dict[str, Any]) -> str:
+    """What the export's drop is of: top-1, or a detector's gate metric (map)."""
+    metric = ex.get("gate_metric") or "acc"
+    return "top-1" if metric == "acc" else metric

@@ -141,7 +141,7 @@ class StepSwitches(BaseModel):
 
     export: bool = Field(default=True, json_schema_extra=flag("export"))
     """Export (and gate) an ONNX artefact; without it the staged model carries none and the
-    health check runs it in PyTorch. A detector has no export yet: its job needs false."""
+    health check runs it in PyTorch. FCOS and RetinaNet detectors have no export yet: false."""
     upload: bool = Field(default=False, json_schema_extra=flag("upload"))
     """Publish the committed model back to the registry, signed by this device."""
 

@@ -35,7 +35,7 @@ NOT_BENCHMARKS = {
     "oip_threaded.py": "the former threaded agentctl serve server, http_server.py's baseline: "
                        "no main",
 }
-DEVICE_JOB = ("device_job.py", "job_budget.py", "detection.py")
+DEVICE_JOB = ("device_job.py", "job_budget.py", "detection.py", "detection_int8.py")
 """Whole device jobs (worker, probes, fine-tune, INT8 export, health): the heaviest."""
 TRAINING = ("runtime.py", "upstream.py", "finetune.py", "export.py", "trainer_overhead.py")
 """Training, probing and exporting in fresh torch processes."""

@@ -82,3 +82,43 @@ def resnet(tmp_path_factory: pytest.TempPathFactory) -> Trained:
 def cnn_fp32(cnn: Trained, tmp_path_factory: pytest.TempPathFactory) -> OnnxExport:
     return export_onnx(cnn.model(), tmp_path_factory.mktemp("cnn-onnx") / "fp32.onnx",
                        cnn.input_shape)
+
+
+DETECTOR_SIZE = 64
+
+
+@dataclass
+class TrainedDetector:
+    """configs/detection_cpu.yaml's half-width SSDlite, trained at 64 px on 32 synthetic
+    images of two shapes."""
+
+    checkpoint: Path
+    config: Any
+    """Its TrainConfig."""
+
+    def model(self) -> nn.Module:
+        return load_model(self.checkpoint)[0].eval()
+
+    def data(self, val_fraction: float = 0.75) -> dict[str, Any]:
+        """A job's data section scoring on most of the images the model trained on: a tiny
+        detector finds little on images it never saw, and the gates need a figure that
+        moves when INT8 breaks it."""
+        return {**self.config.data.model_dump(mode="json", exclude_none=True),
+                "val_fraction": val_fraction}
+
+
+@pytest.fixture(scope="session")
+def detector(tmp_path_factory: pytest.TempPathFactory) -> TrainedDetector:
+    from hpc_core.config import load_config
+
+    out = tmp_path_factory.mktemp("detector")
+    repo = Path(__file__).resolve().parents[2]
+    cfg = load_config(repo / "configs/detection_cpu.yaml", [
+        f"run.output_dir={out}", "data.synthetic={images: 32, size: 64, classes: [square, "
+        "circle], objects: [1, 1], object_size: [0.4, 0.6]}", f"data.image_size={DETECTOR_SIZE}",
+        "data.val_fraction=0.25", "training.max_steps=100", "training.eval_every_steps=null",
+        "checkpoint.every_steps=null", "schedule.warmup_steps=3", "optimizer.lr=0.003",
+        "logging.progress=off", "training.device=cpu", "training.channels_last=false"])
+    result = Trainer(cfg).train()
+    assert result.checkpoint_dir is not None
+    return TrainedDetector(result.checkpoint_dir, cfg)

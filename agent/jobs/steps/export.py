@@ -24,15 +24,17 @@ from agent.jobs.protocol import (
 
 
 def refusal(ctx: JobContext) -> str | None:
-    """Why this job's model cannot be exported (its task has no export yet: a detector), or
-    None. Read from the pulled upstream's manifest, torch-free: the fine-tune step asks
-    before it trains, so such a job fails at once, BAD_ARGS, instead of after its training."""
+    """Why this job's model cannot be exported (its task, or its detector family, has no
+    export yet: a segmenter, an FCOS), or None. Read from the pulled upstream's manifest,
+    torch-free: the fine-tune step asks before it trains, so such a job fails at once,
+    BAD_ARGS, instead of after its training."""
     from agent.jobs.steps.pull import pulled_model
     from exporters.job import unexportable
 
     if not ctx.spec.steps.export:
         return None
-    why = unexportable(pulled_model(ctx).task)
+    model = pulled_model(ctx)
+    why = unexportable(model.task, model.name)
     return None if why is None else f"steps.export: {ctx.spec.model} is {why}"
 
 
@@ -109,8 +111,14 @@ def child(c: StepContext) -> dict[str, Any]:
         if win is not None:
             out["int8_drop_pts"] = getattr(win, "top1_drop_pts", None)
             out["p50_ms_b1"] = getattr(getattr(win, "latency_b1", None), "p50_ms", None)
+            out["gate_metric"] = win.gate_metric
+            if win.map50 is not None:  # a detector: mAP@0.5 beside mAP@0.5:0.95
+                out["map"], out["map50"] = win.top1, win.map50
+                out["map50_drop_pts"] = win.map50_drop_pts
         if first is not None:
             out["reference_top1"] = getattr(first, "reference_top1", None)
+            if first.reference_map50 is not None:
+                out["reference_map50"] = first.reference_map50
     return out
 
 

@@ -64,12 +64,34 @@ def runner_for(slot: Path) -> tuple[Any, str]:
 
     if any((slot / ARTEFACTS / f).is_file() for f in (ONNX_FILE, ENGINE_FILE)):
         engine = engine_for(slot)
-        return engine, f"{engine.name} ({', '.join(engine.providers)})"
+        runtime = f"{engine.name} ({', '.join(engine.providers)})"
+        return (_DetectionsOf(engine) if _DetectionsOf.serves(engine) else engine), runtime
     from agent.finetune.model import load_upstream
     from exporters.runtime import TorchRunner
 
     model, _ = load_upstream(slot)
     return TorchRunner(model.eval()), "torch"
+
+
+class _DetectionsOf:
+    """An exported detector's engine read as a PyTorch detector answers: per image
+    ``{"boxes", "scores", "labels"}`` from its four padded outputs
+    (:mod:`exporters.detection.outputs`), so the held-out scorer takes either runtime."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    @staticmethod
+    def serves(engine: Any) -> bool:
+        from exporters.detection.outputs import OUTPUT_NAMES
+
+        return set(OUTPUT_NAMES) <= {o.name for o in engine.outputs}
+
+    def __call__(self, x: Any) -> list[dict[str, Any]]:
+        from exporters.detection.outputs import OUTPUT_NAMES, model_detections
+
+        out = self.engine(x)
+        return model_detections([out[name] for name in OUTPUT_NAMES])
 
 
 INFER_BATCH = 64

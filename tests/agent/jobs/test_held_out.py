@@ -131,5 +131,6 @@ def test_export_is_refused_for_a_task_it_cannot_export() -> None:
     from exporters.job import unexportable
 
     assert unexportable("classification") is None
-    why = unexportable("detection")
+    assert unexportable("detection", "torchvision/ssdlite320_mobilenet_v3_large") is None
+    why = unexportable("detection", "torchvision/fcos_resnet18_fpn")
     assert why is not None and "steps.export: false" in why and "no ONNX export" in why

@@ -69,7 +69,8 @@ class DetectorDevice(Device):
     model: ClassVar[str] = "det"
 
     def base_spec(self) -> dict[str, Any]:
-        """The detector job the tests run: no export (a detector has none yet), paced by the
+        """The detector job the tests run: no export (``test_detection_export_job`` turns it
+        on), paced by the
         simulated board of the Orin Nano 8 GB profile, within that profile's budget; the
         micro-batch given (no probes)."""
         return {

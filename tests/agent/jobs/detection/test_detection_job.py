@@ -1,10 +1,10 @@
 """The device job for a detector, through the real worker: pull the upstream SSDlite from an
 HTTP registry, plan its micro-batch under the Orin Nano 8 GB profile's budget (probes of list
 batches), fine-tune it paced by that board's simulated governor, stage it, check its health by
-COCO mAP against the active model, then commit (and upload) or roll back; a job that asks to
-export a detector, or gives it classification data, is refused before it trains. The rollback
-runs through the daemon (agentctl over its control socket), the others through the worker the
-daemon starts."""
+COCO mAP against the active model, then commit (and upload) or roll back; a job that gives a
+detector classification data is refused before it trains (its export:
+``test_detection_export_job``). The rollback runs through the daemon (agentctl over its
+control socket), the others through the worker the daemon starts."""
 
 from __future__ import annotations
 
@@ -169,18 +169,16 @@ def test_a_detector_below_its_min_map_is_rolled_back_leaving_the_models_untouche
 
 def test_a_detector_job_that_cannot_run_is_refused_before_it_trains(
         detector_device: DetectorDevice, tmp_path: Path) -> None:
-    """Asked to export (a detector has no ONNX export yet), or given classification data,
-    the job fails BAD_ARGS in its fine-tune step before anything trains: nothing changes."""
+    """Given classification data, the job fails BAD_ARGS in its fine-tune step before
+    anything trains: nothing changes."""
     dev = detector_device
     dev.install()
     before = tree_digest(dev.state / "models")
     npz = tmp_path / "digits.npz"
     np.savez(npz, x=np.zeros((4, 8, 8), np.float32), y=np.arange(4))
     for job_id, over, says in (
-            ("e1", {"steps": {"export": True}}, ("has no ONNX export yet",
-                                                 "run the job with steps.export: false")),
             ("e2", {"data": str(npz)}, ("a detection model trains on a COCO folder",
-                                        "or a YOLO folder"))):
+                                        "or a YOLO folder")),):
         rec, out = run_job(dev, job_id, **over)
         assert rec.state is JobState.FAILED and rec.error["code"] == "BAD_ARGS", rec.error
         assert all(x in rec.error["message"] for x in says), rec.error["message"]
@@ -189,15 +187,12 @@ def test_a_detector_job_that_cannot_run_is_refused_before_it_trains(
     assert tree_digest(dev.state / "models") == before
 
 
-def test_exporting_a_detector_checkpoint_is_refused_with_the_fix(detector_template: Path,
-                                                                tmp_path: Path) -> None:
-    from exporters.job import ExportJob
-    from exporters.prepare import prepare
+def test_exporting_a_detector_family_without_an_export_is_refused_with_the_fix() -> None:
+    from exporters.job import unexportable
 
-    with pytest.raises(ValueError, match=r"detection model has no ONNX export yet.*"
-                                         r"steps\.export: false"):
-        prepare(ExportJob(checkpoint=detector_template / "up", out_dir=tmp_path / "export"))
-    assert not (tmp_path / "export" / "model.onnx").exists()
+    why = unexportable("detection", "torchvision/retinanet_resnet18_fpn")
+    assert why is not None and "has no ONNX export yet" in why
+    assert "steps.export: false" in why
 
 
 def test_a_detector_evaluated_for_the_fleet_reports_its_map(
@@ -238,8 +233,8 @@ def test_a_detector_evaluated_for_the_fleet_reports_its_map(
 def test_a_detector_job_it_cannot_run_is_refused_when_submitted(
         detector_device: DetectorDevice, tmp_path: Path) -> None:
     """With the detector installed, the daemon's command (``resolve``: ArgsRefused, the
-    command REJECTED) and ``agentctl finetune`` (preflight: exit 2) refuse an export or
-    classification data at once, torch-free, naming the field and the fix."""
+    command REJECTED) and ``agentctl finetune`` (preflight: exit 2) refuse classification
+    data at once, torch-free, naming the field and the fix; an export is taken."""
     import shutil
 
     from agent.jobs.preflight import check_inputs
@@ -256,12 +251,12 @@ def test_a_detector_job_it_cannot_run_is_refused_when_submitted(
     args = {"model": "det", "data": "cam0", "steps": {"export": False}}
     job = resolve("finetune", FinetuneArgs.model_validate(args), settings)
     assert isinstance(job, DeviceJob) and job.data == root / "cam0"
-    for over, field, says in (({"steps": {"export": True}}, "steps.export", "no ONNX export"),
-                              ({"data": "digits.npz"}, "data", "a COCO folder")):
+    for over, field, says in (({"data": "digits.npz"}, "data", "a COCO folder"),):
         with pytest.raises(ArgsRefused, match=says) as e:
             resolve("finetune", FinetuneArgs.model_validate({**args, **over}), settings)
         assert e.value.field == field
-    spec = DeviceJob.model_validate(dev.spec(steps={"export": True}))
-    with pytest.raises(ValueError, match=r"^--no-export: a detection model has no ONNX"):
-        check_inputs(spec, dev.state)
-    check_inputs(DeviceJob.model_validate(dev.spec()), dev.state)  # the job as it can run
+    exported = resolve("finetune", FinetuneArgs.model_validate(
+        {**args, "steps": {"export": True}}), settings)
+    assert isinstance(exported, DeviceJob) and exported.steps.export
+    check_inputs(DeviceJob.model_validate(dev.spec(steps={"export": True})), dev.state)
+    check_inputs(DeviceJob.model_validate(dev.spec()), dev.state)
