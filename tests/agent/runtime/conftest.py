@@ -45,6 +45,12 @@ def tiny_onnx(path: Path, version: int) -> Path:
         nodes, "tiny", [helper.make_tensor_value_info("input", TensorProto.FLOAT,
                                                       ["batch", *INPUT_SHAPE])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])], inits)
+    return save_graph(graph, path)
+
+
+def save_graph(graph: onnx.GraphProto, path: Path) -> Path:
+    """``graph`` as a checked opset-17 model file at ``path`` (IR 8: every ONNX Runtime here
+    loads it)."""
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.checker.check_model(model)

@@ -16,9 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
+
+from tests.agent.runtime.conftest import save_graph
 
 K = 5
 SIZE = 16
@@ -70,12 +71,7 @@ def tiny_detector_onnx(path: Path, version: int) -> Path:
          out("scores", TensorProto.FLOAT, ["batch", K]),
          out("classes", TensorProto.INT32, ["batch", K])],
         [numpy_helper.from_array(v, k) for k, v in consts.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return save_graph(graph, path)
 
 
 def reference(path: Path, x: np.ndarray) -> dict[str, np.ndarray]:
