@@ -60,7 +60,7 @@ from benchmarks.harness import fmt, parse_args, verdict  # noqa: E402
 from exporters.cpu_isa import detect_isa  # noqa: E402
 from hpc_core.config import TrainConfig, load_config  # noqa: E402
 from hpc_core.metrics import read_metrics  # noqa: E402
-from hpc_core.tasks.detection.synthetic import CLASS_NAMES, Scenes  # noqa: E402
+from hpc_core.tasks.detection.synthetic import Scenes  # noqa: E402
 from hpc_core.tasks.detection.synthetic_config import (  # noqa: E402
     CameraKind,
     SyntheticClass,
@@ -205,11 +205,10 @@ def finetune_on_device(cfg: TrainConfig, upstream: Path, work: Path,
     a device's camera-shifted synthetic images (other images than upstream's: seed 1), scored
     there before and after (:func:`benchmarks.detection_device.device_fine_tune`)."""
     syn = cfg.data.synthetic or SyntheticDetectionConfig()
-    scenes = Scenes(tuple(syn.classes or CLASS_NAMES), syn.objects, syn.object_size)
     return device_fine_tune(upstream, work, size=cfg.data.image_size or syn.size,
                             images=args.device_images, steps=args.device_steps,
                             effective_batch=args.device_batch, lr=args.device_lr,
-                            cameras=[args.camera], scenes=scenes)
+                            cameras=[args.camera], scenes=Scenes.of(syn))
 
 
 def pick_threads(requested: str) -> tuple[int, str]:

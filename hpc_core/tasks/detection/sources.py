@@ -20,7 +20,7 @@ from hpc_core.tasks.detection.boxes import DetectionDataError
 from hpc_core.tasks.detection.coco import IMAGES_DIR, load_coco
 from hpc_core.tasks.detection.dataset import DetectionDataset
 from hpc_core.tasks.detection.records import DetectionSet
-from hpc_core.tasks.detection.synthetic import CLASS_NAMES, Scenes, synthesize
+from hpc_core.tasks.detection.synthetic import Scenes, synthesize
 from hpc_core.tasks.detection.synthetic_config import SyntheticDetectionConfig
 from hpc_core.tasks.detection.yolo import load_yolo
 
@@ -59,8 +59,7 @@ def load_part(cfg: DataConfig, split: str | None) -> Part:
     """The set ``cfg`` names (``split``: the folder's part, None the whole folder)."""
     if cfg.source == "synthetic_detection":
         s = cfg.synthetic or SyntheticDetectionConfig()
-        scenes = Scenes(tuple(s.classes or CLASS_NAMES), s.objects, s.object_size)
-        pixels, dataset = synthesize(s.images, s.size, s.seed, s.cameras, scenes)
+        pixels, dataset = synthesize(s.images, s.size, s.seed, s.cameras, Scenes.of(s))
         return Part(dataset, pixels)
     assert cfg.path is not None  # DataConfig requires it for coco and yolo
     if cfg.source == "yolo":

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -39,6 +40,9 @@ from hpc_core.tasks.detection.coco import IMAGES_DIR, write_coco
 from hpc_core.tasks.detection.records import DetectionSet, ImageRecord
 from hpc_core.tasks.detection.yolo import write_yolo
 from registry.atomic import TMP_PREFIX, fsync_dir, make_dirs, write_bytes_atomic
+
+if TYPE_CHECKING:
+    from hpc_core.tasks.detection.synthetic_config import SyntheticDetectionConfig
 
 CLASS_NAMES = [f"digit_{d}" for d in range(10)] + ["square", "circle", "triangle"]
 CAMERAS = KINDS
@@ -73,6 +77,11 @@ class Scenes:
         if not 0 < small <= large <= 1:
             raise ValueError(f"object_size {list(self.object_size)}: need "
                              "0 < min <= max <= 1 (shares of the image side)")
+
+    @classmethod
+    def of(cls, cfg: SyntheticDetectionConfig) -> Scenes:
+        """The scenes a training config's ``data.synthetic`` asks for (null classes: all)."""
+        return cls(tuple(cfg.classes or CLASS_NAMES), cfg.objects, cfg.object_size)
 
     def sides(self, size: int) -> tuple[int, int]:
         """The smallest and largest object side in pixels on a ``size`` image."""
