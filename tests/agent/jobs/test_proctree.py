@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -44,3 +45,30 @@ def test_the_pss_peak_after_a_process_left_is_seen() -> None:
         seen.append(peak.peak_mb)
     # PSS: ~120 MB shared + ~80 MB own + the interpreter; the pair alone never passed ~130.
     assert min(seen) >= 190, seen
+
+
+def test_rss_from_statm_is_the_status_files_vmrss() -> None:
+    # statm counts pages: the page size (4 or 64 KiB on a Jetson kernel) must be the kernel's.
+    from pathlib import Path
+
+    from agent.jobs.proctree import rss_mb
+
+    grow = bytearray(64 << 20)
+    grow[::4096] = b"x" * len(range(0, 64 << 20, 4096))
+    status = Path("/proc/self/status").read_text()
+    vm_rss = next(int(line.split()[1]) for line in status.splitlines()
+                  if line.startswith("VmRSS:")) / 1024
+    assert abs(rss_mb(os.getpid()) - vm_rss) < 2.0, (rss_mb(os.getpid()), vm_rss)
+    assert rss_mb(2**22 + 12345) == 0.0  # no such process
+
+
+def test_a_process_that_joins_late_is_counted() -> None:
+    # The tree is walked every few samples, not every one: a child started 0.3 s in that
+    # holds 150 MB for 0.3 s is in the peak.
+    late = ("import subprocess, sys, time; time.sleep(0.3); subprocess.run([sys.executable, '-c',"
+            " 'b = bytearray(150 << 20); b[::4096] = bytes(len(range(0, 150 << 20, 4096)));"
+            " import time; time.sleep(0.3)'])")
+    p = subprocess.Popen([sys.executable, "-c", late])
+    with TreePeak(root=p.pid) as peak:
+        p.wait(30)
+    assert peak.peak_mb >= 150, peak.peak_mb
