@@ -29,7 +29,8 @@ from), its training loss falls to at most 0.85 of where it started (mean of the 
 steps against the first three), its schedule ends inside the budget, and the device job's
 whole process tree peaks within 1.05 x its budget.
 
-    python benchmarks/detection.py [--budget-s 300] [--threads auto|N] [--steps N]
+    python benchmarks/detection.py [--config configs/detection_cpu.yaml] [--budget-s 300]
+        [--threads auto|N] [--steps N]
         [--camera rotate] [--device-images 96] [--device-steps 40] [--quick]
 """
 
@@ -151,10 +152,10 @@ class EvalTimer:
 
 
 def upstream_config(out: Path, args: argparse.Namespace) -> TrainConfig:
-    """configs/detection_cpu.yaml, with only what the command line changes: the output folder,
+    """The config (``--config``), with only what the command line changes: the output folder,
     a loss logged every step, and any of --images, --size, --batch, --steps given."""
     sets = [f"run.output_dir={out}", "logging.progress=off", "logging.log_every_steps=1"]
-    cfg = load_config(CONFIG)
+    cfg = load_config(args.config)
     synthetic = cfg.data.synthetic.model_dump(mode="json") if cfg.data.synthetic else {}
     if args.images is not None:
         synthetic["images"] = args.images
@@ -167,7 +168,7 @@ def upstream_config(out: Path, args: argparse.Namespace) -> TrainConfig:
         sets.append(f"training.global_batch_size={args.batch}")
     if args.steps is not None:
         sets += ["training.epochs=null", f"training.max_steps={args.steps}"]
-    return load_config(CONFIG, sets)
+    return load_config(args.config, sets)
 
 
 def train_upstream(cfg: TrainConfig, budget_s: float) -> UpstreamResult:
@@ -193,6 +194,14 @@ def train_upstream(cfg: TrainConfig, budget_s: float) -> UpstreamResult:
         last_loss=_mean(losses[-LOSS_WINDOW:]), data_s=data_s, evals=evals.calls,
         eval_s=evals.wall, eval_cpu_s=evals.cpu,
         val_images=len(trainer.val_ds))  # type: ignore[arg-type]
+
+
+def _shown(path: Path) -> str:
+    """A config's path as the user would type it: relative to the repository when inside."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
 
 
 def _mean(values: list[float]) -> float:
@@ -237,6 +246,9 @@ def host_line(threads: int, why: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, default=CONFIG,
+                    help="the upstream training config (default: configs/detection_cpu.yaml; "
+                    "configs/detection_demo.yaml is make demo's detector)")
     ap.add_argument("--budget-s", type=float, default=300.0,
                     help="cap on the seconds of upstream training steps (default: 300)")
     ap.add_argument("--threads", default="auto",
@@ -279,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     print(host_line(threads, why))
     print(f"load average (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in load0)} at the start, "
           f"{', '.join(f'{x:.1f}' for x in load1)} at the end")
-    print(f"## upstream: {CONFIG.relative_to(REPO)}: {cfg.model.name} "
+    print(f"## upstream: {_shown(args.config)}: {cfg.model.name} "
           f"{cfg.model.kwargs} on {syn.images} synthetic images ({classes} classes, "
           f"{syn.objects[0]}-{syn.objects[1]} objects of {syn.object_size[0]:g}-"
           f"{syn.object_size[1]:g} of the side) at {cfg.data.image_size} px, budget "

@@ -12,9 +12,10 @@ from agent.jobs.proctree import MEASURE
 from agent.jobs.protocol import JobContext
 
 EXPORT_FIGURES = ("winner", "int8_drop_pts", "p50_ms_b1", "int8_recipe", "isa", "fallback",
-                  "excluded_layers")
-"""What the fleet and the summary read of an export: the winner's figures, the recipe and
-host, and, when plain INT8 missed its gates, what it measured and what was left in float."""
+                  "excluded_layers", "map50", "map50_drop_pts")
+"""What the fleet and the summary read of an export: the winner's figures (a detector's
+mAP@0.5 and its drop below the FP32 model's), the recipe and host, and, when plain INT8 missed
+its gates, what it measured and what was left in float."""
 
 
 def outcome(ctx: JobContext) -> dict[str, Any]:
