@@ -12,8 +12,10 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -198,6 +200,71 @@ def test_the_detector_fine_tuned_for_its_camera_and_serves_int8_boxes(
                      r"input \[1, 3, 160, 160\]; outputs num_detections \[-1, 1\], "
                      r"boxes \[-1, 100, 4\], scores \[-1, 100\], classes \[-1, 100\]\)",
                      log), log[-3000:]
+
+
+def test_the_served_detector_answers_as_its_onnx_file_does(mission: tuple[Path, str]) -> None:
+    """``agentctl serve`` on the detector's device, after the demo: one of the device's own
+    frames in, the four outputs out, equal to ONNX Runtime's run of the file the device
+    committed (NMS in the graph: boxes, scores, classes, the count)."""
+    import numpy as np
+    import onnxruntime as ort
+    from PIL import Image
+
+    out, _ = mission
+    home = out / "devices" / DET_DEVICE
+    frame_png = sorted((home / "data/camera/images").glob("*.png"))[0]
+    frame = (np.asarray(Image.open(frame_png).convert("RGB"), dtype=np.float32) / 255.0
+             ).transpose(2, 0, 1)[None].copy()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([str(BIN / "agentctl"), "serve", "--state-dir", str(home / "state"),
+                               "--model", DET_MODEL, "--port", str(port), "--threads", "1",
+                               "--log-format", "text"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+                conn.request("GET", "/v2/health/ready")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and server.poll() is None, "serve not ready"
+            time.sleep(0.2)
+        meta_req = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        meta_req.request("GET", f"/v2/models/{DET_MODEL}")
+        meta = json.loads(meta_req.getresponse().read())
+        name = meta["inputs"][0]["name"]
+        body = json.dumps({"inputs": [{"name": name, "shape": list(frame.shape),
+                                       "datatype": "FP32", "data": frame.ravel().tolist()}]})
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", f"/v2/models/{DET_MODEL}/infer", body,
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        answer = json.loads(resp.read())
+        assert resp.status == 200, answer
+    finally:
+        server.terminate()
+        server.wait(30)
+    served = {o["name"]: np.asarray(o["data"]).reshape(o["shape"]) for o in answer["outputs"]}
+    committed = (home / "state/models" / DET_MODEL / "current").resolve()
+    assert answer["model_version"] == json.loads((committed / "manifest.json").read_text())[
+        "version"]
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(committed / "artefacts/model.onnx"), opts,
+                                   providers=["CPUExecutionProvider"])
+    ref = dict(zip([o.name for o in session.get_outputs()], session.run(None, {name: frame}),
+                   strict=True))
+    assert list(served) == ["num_detections", "boxes", "scores", "classes"]
+    n = int(ref["num_detections"][0, 0])
+    assert n > 0 and int(served["num_detections"][0, 0]) == n
+    np.testing.assert_allclose(served["boxes"], ref["boxes"], atol=1e-3)
+    np.testing.assert_allclose(served["scores"], ref["scores"], atol=1e-5)
+    np.testing.assert_array_equal(served["classes"], ref["classes"])
 
 
 @pytest.fixture(scope="module")
