@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from registry.atomic import write_json_atomic
+from registry.lifetime import die_with_parent
 
 QMAX = 127
 """Symmetric int8 as ONNX Runtime quantizes it: [-127, 127], zero-point 0."""
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 2:
         print("usage: python -m exporters.qat JOB_JSON OUT_DIR", file=sys.stderr)
         return 2
+    # The export that started it may be killed at its job's deadline: never train on alone.
+    die_with_parent()
     out = Path(args[1])
     result = qat_finetune(Path(args[0]), out)
     write_json_atomic(out / "qat.json", json.loads(json.dumps(result, default=float)))

@@ -4,7 +4,7 @@
     worker --python -P -m agent.jobs.steps.STEP CHILD JOB_DIR--> one torch child per heavy step
 
 Everything that crosses a process boundary is here: how a process is started
-(:func:`python_argv`) and tied to its parent (:func:`die_with_parent`), the exit codes, the
+(:func:`python_argv`) and tied to its parent (``registry.lifetime``), the exit codes, the
 typed :class:`StepContext` a child reads instead of free-form JSON (and :func:`step_context`,
 which builds it from the job so far), both sides of a child step (:func:`run_child` in the
 worker: heartbeat, SIGTERM forwarding, deadline, its output; :func:`child_main` in the child),
@@ -15,7 +15,6 @@ injection the restart tests use. Steps (``agent.jobs.steps``) and the state mach
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -32,6 +31,7 @@ from pydantic import BaseModel, ConfigDict
 from agent.jobs.store import JobStore
 from agent.storage.trust import default_trusted_keys, load_trusted
 from registry.atomic import write_json_atomic
+from registry.lifetime import die_with_parent
 
 EX_TEMPFAIL = 75
 """Suspended by SIGTERM (sysexits' EX_TEMPFAIL: try again later): the job checkpointed (or had
@@ -70,17 +70,6 @@ def python_argv(module: str, *args: str) -> list[str]:
     guard: the daemon starts the worker in its 0700 state dir, the children inherit it."""
     safe = ["-P"] if sys.version_info >= (3, 11) else []
     return [sys.executable, *safe, "-m", module, *args]
-
-
-def die_with_parent() -> None:
-    """PR_SET_PDEATHSIG(SIGKILL), then check the parent did not die before it took effect: a
-    kill -9 of the daemon never leaves a worker (or a worker's child) behind."""
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent or parent == 1:
-        os._exit(1)
 
 
 class StopFlag:

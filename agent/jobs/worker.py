@@ -35,12 +35,12 @@ from agent.jobs.protocol import (
     JobContext,
     StopFlag,
     Suspended,
-    die_with_parent,
 )
 from agent.jobs.spec import SPECS
 from agent.jobs.store import JobState, JobStore
 from contract import check_command_id
 from registry.atomic import remove_stale_temps
+from registry.lifetime import die_with_parent
 
 log = logging.getLogger(__name__)
 
