@@ -49,6 +49,13 @@ an exported detector's num_detections [N,1] INT32, boxes [N,K,4] FP32, scores [N
 classes [N,K] INT32 (EfficientNMS_TRT's layout), INT32 as JSON integers or raw int32. The
 metadata lists them all; a request may name the ones it wants in "outputs".
 
+GET /metrics: Prometheus' text format, on the same port: Triton's inference counters under
+Triton's names and labels (nv_inference_request_success, nv_inference_request_failure with
+its reason, nv_inference_count, nv_inference_exec_count, nv_inference_request_duration_us,
+nv_inference_compute_infer_duration_us; HTTP and gRPC requests together), so a Triton
+dashboard reads this server, and a histogram of the request time
+(edgetrain_inference_request_duration_seconds). Loopback-only unless --allow-remote.
+
 examples:
   agentctl serve --state-dir /var/lib/edge-agent --model digits --unix-socket /run/app/oip.sock
   curl --unix-socket /run/app/oip.sock http://localhost/v2/models/digits
@@ -154,7 +161,8 @@ def run_serve(args: argparse.Namespace) -> int:
                                          workers=args.grpc_workers,
                                          max_connections=args.max_connections)
                 grpc_address = servers.enter_context(OipGrpcServer(
-                    model, host=args.host, port=args.grpc_port, limits=grpc_limits).start()
+                    model, host=args.host, port=args.grpc_port, limits=grpc_limits,
+                    metrics=server.metrics).start()
                 ).address
             engine = model.engine
             log.info("serving %s@%s on %s%s (%s)", args.model, model.version, server.address,

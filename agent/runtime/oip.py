@@ -10,6 +10,8 @@
     POST /v2/models/NAME/record          not in the protocol: the infer body, plus
                                          ``parameters.label`` (an int, optional); the samples
                                          go to the spool the model was given (404 without)
+    GET  /metrics                        Prometheus text format: Triton's inference counters
+                                         (:mod:`agent.runtime.serve_metrics`)
 
 Errors are ``{"error": "..."}``: 400 a request the model cannot take (or a malformed HTTP
 request), 404 an unknown model, version or route (or no spool, for record), 405 a wrong
@@ -31,6 +33,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -43,6 +46,8 @@ from starlette.responses import Response
 from agent.runtime.active_model import ActiveModel, NoSpoolError
 from agent.runtime.oip_codec import HEADER_LENGTH, ProtocolError, encode_infer, parse_infer
 from agent.runtime.oip_request import ModelSignature
+from agent.runtime.serve_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from agent.runtime.serve_metrics import ServeMetrics
 from registry.errors import NoActiveModelError
 from registry.http_request import (
     BodyRefused,
@@ -109,8 +114,10 @@ class OipApp:
     """The protocol as an ASGI application over ``model``; the model runs on at most
     ``limits.infer_threads`` threads, the rest of a request on the event loop."""
 
-    def __init__(self, model: ActiveModel, limits: OipLimits) -> None:
+    def __init__(self, model: ActiveModel, limits: OipLimits,
+                 metrics: ServeMetrics | None = None) -> None:
         self.model, self.limits = model, limits
+        self.metrics = metrics or ServeMetrics(model.name)
         self.threads = WorkerThreads(limits.infer_threads)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -174,6 +181,9 @@ class OipApp:
                 return _json(200, {"live": True})
             ready = model.version is not None
             return _json(200 if ready else 400, {"ready": ready})
+        if parts == ["metrics"]:  # Prometheus (agent.runtime.serve_metrics: Triton's names)
+            _method(path, method, "GET")
+            return 200, self.metrics.exposition(), {"Content-Type": METRICS_CONTENT_TYPE}
         if parts == ["v2"]:
             _method(path, method, "GET")
             return _json(200, {"name": "edgetrain", "version": _version(),
@@ -214,20 +224,32 @@ class OipApp:
 
     def _infer(self, body: bytes, header_length: str | None, record: bool) -> Answer:
         model = self.model
+        if record:
+            return self._record(body, header_length)
+        with self.metrics.request(model.version) as inference:
+            engine = model.engine
+            if engine is None:
+                raise NoActiveModelError(f"no version of {model.name!r} serves yet")
+            req = parse_infer(body, header_length, ModelSignature.of(engine))
+            t0 = time.perf_counter()
+            outputs, version = model.infer_versioned(req.x)
+            inference.ran(version, len(req.x), time.perf_counter() - t0)
+            out, headers = encode_infer(outputs, req, model_name=model.name,
+                                        model_version=version)
+        return 200, out, headers
+
+    def _record(self, body: bytes, header_length: str | None) -> Answer:
+        model = self.model
         engine = model.engine
         if engine is None:
             raise NoActiveModelError(f"no version of {model.name!r} serves yet")
         req = parse_infer(body, header_length, ModelSignature.of(engine))
-        if record:
-            label = req.parameters.get("label")
-            if label is not None and (not isinstance(label, int) or isinstance(label, bool)):
-                raise ProtocolError(400, f"parameters.label {label!r} is not an integer")
-            stored = model.record(req.x, label=label)
-            return _json(200, {"model_name": model.name, "model_version": model.version,
-                               "stored": stored})
-        outputs, version = model.infer_versioned(req.x)
-        out, headers = encode_infer(outputs, req, model_name=model.name, model_version=version)
-        return 200, out, headers
+        label = req.parameters.get("label")
+        if label is not None and (not isinstance(label, int) or isinstance(label, bool)):
+            raise ProtocolError(400, f"parameters.label {label!r} is not an integer")
+        stored = model.record(req.x, label=label)
+        return _json(200, {"model_name": model.name, "model_version": model.version,
+                           "stored": stored})
 
 
 def _method(path: str, method: str, allowed: str) -> None:
@@ -245,10 +267,14 @@ class OipServer:
     serves from a thread, :meth:`serve_forever` from the caller's."""
 
     def __init__(self, model: ActiveModel, *, host: str = "127.0.0.1", port: int = 8000,
-                 unix_socket: Path | None = None, limits: OipLimits | None = None) -> None:
+                 unix_socket: Path | None = None, limits: OipLimits | None = None,
+                 metrics: ServeMetrics | None = None) -> None:
         self.model, self.unix_socket = model, unix_socket
         self.limits = limits or OipLimits()
-        self._http = HttpServer(OipApp(model, self.limits), limits=self.limits.http(),
+        self.metrics = metrics or ServeMetrics(model.name)
+        """What it answered, at GET /metrics; share it with the gRPC server's."""
+        self._http = HttpServer(OipApp(model, self.limits, self.metrics),
+                                limits=self.limits.http(),
                                 host=host, port=port, uds=unix_socket, name="edgetrain-oip")
 
     @property

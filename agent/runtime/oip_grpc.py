@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
@@ -61,6 +62,7 @@ from agent.runtime.oip_tensors import (
     tensor_from_bytes,
     tensor_from_values,
 )
+from agent.runtime.serve_metrics import ServeMetrics
 from registry.errors import NoActiveModelError
 
 log = logging.getLogger("agent.runtime.oip_grpc")
@@ -155,8 +157,8 @@ class _Service:
     """The six methods, each a plain function of the request; errors become statuses in
     :meth:`handler`."""
 
-    def __init__(self, model: ActiveModel) -> None:
-        self.model = model
+    def __init__(self, model: ActiveModel, metrics: ServeMetrics) -> None:
+        self.model, self.metrics = model, metrics
 
     def handler(self) -> grpc.GenericRpcHandler:
         methods: dict[str, Callable[[Any], Any]] = {
@@ -229,16 +231,19 @@ class _Service:
             outputs=[tensor(**t.metadata()) for t in sig.outputs])
 
     def model_infer(self, request: Any) -> Any:
-        engine = self._serving(request.model_name, request.model_version)
-        req = infer_request(request, ModelSignature.of(engine))
-        outputs, version = self.model.infer_versioned(req.x)
-        response = pb.ModelInferResponse(model_name=self.model.name, model_version=version,
-                                         id=request.id)
-        for wanted, arr in answered(outputs, req.outputs):
-            response.outputs.add(name=wanted.name, datatype=datatype_of(arr),
-                                 shape=list(arr.shape))
-            response.raw_output_contents.append(
-                np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes())
+        with self.metrics.request(self.model.version) as inference:
+            engine = self._serving(request.model_name, request.model_version)
+            req = infer_request(request, ModelSignature.of(engine))
+            t0 = time.perf_counter()
+            outputs, version = self.model.infer_versioned(req.x)
+            inference.ran(version, len(req.x), time.perf_counter() - t0)
+            response = pb.ModelInferResponse(model_name=self.model.name,
+                                             model_version=version, id=request.id)
+            for wanted, arr in answered(outputs, req.outputs):
+                response.outputs.add(name=wanted.name, datatype=datatype_of(arr),
+                                     shape=list(arr.shape))
+                response.raw_output_contents.append(
+                    np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes())
         return response
 
 
@@ -247,13 +252,15 @@ class OipGrpcServer:
     serves from gRPC's threads, :meth:`close` stops."""
 
     def __init__(self, model: ActiveModel, *, host: str = "127.0.0.1", port: int = 8001,
-                 limits: GrpcLimits | None = None) -> None:
+                 limits: GrpcLimits | None = None, metrics: ServeMetrics | None = None) -> None:
         self.model, self.host = model, host
+        self.metrics = metrics or ServeMetrics(model.name)
+        """Counted with the HTTP server's when it is theirs (agentctl serve shares one)."""
         self.limits = limits = limits or GrpcLimits()
         self._pool = ThreadPoolExecutor(max_workers=limits.workers,
                                         thread_name_prefix="oip-grpc")
         self._server = grpc.server(
-            self._pool, handlers=[_Service(model).handler()],
+            self._pool, handlers=[_Service(model, self.metrics).handler()],
             maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
             options=[("grpc.max_receive_message_length", limits.max_message_bytes),
                      ("grpc.max_send_message_length", limits.max_message_bytes),
