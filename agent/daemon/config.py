@@ -132,6 +132,30 @@ class LimitsConfig(_Strict):
     and the application keeps serving its version until it lets go."""
 
 
+class MetricsConfig(_Strict):
+    """Prometheus metrics of the daemon (agent.daemon.metrics): off unless a port or a file
+    is set."""
+
+    port: int | None = Field(default=None, ge=0, le=65535)
+    """Serve GET /metrics on this TCP port (null: no server; 0: any free port, logged)."""
+    host: str = "127.0.0.1"
+    """The port's address: loopback unless ``allow_remote`` (the endpoint has no auth)."""
+    allow_remote: bool = False
+    """Let ``host`` be a non-loopback address (a Prometheus on another machine scrapes it)."""
+    textfile: Path | None = None
+    """Also write the metrics to this file (node_exporter's textfile collector: a .prom file
+    in its --collector.textfile.directory), replaced atomically at each refresh."""
+    refresh_s: float = Field(default=5.0, gt=0)
+    """Seconds between two readings of the sensors, jobs and outbox for the metrics."""
+
+    @model_validator(mode="after")
+    def _loopback(self) -> MetricsConfig:
+        if self.host not in ("127.0.0.1", "::1", "localhost") and not self.allow_remote:
+            raise ValueError(f"metrics.host {self.host!r} is not loopback: the endpoint has no "
+                             "auth; set metrics.allow_remote: true to serve it there")
+        return self
+
+
 MAX_SOCKET_PATH = 107
 """sun_path holds 108 bytes with the terminating NUL (Linux unix(7))."""
 
@@ -162,6 +186,7 @@ class AgentConfig(_Strict):
     """Admin group: besides root and the service user, its members may use the control
     socket (mode 0660, checked per connection with SO_PEERCRED); null: nobody else."""
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     latency_slo_ms: float | None = Field(default=None, gt=0)
     """The application's inference p99 objective in ms: while a serving runtime on this device
     (``ActiveModel``, ``agentctl serve``) reports a p99 over it, fine-tuning yields (null: the
@@ -184,7 +209,8 @@ class AgentConfig(_Strict):
         self.state_dir = self.state_dir.absolute()
         for obj, name in ((self, "data_root"), (self, "control_socket"),
                           (self.registry, "trusted_keys"), (self.registry, "signing_key"),
-                          (self.registry, "token_file"), (self.mqtt, "password_file")):
+                          (self.registry, "token_file"), (self.mqtt, "password_file"),
+                          (self.metrics, "textfile")):
             value = getattr(obj, name)
             if value is not None:
                 object.__setattr__(obj, name, value.absolute())

@@ -281,6 +281,11 @@ class JobStore:
         sql += " ORDER BY seq DESC LIMIT ?"
         return [_job(r) for r in self._conn().execute(sql, [*args, limit]).fetchall()]
 
+    def counts(self) -> dict[str, int]:
+        """How many jobs the store holds in each state (states it holds none in are absent)."""
+        rows = self._conn().execute("SELECT state, COUNT(*) FROM jobs GROUP BY state")
+        return {str(state): int(n) for state, n in rows.fetchall()}
+
     def next_queued(self) -> JobRecord | None:
         """The oldest QUEUED job."""
         row = self._conn().execute(
