@@ -17,6 +17,15 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
 
 
+def last_layers(model: nn.Module, k: int) -> list[nn.Module]:
+    """The last ``k`` convolution or linear layers, in registration order: ``trainable:
+    last:K`` (``head``: K = 1) trains the first of them and everything registered after it."""
+    layers = _layers(model)
+    if k > len(layers):
+        raise ValueError(f"the model has only {len(layers)} conv/linear layers, not {k}")
+    return layers[-k:]
+
+
 def apply_trainable(model: nn.Module, scope: str) -> int:
     """Freeze all but ``scope``; return the number of trainable parameters."""
     if scope == "all":
@@ -24,14 +33,12 @@ def apply_trainable(model: nn.Module, scope: str) -> int:
             p.requires_grad_(True)
     else:
         k = 1 if scope == "head" else int(scope.split(":")[1])
-        layers = _layers(model)
-        if k > len(layers):
-            raise ValueError(
-                f"trainable={scope}: the model has only {len(layers)} conv/linear layers"
-            )
+        try:
+            first = last_layers(model, k)[0]
+        except ValueError as e:
+            raise ValueError(f"trainable={scope}: {e}") from None
         for p in model.parameters():
             p.requires_grad_(False)
-        first = layers[-k]
         # Everything registered after the first trainable layer (incl. its norms) trains.
         seen = False
         for m in model.modules():

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agent.finetune.job import PersonalPart
 from agent.jobs.names import ModelName, Name, Version
 
 
@@ -27,6 +28,11 @@ class EvaluateOptions(BaseModel):
     the active model, if any."""
     samples: int | None = Field(default=None, ge=1, le=100_000)
     """Held-out samples to score (null: the whole held-out split)."""
+    personal: list[PersonalPart] = Field(default_factory=list, max_length=2)
+    """Also score the candidate personalized: with these parts of the device's own model
+    (its active one) in place of the candidate's (``head``: FedPer's own classifier;
+    ``norm``: FedBN's own normalization), as personalized serving would run it. Empty: not
+    scored; a device with no model of its own scores nothing personalized."""
 
 
 class EvaluateJob(BaseModel):

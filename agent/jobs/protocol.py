@@ -218,6 +218,9 @@ class StepContext(BaseModel):
     """The health check's reference: the active slot (or, on a device with none, the
     upstream)."""
     staged_path: Path | None = None
+    own_path: Path | None = None
+    """The device's own model (its active slot) where a step reads parts of it: the evaluate
+    step's personalized score."""
 
     @property
     def micro_batch(self) -> int | None:

@@ -6,7 +6,9 @@ way; null: the active model) is scored beside it on the very same samples, throu
 runtime the health check uses (the slot's ONNX artefact where there is one, else PyTorch),
 by the model's task (``agent.jobs.held_out``): ``metric`` is its gate metric (top-1 of a
 classifier, also under ``accuracy``; mAP of a detector). Upstream's publish gates read the
-two (``hpc-train publish --device-evals``)."""
+two (``hpc-train publish --device-evals``). With ``evaluate.personal`` the candidate is also
+scored personalized (``personalized``): the parts named taken from the device's own active
+model (``agent.finetune.personal``), in torch, on the same samples."""
 
 from __future__ import annotations
 
@@ -57,13 +59,25 @@ def _baseline(ctx: JobContext) -> tuple[str | None, Path | None]:
     return source.version, source.path
 
 
+def _own(ctx: JobContext) -> tuple[str | None, Path | None]:
+    """(version, slot) of the device's own model, the source of the personal parts."""
+    from agent.storage.slots import ModelSlots
+
+    active = ModelSlots(ctx.state_dir, ctx.spec.model).active()
+    return (active.version, active.path) if active is not None else (None, None)
+
+
 def run(ctx: JobContext) -> dict[str, Any]:
     version, path = _baseline(ctx)
+    own_version, own_path = _own(ctx) if ctx.spec.evaluate.personal else (None, None)
     out = run_child(ctx, __name__, "evaluate", step_context(
-        ctx, active_path=path, staged_path=Path(ctx.outputs["pull"]["path"])))
+        ctx, active_path=path, staged_path=Path(ctx.outputs["pull"]["path"]),
+        own_path=own_path))
     out["version"] = ctx.outputs["pull"]["version"]
     if "baseline" in out:
         out["baseline"]["version"] = version
+    if out.get("personalized") is not None:
+        out["personalized"]["own_version"] = own_version
     return out
 
 
@@ -95,7 +109,31 @@ def child(c: StepContext) -> dict[str, Any]:
     out["metric"] = out["candidate"]["metric"]
     if "baseline" in out:
         out["gain_pts"] = round(100 * (out["metric"] - out["baseline"]["metric"]), 3)
+    parts = c.spec["evaluate"].get("personal") or []
+    if parts:
+        out["personalized"] = _personalized(c, held, parts)
     return out
+
+
+def _personalized(c: StepContext, held: Any, parts: list[str]) -> dict[str, Any] | None:
+    """The candidate with the device's own ``parts`` in place, scored in torch on the same
+    held-out samples (None: the device has no model of its own)."""
+    if c.own_path is None:
+        return None
+    from agent.finetune.model import load_upstream
+    from agent.finetune.personal import personalize
+    from agent.jobs.held_out import finite
+    from agent.jobs.steps.health import infer_batch
+    from exporters.runtime import TorchRunner, predict
+
+    model, _ = load_upstream(Path(c.staged_path))  # type: ignore[arg-type]
+    own, _ = load_upstream(c.own_path)
+    tensors = personalize(model, own, parts)  # type: ignore[arg-type]
+    del own
+    outputs = predict(TorchRunner(model.eval()), held.inputs, batch=infer_batch(c))
+    ok = finite(outputs)
+    figures = held.figures(outputs) if ok else held.worst()
+    return {**figures, "runtime": "torch", "finite": ok, "parts": parts, "tensors": tensors}
 
 
 CHILDREN: dict[str, Callable[[StepContext], dict[str, Any]]] = {"evaluate": child}

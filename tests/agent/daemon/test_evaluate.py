@@ -43,6 +43,12 @@ def test_evaluate_scores_a_candidate_beside_a_baseline_without_installing_it(
     pub = Publisher(registry, tmp_path / "ck", upstream_key)
     pub.publish(_build_test_model(0), "2", parent="1")  # v1's very weights
     pub.publish(_build_test_model(7), "3", parent="1")  # other weights
+    # v3 with the device's own head (v1's): what scoring v3 personalized must equal
+    from agent.finetune.personal import personalize
+
+    mixed = _build_test_model(7)
+    assert personalize(mixed, _build_test_model(0), ["head"]) > 0
+    pub.publish(mixed, "4", parent="1")
     broker = mosquitto()
     fleet = Peer(broker).subscribe(T.status("dev-a"), T.result("dev-a"))
     a = agent(broker, **{**device.agent_config(), "registry": {"url": str(registry)}})
@@ -69,6 +75,27 @@ def test_evaluate_scores_a_candidate_beside_a_baseline_without_installing_it(
     ev3 = other["result"]["evaluation"]
     assert ev3["samples"] == 50 and ev3["baseline"]["version"] == "1", ev3
     assert ev3["gain_pts"] == round(100 * (ev3["accuracy"] - ev3["baseline"]["accuracy"]), 3)
+    full = _run(fleet, {"model": "digits", "version": "3", "data": device.data.name,
+                        "evaluate": {"baseline": "1"}})
+    ev3_full = full["result"]["evaluation"]
+    assert "personalized" not in ev3_full  # not asked for
+
+    # Personalized: v3 with this device's own head (its active v1's), scored on the same
+    # samples; it equals v4 (those very tensors, published) scored plain.
+    pers = _run(fleet, {"model": "digits", "version": "3", "data": device.data.name,
+                        "evaluate": {"baseline": "1", "personal": ["head"]}})
+    assert pers["status"] == "SUCCEEDED", pers
+    evp = pers["result"]["evaluation"]
+    p = evp["personalized"]
+    from agent.finetune.personal import personal_keys
+
+    head = personal_keys(_build_test_model(0), ["head"])
+    assert p["parts"] == ["head"] and p["tensors"] == len(head) and p["own_version"] == "1", p
+    assert evp["accuracy"] == ev3_full["accuracy"]  # the plain score is unchanged by it
+    four = _run(fleet, {"model": "digits", "version": "4", "data": device.data.name})
+    assert four["status"] == "SUCCEEDED", four
+    assert p["accuracy"] == four["result"]["evaluation"]["accuracy"], (p, four)
+    # (tests/agent/finetune/test_personal.py: exactly those tensors are swapped, no other)
 
     # Nothing was installed: the models folder is byte for byte the one before.
     assert _digest(models) == before
