@@ -44,7 +44,7 @@ def _overrides(a: argparse.Namespace) -> dict[str, Any]:
             continue
         if name == "finetune":
             v = read_json_arg(v, "--finetune")
-        elif name == "devices":
+        elif name in ("devices", "eval_personal"):
             v = [p.strip() for p in v.split(",") if p.strip()]
         out[name] = v
     return out

@@ -44,6 +44,9 @@ class _DeviceEvaluation(BaseModel):
     accuracy: float = Field(ge=0, le=1, validation_alias=_GATE)
     samples: int = Field(gt=0)
     baseline: _Scores
+    personalized: _Scores | None = None
+    """The candidate personalized, where the round asked for it and the device has a model
+    of its own."""
 
 
 def read_evaluations(run: RolloutRun, candidate: str,
@@ -70,12 +73,15 @@ def read_evaluations(run: RolloutRun, candidate: str,
                 f"scored {ev.version} beside {ev.baseline.version}, not {candidate} beside "
                 f"{base}")))
             continue
-        got.append(Evaluation(device=device, samples=ev.samples, base_accuracy=ev.baseline.accuracy,
-                              candidate_accuracy=ev.accuracy))
+        got.append(Evaluation(
+            device=device, samples=ev.samples, base_accuracy=ev.baseline.accuracy,
+            candidate_accuracy=ev.accuracy,
+            personalized_accuracy=ev.personalized.accuracy if ev.personalized else None))
     return got, missing
 
 
 def write_device_evals(path: Path, evaluations: list[Evaluation]) -> None:
     """The device-evals file ``hpc-train publish --device-evals`` reads, written whole or not
     at all (from the round's record: a restarted controller writes the same file again)."""
-    write_json_atomic(path, {"evaluations": [e.model_dump() for e in evaluations]})
+    write_json_atomic(path, {"evaluations": [e.model_dump(exclude={"personalized_accuracy"})
+                                             for e in evaluations]})

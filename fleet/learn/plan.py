@@ -80,6 +80,10 @@ class LearnPlan(BaseModel):
     ``steps.export``); the learn sets model, version, data and steps.upload itself."""
     eval_samples: int | None = Field(default=None, ge=1, le=100_000)
     """Held-out samples each device scores (null: its whole held-out split)."""
+    eval_personal: list[Literal["head", "norm"]] = Field(default_factory=list, max_length=2)
+    """Each device also scores the candidate personalized (comma list: head, norm): with its
+    own model's head (FedPer) and/or normalization (FedBN) in its place; the round's report
+    shows both scores. Not gated: the gates read the global candidate."""
 
     strategy: Literal["fedavg", "trimmed-mean", "median", "krum"] = "fedavg"
     """How ``hpc-train aggregate`` combines the deltas."""
@@ -287,6 +291,8 @@ class LearnPlan(BaseModel):
             ev: dict[str, Any] = {"baseline": base}
             if self.eval_samples is not None:
                 ev["samples"] = self.eval_samples
+            if self.eval_personal:
+                ev["personal"] = list(self.eval_personal)
             return {"model": self.model, "version": self.release_version(round_, candidate=True),
                     "data": self.data, "evaluate": ev}
         return {"model": self.model, "version": self.release_version(round_), "data": self.data}

@@ -30,6 +30,9 @@ def _evals(rs: RoundState) -> dict[str, Any]:
         out |= {
             "base_accuracy": statistics.fmean(e.base_accuracy for e in ev),
             "candidate_accuracy": statistics.fmean(e.candidate_accuracy for e in ev),
+            "personalized_accuracy": statistics.fmean(pers) if (pers := [
+                e.personalized_accuracy for e in ev if e.personalized_accuracy is not None])
+            else None,
             "mean_gain_pts": round(statistics.fmean(e.gain_pts for e in ev), 4),
             "worst_gain_pts": round(worst.gain_pts, 4), "worst_device": worst.device,
         }
@@ -136,11 +139,14 @@ def text(s: dict[str, Any]) -> str:
             if ev["devices"] + ev["missing"] else None,
             "base_acc": _pct(ev.get("base_accuracy")),
             "cand_acc": _pct(ev.get("candidate_accuracy")),
+            "pers_acc": _pct(ev.get("personalized_accuracy")),
             "gain": _pts(ev.get("mean_gain_pts")), "worst": _pts(ev.get("worst_gain_pts")),
             "release": r["release"], "deploy": r["deploy"],
         })
     lines.append(render_table(rows, ["round", "base", "outcome", "used", "skipped", "dropped",
-                                     "stale", "evals", "base_acc", "cand_acc", "gain", "worst",
+                                     "stale", "evals", "base_acc", "cand_acc",
+                                     *(["pers_acc"] if any(r["pers_acc"] for r in rows) else []),
+                                     "gain", "worst",
                                      "release", "deploy"]))
     for r in s["history"]:
         notes = [f"  {'pass' if g['passed'] else 'FAIL'} {g['flag']}: {g['detail']}"

@@ -82,6 +82,9 @@ class Evaluation(_Record):
     samples: int = Field(gt=0)
     base_accuracy: float = Field(ge=0, le=1)
     candidate_accuracy: float = Field(ge=0, le=1)
+    personalized_accuracy: float | None = Field(default=None, ge=0, le=1)
+    """The candidate with the device's own head/normalization (``eval_personal``); not in
+    the device-evals file (the gates read the global candidate)."""
 
     @property
     def gain_pts(self) -> float:

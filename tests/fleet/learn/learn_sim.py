@@ -58,6 +58,8 @@ class Scores:
     by_candidate: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per candidate version, per device gains that replace the above."""
     samples: int = 120
+    personal_gain: float = 0.05
+    """How much more the candidate scores personalized (``evaluate.personal``) than global."""
     spread: float = 0.01
     """Standard deviation of an honest simulated fine-tune's change to each weight."""
     poisoned: dict[str, float] = field(default_factory=dict)
@@ -125,6 +127,10 @@ class LearnSimDevice(SimDevice):
                       "baseline": {"version": base, "accuracy": s.base_accuracy,
                                    "runtime": "sim", "finite": True},
                       "gain_pts": round(100 * (cand - s.base_accuracy), 3)}
+        personal = (args.get("evaluate") or {}).get("personal")
+        if personal:
+            evaluation["personalized"] = {"accuracy": round(cand + s.personal_gain, 6),
+                                          "parts": personal, "runtime": "sim", "finite": True}
         out = JobOutcome(outcome="unchanged", metrics_before={"eval/acc": s.base_accuracy},
                          metrics_after={"eval/acc": cand}, model=self.model,
                          previous_model=self.model)

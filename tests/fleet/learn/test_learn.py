@@ -129,6 +129,7 @@ def test_a_round_published_and_deployed_then_one_refused_keeps_its_base(
     r = subprocess.run(learn_argv(broker, tmp_path, *start_args(
         "nl", keys, "--rounds", "2", "--min-updates", "4", "--max-device-drop", "2",
         "--min-devices", "4", "--deploy", "--timeout-s", "20", "--max-upstream-drop", "1",
+        "--eval-personal", "head,norm",
         "--base-checkpoint", str(tmp_path / "upstream-ckpt"),
         "--eval-config", str(tmp_path / "upstream.yaml"))),
         capture_output=True, text=True, env=env | {"FAKE_UPSTREAM_DROP_PTS": "0.5"}, timeout=120)
@@ -139,6 +140,11 @@ def test_a_round_published_and_deployed_then_one_refused_keeps_its_base(
     assert (r1["outcome"], r1["release"], r1["deploy"]) == ("published", "nl-r1", "succeeded")
     assert r1["updates"] == {"chosen": 4, "combined": 4, "skipped": 0, "dropped": 0, "stale": 0}
     assert r1["evaluation"]["devices"] == 4 and r1["evaluation"]["mean_gain_pts"] == 2.0
+    # Each device also scored the candidate with its own head and norms (--eval-personal):
+    # reported beside the global score, never gated, not in the gates' device-evals file.
+    assert {e["device"]: e["personalized_accuracy"] for e in r1["evaluations"]} == {
+        f"sim-000{i}": 0.87 for i in range(4)}
+    assert r1["evaluation"]["personalized_accuracy"] == pytest.approx(0.87)
     assert [g["flag"] for g in r1["gates"]] == \
         ["--max-upstream-drop 1", "--min-devices 4", "--max-device-drop 2"]
     assert all(g["passed"] for g in r1["gates"])
@@ -158,6 +164,7 @@ def test_a_round_published_and_deployed_then_one_refused_keeps_its_base(
         tmp_path, "publish", "nl-r1")[0]
     assert len(calls(tmp_path, "publish", "nl-r2")) == 1
     evals = json.loads((work / "round-2" / "device-evals.json").read_text())["evaluations"]
+    assert all("personalized_accuracy" not in e for e in evals)
     assert {e["device"]: round(e["candidate_accuracy"] - e["base_accuracy"], 6) for e in evals} \
         == {"sim-0000": 0.02, "sim-0001": -0.05, "sim-0002": 0.02, "sim-0003": 0.02}
     # Round 2 fine-tuned from the release; only the release was ever deployed.
@@ -168,6 +175,8 @@ def test_a_round_published_and_deployed_then_one_refused_keeps_its_base(
     assert rollouts == {"nl-r1-ft", "nl-r1-ev", "nl-r1-dp", "nl-r2-ft", "nl-r2-ev"}
     assert not ran_twice(fleet)
     assert "learn nl: finished, round 2 of 2, base nl-r1" in r.stdout
+    header = next(line for line in r.stdout.splitlines() if line.startswith("ROUND"))
+    assert "CAND_ACC  PERS_ACC" in header, r.stdout
     r = subprocess.run(learn_argv(broker, tmp_path, "status", "nl", "--json"),
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0 and json.loads(r.stdout)["history"] == s["history"]
