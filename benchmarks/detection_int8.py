@@ -49,6 +49,9 @@ from exporters.ort_runner import OrtRunner  # noqa: E402
 
 TARGET_DROP_PTS = 1.0
 
+DETECTION_CONFIG = REPO / "configs/detection_cpu.yaml"
+"""What trains the upstream when no --upstream is given (benchmarks/detection.py's default)."""
+
 
 @dataclass
 class Form:
@@ -174,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=50, help="timed runs per batch size")
     ap.add_argument("--budget-s", type=float, default=300.0,
                     help="training cap when no --upstream is given")
+    ap.add_argument("--config", type=Path, default=DETECTION_CONFIG,
+                    help="the training config when no --upstream is given (default: "
+                    "configs/detection_cpu.yaml)")
     for name in ("images", "size", "batch", "steps"):
         ap.add_argument(f"--{name}", type=int, default=None,
                         help=f"training {name} when no --upstream is given")

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,6 +30,7 @@ T = Topics()
 SCRIPT = """
 import sys, time
 from pathlib import Path
+from typing import Any
 from agent.jobs.store import JobState, JobStore
 state, jid = Path(sys.argv[1]), sys.argv[2]
 s = JobStore(state)
@@ -133,7 +135,17 @@ def test_telemetry_every_telemetry_s_qos0_with_expiry(daemon: tuple[Daemon, Brok
     gaps = [b.at - a.at for a, b in itertools.pairwise(got)]
     assert 0.15 < sorted(gaps)[len(gaps) // 2] < 0.4, gaps  # median ~ telemetry_s = 0.25
     # Sensor readings (the simulated board) and, while the job runs, its progress and the
-    # governor state it reports.
+    # governor state it reports: every message until the job has reported a throttled step
+    # (on a loaded machine the job's first step can come after the first ten messages).
+    def throttled_step(m: Any) -> bool:
+        t = Telemetry.from_payload(m.payload)
+        return bool(t.job and t.job.step is not None and t.job.pct and t.governor
+                    and t.governor.state == "THROTTLED")
+
+    fleet.wait_for(lambda m: m.topic == T.telemetry("dev-a") and throttled_step(m),
+                   timeout_s=30)
+    msgs = [Telemetry.from_payload(m.payload)
+            for m in fleet.matching(lambda m: m.topic == T.telemetry("dev-a"))]
     assert all(t.temps_c and t.power_mw is not None and t.gpu_util is not None for t in msgs)
     during = [t for t in msgs if t.job is not None and t.job.step is not None]
     assert during and all(t.job.id == job["id"] and t.job.stage == "finetune" for t in during)
