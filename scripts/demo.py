@@ -729,7 +729,8 @@ class Mission:
             "--sign-key", str(self.out / "keys/upstream.key.pem"),
             "--first-updates", "demo", "--min-updates", str(len(DEVICES)),
             "--min-devices", str(len(DEVICES)), "--max-device-drop", str(LEARN_MAX_DROP_PTS),
-            "--timeout-s", "600"])
+            # each device also scores the aggregate with its own head (FedPer): personalized
+            "--eval-personal", "head", "--timeout-s", "600"])
         status = [*self.fleetctl(), "learn", "status", LEARN]
         self.learn_status = self.run("fleet", status)
         (self.learn_round,) = json.loads(self.run("fleet", [*status, "--json"]))["history"]
@@ -773,16 +774,18 @@ class Mission:
         release = r1["release"]
         print(f"fleet learning ({MODEL}@{release} = fedavg of {r1['updates']['combined']} "
               "device updates), accuracy on each device's held-out data:")
-        rows = [("device", "camera", "base 1", f"aggregate {release}", "own fine-tune")]
+        rows = [("device", "camera", "base 1", f"aggregate {release}",
+                 f"{release} + own head", "own fine-tune")]
         for dev, camera in DEVICES.items():
             e, o = evals.get(dev), outcomes.get(dev)
             own = o.metrics_after.get("eval/acc") if o else None
             rows.append((dev, camera, f"{e['base_accuracy']:.1%}" if e else "-",
                          f"{e['candidate_accuracy']:.1%}" if e else "-",
+                         _pct(e.get("personalized_accuracy")) if e else "-",
                          f"{own:.1%}" if own is not None else "-"))
         ev = r1["evaluation"]
         rows.append(("union", "", f"{ev['base_accuracy']:.1%}", f"{ev['candidate_accuracy']:.1%}",
-                     ""))
+                     "", ""))
         _table(rows)
         own_better = all(
             o is not None and dev in evals

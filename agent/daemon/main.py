@@ -341,7 +341,8 @@ class Daemon:
                 except Exception as e:  # busy or full disk: the next turn tries again
                     log.warning("outbox checkpoint: %s", e)
                 next_ckpt = now + 2.0
-            wake = min(next_wd if wd else now + 1.0, next_tel, next_status, now + 1.0)
+            wake = min(next_wd if wd else now + 1.0, next_tel, next_status, now + 1.0,
+                       next_metrics if self.metrics is not None else now + 1.0)
             self.stop_event.wait(max(0.01, wake - time.monotonic()))
         return self.shutdown()
 

@@ -358,17 +358,21 @@ def test_the_fleet_learned_from_the_uploads_in_one_round(
         assert [j["state"] for j in jobs if j["type"] == "evaluate"] == ["SUCCEEDED"], jobs
         models = _cli("agentctl", "models", "--state-dir", str(state)).stdout
         assert "active 2 " not in models and "standby 2;" not in models, models
-    # The summary's table: per device the base, the aggregate (as the device scored it) and
-    # the device's own fine-tune (as its job reported it).
+    # The summary's table: per device the base, the aggregate (as the device scored it), the
+    # aggregate with the device's own head (personalized, scored by the same job) and the
+    # device's own fine-tune (as its job reported it).
     start = next(i for i, line in enumerate(log.splitlines())
                  if line.startswith("device") and "own fine-tune" in line)
     scored = {e["device"]: e for e in r1["evaluations"]}
     for line in log.splitlines()[start + 2:start + 2 + len(DEVICES)]:
-        dev, _, base, cand, own = re.split(r"\s{2,}", line.strip())
+        dev, _, base, cand, pers, own = re.split(r"\s{2,}", line.strip())
         after = _finetune_job(out / "devices" / dev / "state")["result"]["metrics_after"]
-        assert (base, cand, own) == (f"{100 * scored[dev]['base_accuracy']:.1f}%",
-                                     f"{100 * scored[dev]['candidate_accuracy']:.1f}%",
-                                     f"{100 * after['eval/acc']:.1f}%"), line
+        assert scored[dev]["personalized_accuracy"] is not None, scored[dev]
+        assert (base, cand, pers, own) == (
+            f"{100 * scored[dev]['base_accuracy']:.1f}%",
+            f"{100 * scored[dev]['candidate_accuracy']:.1f}%",
+            f"{100 * scored[dev]['personalized_accuracy']:.1f}%",
+            f"{100 * after['eval/acc']:.1f}%"), line
     assert re.search(rf"^fleet learning: {MODEL}@1 -> {MODEL}@2 on the union of the devices' "
                      r"data [\d.]+% -> [\d.]+%", log, re.M), log[-3000:]
     assert (out / "reports/learn-fleet.png").read_bytes()[:4] == b"\x89PNG"
