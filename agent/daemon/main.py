@@ -42,7 +42,7 @@ from agent.daemon.device import (
     models_fingerprint,
     set_power_mode,
 )
-from agent.daemon.metrics import DaemonMetrics, Snapshot
+from agent.daemon.metrics import DaemonMetrics
 from agent.daemon.runner import JobRunner
 from agent.daemon.sdnotify import Notifier
 from agent.daemon.serving import serving_summary
@@ -106,11 +106,7 @@ class Daemon:
         """The models' fingerprint in the last retained status published."""
         self.loop_hook: Any = None
         """Called once per main-loop turn (tests make it hang to prove the watchdog stops)."""
-        m = cfg.metrics
-        self.metrics = (DaemonMetrics(self.device)
-                        if m.port is not None or m.textfile is not None else None)
-        self.metrics_port: int | None = None
-        """Where GET /metrics listens once started (a port of 0 in the config: a free one)."""
+        self.metrics = DaemonMetrics.of(cfg.metrics, self.device)
 
     # -- MQTT callbacks -----------------------------------------------------------------
 
@@ -271,44 +267,21 @@ class Daemon:
         self.link.publish_now(self.topics.telemetry(self.device), msg.to_payload(), qos=0,
                               props={"expiry_s": TELEMETRY_EXPIRY_S})
 
-    def refresh_metrics(self) -> None:
-        """A snapshot for the scrapes (and the textfile, rewritten now)."""
-        assert self.metrics is not None
-        (depth,) = self.outbox.query("SELECT COUNT(*) FROM outbox")[0]
-        self.metrics.update(Snapshot(telemetry=self.reading(),
-                                     broker_connected=self.link.connected,
-                                     outbox_messages=int(depth), jobs=self.store.counts()))
-        if self.cfg.metrics.textfile is not None:
-            self.metrics.write_textfile(self.cfg.metrics.textfile)
-
-    def start_metrics(self) -> None:
-        """GET /metrics on the configured port; a port that cannot be had is logged, and the
-        daemon runs on without it."""
-        m = self.cfg.metrics
-        if self.metrics is None or m.port is None:
-            return
-        try:
-            self.metrics_port = self.metrics.serve(m.host, m.port)
-        except OSError as e:
-            log.error("metrics: cannot listen on %s:%s (%s): no /metrics", m.host, m.port, e)
-            return
-        log.info("metrics: GET http://%s:%d/metrics", m.host, self.metrics_port,
-                 extra={"fields": {"event": "metrics", "port": self.metrics_port}})
-
     def run(self) -> int:
         self.sweep_temps()
         owed = self.recover()
         self.control.start()
         self.link.start()
         self.runner.start()
-        self.start_metrics()
+        if self.metrics is not None:
+            self.metrics.start(cfg=self.cfg.metrics)
         self.notifier.ready(f"job store recovered ({owed} results re-queued); connecting")
         log.info("edge-agent %s up as %s (state %s)", self.version, self.device,
                  self.cfg.state_dir)
         wd = self.notifier.watchdog_interval_s
         now = time.monotonic()
         next_wd, next_tel, next_status, next_ckpt = now, now + 1.0, now, now + 2.0
-        next_metrics = now
+        next_metrics = now + 1.0  # the metrics' own schedule, where there are metrics
         while not self.stop_event.is_set():
             if self.loop_hook is not None:
                 self.loop_hook()
@@ -322,12 +295,9 @@ class Daemon:
                 except Exception:
                     log.exception("telemetry failed")
                 next_tel = now + self.cfg.telemetry_s
-            if self.metrics is not None and now >= next_metrics:
-                try:
-                    self.refresh_metrics()
-                except Exception:
-                    log.exception("metrics refresh failed")
-                next_metrics = now + self.cfg.metrics.refresh_s
+            if self.metrics is not None:
+                next_metrics = self.metrics.tick(now, self.reading, link=self.link,
+                                                 outbox=self.outbox, store=self.store)
             try:
                 self._republish_on_model_change()
             except Exception:  # the next turn tries again
@@ -342,7 +312,7 @@ class Daemon:
                     log.warning("outbox checkpoint: %s", e)
                 next_ckpt = now + 2.0
             wake = min(next_wd if wd else now + 1.0, next_tel, next_status, now + 1.0,
-                       next_metrics if self.metrics is not None else now + 1.0)
+                       next_metrics)
             self.stop_event.wait(max(0.01, wake - time.monotonic()))
         return self.shutdown()
 

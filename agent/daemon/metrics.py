@@ -21,8 +21,9 @@ sensors, the stores or the link from the server's thread. All gauges, labelled `
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +31,13 @@ from prometheus_client import CollectorRegistry, start_http_server, write_to_tex
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from agent.daemon.config import MetricsConfig
+from agent.jobs.store import JobStore
+from agent.mqtt.link import MqttLink
+from agent.mqtt.outbox import Outbox
 from contract import Telemetry
+
+log = logging.getLogger("agent.daemon")
 
 
 @dataclass(frozen=True)
@@ -46,13 +53,59 @@ class Snapshot:
 class DaemonMetrics(Collector):
     """The collector over the latest :class:`Snapshot`, its registry, and its outlets."""
 
-    def __init__(self, device: str) -> None:
-        self.device = device
+    def __init__(self, device: str, textfile: Path | None = None,
+                 refresh_s: float = 5.0) -> None:
+        self.device, self.textfile, self.refresh_s = device, textfile, refresh_s
+        self._next = 0.0
         self._lock = threading.Lock()
         self._snap = Snapshot()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         self._server: object | None = None
+        self.port: int | None = None
+        """Where GET /metrics listens once started (a port of 0 in the config: a free one)."""
+
+    @classmethod
+    def of(cls, cfg: MetricsConfig, device: str) -> DaemonMetrics | None:
+        """The daemon's metrics as agent.yaml asks (None: neither a port nor a textfile)."""
+        if cfg.port is None and cfg.textfile is None:
+            return None
+        return cls(device, cfg.textfile, cfg.refresh_s)
+
+    def start(self, cfg: MetricsConfig) -> None:
+        """GET /metrics on the configured port; a port that cannot be had is logged, and the
+        daemon runs on without it."""
+        if cfg.port is None:
+            return
+        try:
+            self.port = self.serve(cfg.host, cfg.port)
+        except OSError as e:
+            log.error("metrics: cannot listen on %s:%s (%s): no /metrics", cfg.host, cfg.port,
+                      e)
+            return
+        log.info("metrics: GET http://%s:%d/metrics", cfg.host, self.port,
+                 extra={"fields": {"event": "metrics", "port": self.port}})
+
+    def tick(self, now: float, reading: Callable[[], Telemetry], *, link: MqttLink,
+             outbox: Outbox, store: JobStore) -> float:
+        """From the main loop's turn at ``now`` (monotonic): refresh when due (an error is
+        logged, never raised); returns when the next refresh is due."""
+        if now >= self._next:
+            try:
+                self.refresh(reading(), link=link, outbox=outbox, store=store)
+            except Exception:
+                log.exception("metrics refresh failed")
+            self._next = now + self.refresh_s
+        return self._next
+
+    def refresh(self, reading: Telemetry, *, link: MqttLink, outbox: Outbox,
+                store: JobStore) -> None:
+        """A snapshot for the scrapes (from the main loop), and the textfile rewritten."""
+        (depth,) = outbox.query("SELECT COUNT(*) FROM outbox")[0]
+        self.update(Snapshot(telemetry=reading, broker_connected=link.connected,
+                             outbox_messages=int(depth), jobs=store.counts()))
+        if self.textfile is not None:
+            self.write_textfile(self.textfile)
 
     def update(self, snapshot: Snapshot) -> None:
         with self._lock:
