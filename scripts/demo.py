@@ -32,7 +32,15 @@
    an inverted + noisy camera like edge-1's, upstream's model installed): health-checked on
    its own data against that model, committed. The summary shows the base, the aggregate and
    each device's own fine-tune on each device's held-out data and on their union, and what
-   the release did for the new device.
+   the release did for the new device; each device also scores the aggregate with its own
+   head in place (``--eval-personal head``: personalized, FedPer's way);
+8. a detector's group: ``hpc-train train --config configs/detection_demo.yaml`` trains an
+   SSDlite at 160 px beside the classifier's export, ``agentctl export`` makes its INT8 file
+   with NMS in the graph (gated by mAP@0.5), published as ``camera-det@1``; a fifth device,
+   ``cam-1`` (group ``cameras``, a camera mounted 90 degrees off), serves it to its
+   application (boxes, scores, classes) and, after the classifiers' rollout, gets its own:
+   fine-tune on its images -> INT8 gated by mAP@0.5 -> health by mAP -> commit -> upload; the
+   summary's detector row has its mAP before and after.
 
 Everything is driven through the command lines, MQTT and HTTP, as an operator would. The live
 view below follows the devices over MQTT (the fleet's operator account): temperature, the
