@@ -33,7 +33,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
-import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -231,9 +230,7 @@ class OipApp:
             if engine is None:
                 raise NoActiveModelError(f"no version of {model.name!r} serves yet")
             req = parse_infer(body, header_length, ModelSignature.of(engine))
-            t0 = time.perf_counter()
-            outputs, version = model.infer_versioned(req.x)
-            inference.ran(version, len(req.x), time.perf_counter() - t0)
+            outputs, version = inference.infer(model, req.x)
             out, headers = encode_infer(outputs, req, model_name=model.name,
                                         model_version=version)
         return 200, out, headers

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
@@ -234,9 +233,7 @@ class _Service:
         with self.metrics.request(self.model.version) as inference:
             engine = self._serving(request.model_name, request.model_version)
             req = infer_request(request, ModelSignature.of(engine))
-            t0 = time.perf_counter()
-            outputs, version = self.model.infer_versioned(req.x)
-            inference.ran(version, len(req.x), time.perf_counter() - t0)
+            outputs, version = inference.infer(self.model, req.x)
             response = pb.ModelInferResponse(model_name=self.model.name,
                                              model_version=version, id=request.id)
             for wanted, arr in answered(outputs, req.outputs):

@@ -34,14 +34,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from agent.runtime.active_model import ActiveModel
+from agent.runtime.engine_outputs import EngineOutputs
 from registry.errors import NoActiveModelError
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-"""The Prometheus text format, as ``prometheus_client.CONTENT_TYPE_LATEST`` names it."""
+"""The text format ``generate_latest`` writes (Prometheus' 0.0.4; newer clients also name it
+``CONTENT_TYPE_PLAIN_0_0_4``, older ones do not)."""
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                      2.5)
@@ -66,8 +70,13 @@ class Inference:
     batch: int = 0
     compute_s: float = 0.0
 
-    def ran(self, version: str, batch: int, compute_s: float) -> None:
-        self.version, self.batch, self.compute_s = version, batch, compute_s
+    def infer(self, model: ActiveModel, x: np.ndarray) -> tuple[EngineOutputs, str]:
+        """``model.infer_versioned(x)``, its time, batch and version counted for this
+        request."""
+        t0 = time.perf_counter()
+        outputs, self.version = model.infer_versioned(x)
+        self.compute_s, self.batch = time.perf_counter() - t0, len(x)
+        return outputs, self.version
 
 
 class ServeMetrics(Collector):
@@ -87,8 +96,9 @@ class ServeMetrics(Collector):
 
     @contextmanager
     def request(self, serving_version: str | None) -> Iterator[Inference]:
-        """Count one inference request: answered when the block ends normally (after
-        :meth:`Inference.ran`), failed (its reason from the exception) when it raises."""
+        """Count one inference request: answered when the block ends normally (the model
+        run through :meth:`Inference.infer`), failed (its reason from the exception) when it
+        raises."""
         inf = Inference()
         try:
             yield inf

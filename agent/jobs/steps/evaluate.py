@@ -33,11 +33,10 @@ def _baseline(ctx: JobContext) -> tuple[str | None, Path | None]:
     from agent.storage.slots import ModelSlots
     from registry.errors import RegistryError
 
-    slots = ModelSlots(ctx.state_dir, ctx.spec.model)
     want = ctx.spec.evaluate.baseline
     if want is None:
-        active = slots.active()
-        return (active.version, active.path) if active is not None else (None, None)
+        return _active(ctx)
+    slots = ModelSlots(ctx.state_dir, ctx.spec.model)
     try:
         installed = slots.installed(want)
     except RegistryError:
@@ -59,8 +58,9 @@ def _baseline(ctx: JobContext) -> tuple[str | None, Path | None]:
     return source.version, source.path
 
 
-def _own(ctx: JobContext) -> tuple[str | None, Path | None]:
-    """(version, slot) of the device's own model, the source of the personal parts."""
+def _active(ctx: JobContext) -> tuple[str | None, Path | None]:
+    """(version, slot) of the device's own model, its active one: the default baseline and
+    the source of the personal parts."""
     from agent.storage.slots import ModelSlots
 
     active = ModelSlots(ctx.state_dir, ctx.spec.model).active()
@@ -69,7 +69,7 @@ def _own(ctx: JobContext) -> tuple[str | None, Path | None]:
 
 def run(ctx: JobContext) -> dict[str, Any]:
     version, path = _baseline(ctx)
-    own_version, own_path = _own(ctx) if ctx.spec.evaluate.personal else (None, None)
+    own_version, own_path = _active(ctx) if ctx.spec.evaluate.personal else (None, None)
     out = run_child(ctx, __name__, "evaluate", step_context(
         ctx, active_path=path, staged_path=Path(ctx.outputs["pull"]["path"]),
         own_path=own_path))
