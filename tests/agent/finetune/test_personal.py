@@ -43,3 +43,19 @@ def test_personalize_copies_exactly_the_own_parts() -> None:
 def test_another_architecture_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"no tensor 8\.weight of shape \(10, 8\)"):
         personalize(net(0), net(1, width=16), ["head"])
+
+
+def test_an_evaluate_command_names_parts_only_from_the_list() -> None:
+    # What another principal may send (an evaluate command's args): two known part names at
+    # most, never a path or a module; the rest is refused naming the field.
+    from pydantic import ValidationError
+
+    from agent.jobs.evaluate_spec import EvaluateArgs
+
+    ok = EvaluateArgs.model_validate({"model": "digits", "version": "3", "data": "cam0",
+                                      "evaluate": {"personal": ["head", "norm"]}})
+    assert ok.evaluate.personal == ["head", "norm"]
+    for bad in (["classifier"], ["/etc/passwd"], ["head", "norm", "head"]):
+        with pytest.raises(ValidationError, match="personal"):
+            EvaluateArgs.model_validate({"model": "digits", "version": "3", "data": "cam0",
+                                         "evaluate": {"personal": bad}})
