@@ -157,13 +157,17 @@ def round_state(db: Path, learn: str) -> dict[str, Any] | None:
     return None if row is None else json.loads(row[0])
 
 
-def open_jobs(db: Path, rollout_prefix: str) -> int:
-    """Jobs of the rollouts named ``rollout_prefix...`` that are out on devices."""
+def open_jobs(db: Path, rollout_prefix: str, *, accepted: bool = False) -> int:
+    """Jobs of the rollouts named ``rollout_prefix...`` that are out on devices; with
+    ``accepted``, only those a device has answered ACCEPTED (or started): a job recorded SENT
+    may not have reached the broker yet when its controller dies."""
+    statuses = ("ACCEPTED", "IN_PROGRESS") if accepted else ("SENT", "ACCEPTED", "IN_PROGRESS")
     try:
         with sqlite3.connect(db, timeout=5) as c:
             return int(c.execute(
                 "SELECT COUNT(*) FROM executions WHERE rollout_id LIKE ? AND status IN "
-                "('SENT', 'ACCEPTED', 'IN_PROGRESS')", (rollout_prefix + "%",)).fetchone()[0])
+                f"({', '.join('?' * len(statuses))})",
+                (rollout_prefix + "%", *statuses)).fetchone()[0])
     except sqlite3.OperationalError:
         return 0
 

@@ -289,9 +289,11 @@ def test_controller_sigkilled_mid_round_resumes_without_running_anything_again(
     db = tmp_path / "fleet.db"
     env = env | {"FAKE_HPC_TRAIN_SLEEP_S": "2"}
     kill_points: list[Callable[[], bool]] = [
-        # 1: round 1's evaluations are out on the devices
+        # 1: round 1's evaluations are out on the devices, one at least accepted by its device
+        # (SENT is written before the publish: a kill between the two leaves the device without
+        # the job, and its re-send is a first delivery, not a DUPLICATE)
         lambda: (round_state(db, "k") or {}).get("phase") == "evaluate"
-        and open_jobs(db, "k-r1-ev") > 0,
+        and open_jobs(db, "k-r1-ev", accepted=True) > 0,
         # 2: round 2's aggregation is running (the tool dies with its controller)
         lambda: (round_state(db, "k") or {}).get("round") == 2
         and len(calls(tmp_path, "aggregate", base="k-r1")) == 1,
