@@ -245,6 +245,16 @@ class LayoutRecord(_Strict):
     tensors: dict[str, tuple[Dtype, tuple[int, ...]]] = Field(min_length=1)
 
 
+class PersonalInfo(_Strict):
+    """How a device made its personalized version of a release: the parts of its own model it
+    kept in the release's weights (personalized serving)."""
+
+    parts: tuple[Literal["head", "norm"], ...] = Field(min_length=1, max_length=2)
+    """``head``: its own classifier (FedPer); ``norm``: its own normalization (FedBN)."""
+    own_version: str = Field(min_length=1, max_length=128)
+    """The device's version the parts came from (its active model when it took the release)."""
+
+
 class TrainingInfo(_Strict):
     config_sha256: str | None = None
     """TrainConfig.digest() of the run that produced the weights."""
@@ -260,6 +270,9 @@ class TrainingInfo(_Strict):
     pretrained: PretrainedWeights | None = None
     """The pretrained weights the run started from (model.weights of its config); None: it
     started from a random initialisation, or from a parent version. Left out when None."""
+    personal: PersonalInfo | None = None
+    """Set on a device's personalized version of a release: the release's weights with these
+    parts of the device's own model in place. Left out when None."""
 
 
 class Signer(_Strict):
@@ -394,7 +407,7 @@ class Manifest(_Strict):
             del doc["base"]
         # Left out unless set, for the same reason: a device whose schema predates a field
         # (extra keys forbidden) still takes every version that does not set it.
-        for optional in ("aggregate", "data", "pretrained"):
+        for optional in ("aggregate", "data", "pretrained", "personal"):
             if doc["training"][optional] is None:
                 del doc["training"][optional]
         if doc["layout"] is None:

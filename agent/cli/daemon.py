@@ -52,6 +52,7 @@ examples:
   agentctl status --state-dir /var/lib/edge-agent
   agentctl finetune --model digits --data cam0 --follow      # through the daemon
   agentctl deploy digits 7 --data cam0 --follow              # from agent.yaml's registry.url
+  agentctl deploy digits 8 --data cam0 --personal head       # the fleet's release, own head
   agentctl send rollback --args '{"name": "digits", "reason": "drill"}' --follow
   agentctl cancel ft-20261123T0500Z ; agentctl logs ft-20261123T0500Z -n 100
 
@@ -218,6 +219,8 @@ def run_deploy(args: argparse.Namespace) -> int:
     spec: dict[str, Any] = {"model": args.model, "version": args.version}
     if args.data:
         spec["data"] = args.data
+    if args.personal:
+        spec["personal"] = args.personal
     cmd = envelope("deploy", spec, id=args.id, timeout_s=args.timeout_s)
     if args.follow:
         return follow_job(args, cmd, args.progress)
@@ -319,6 +322,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", metavar="NAME",
                    help="held-out data set for the health check: a name under the daemon's "
                    "data_root")
+    p.add_argument("--personal", action="append", choices=["head", "norm"], default=[],
+                   help="personalized serving: keep this part of the device's own (active) "
+                   "model in the version deployed; the device signs the result as its own "
+                   "version of it (repeat for both)")
     _job_flags(p)
     p.set_defaults(func=run_deploy)
     p = add("send", "send any contract command to the daemon (same schema as MQTT)")

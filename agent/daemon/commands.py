@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from agent.daemon.announce import Announcer, error_info, job_status
 from agent.daemon.jobspec import resolve_command_args
-from agent.jobs.spec import DeviceSettings
+from agent.jobs.resolve import DeviceSettings
 from agent.jobs.store import JobStore, QueueFull
 from agent.mqtt.outbox import Tx
 from contract import (

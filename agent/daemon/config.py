@@ -9,7 +9,7 @@ Unknown keys are errors (also in the environment), reported with their path and 
 This file (and provisioning) is the device's only source of trust and of where to talk: the
 trusted keys, the signing key, the registry and upload target, the broker, the data root and
 every path. A command names a data set or a cache; :meth:`AgentConfig.job_settings` turns this
-config into what resolves those names (``agent.jobs.spec.resolve``).
+config into what resolves those names (``agent.jobs.resolve.resolve``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from agent.jobs.spec import DeviceSettings
+from agent.jobs.resolve import DeviceSettings
 from agent.storage.trust import default_trusted_keys
 from contract import DEFAULT_PREFIX, Topics, check_id
 from hpc_core.config import ConfigError, apply_overrides, read_yaml

@@ -4,7 +4,7 @@ Two models per job type, both the job's own (``agent.jobs.spec``; torch-free): t
 command may carry (``COMMAND_ARGS``: finetune -> FinetuneArgs, deploy -> DeployArgs,
 rollback -> RollbackArgs; ``extra="forbid"``, names instead of paths) and the resolved spec the
 worker runs (``SPECS``), which takes every registry, key, upload target and path from the
-device's :class:`~agent.jobs.spec.DeviceSettings` (agent.yaml). A command that tries to set
+device's :class:`~agent.jobs.resolve.DeviceSettings` (agent.yaml). A command that tries to set
 one of those is REJECTED BAD_ARGS naming the field, at once, not FAILED minutes later. The
 contract checks the envelope (and rollback's own args) first; the spec is the last word.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from agent.jobs.spec import DeviceSettings
+from agent.jobs.resolve import DeviceSettings
 from contract import CommandRejected, error_from_validation
 
 
@@ -26,7 +26,8 @@ def resolve_command_args(
     pydantic's ValidationError on args outside the allow-list, CommandRejected(BAD_ARGS)
     on args this device cannot resolve (a data set it does not have, an upload with no
     registry configured), CommandRejected(UNAVAILABLE) for a job type this build cannot run."""
-    from agent.jobs.spec import COMMAND_ARGS, ArgsRefused, resolve
+    from agent.jobs.resolve import ArgsRefused, resolve
+    from agent.jobs.spec import COMMAND_ARGS
 
     model = COMMAND_ARGS.get(type_)
     if model is None:

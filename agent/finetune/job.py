@@ -34,9 +34,9 @@ from registry.model_config import ModelConfig
 
 TRAINABLE_RE = re.compile(r"^(head|all|last_n:([1-9][0-9]*))$")
 PROFILE_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+"""A device profile's name: the file ``device_profiles/NAME.yaml``, never a path."""
 PersonalPart = Literal["head", "norm"]
 """A device's own part of a model (``agent.finetune.personal``): its head, its normalization."""
-"""A device profile's name: the file ``device_profiles/NAME.yaml``, never a path."""
 
 
 def _profile_name(v: str) -> str:

@@ -6,7 +6,7 @@ candidate base does on their data before it publishes it).
 
 As received (:class:`EvaluateArgs`: names only) and as the worker runs it
 (:class:`EvaluateJob`: the data set resolved under the device's data_root, the registry and
-trusted keys from agent.yaml); ``agent.jobs.spec.resolve`` turns one into the other.
+trusted keys from agent.yaml); ``agent.jobs.resolve.resolve`` turns one into the other.
 """
 
 from __future__ import annotations

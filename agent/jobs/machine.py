@@ -5,7 +5,8 @@ announced.
 
     finetune: pull -> finetune -> [export] -> stage -> health -passed-> commit -> [upload] -> done
                                                              \\-failed-> rollback -> rolled back
-    deploy:   pull -> stage -> health -passed-> commit -> done   (-failed-> rollback)
+    deploy:   pull -> [personalize] -> stage -> health -passed-> commit -> done
+                                                      \\-failed-> rollback -> rolled back
     rollback: switch -> done
     evaluate: pull -> evaluate -> done   (a registry version scored, never installed)
 
@@ -41,6 +42,7 @@ from agent.jobs.steps import (
     export,
     finetune,
     health,
+    personalize,
     pull,
     stage,
     switch,
@@ -76,7 +78,9 @@ TRANSITIONS: dict[str, Table] = {
     },
     "deploy": {
         (START, "begin"): "pull",
-        ("pull", "done"): "stage",
+        ("pull", "done"): "personalize",
+        ("personalize", "done"): "stage",
+        ("personalize", "skip"): "stage",
         ("stage", "done"): "health",
         ("health", "passed"): "commit",
         ("health", "failed"): "rollback",
@@ -99,6 +103,7 @@ TRANSITIONS: dict[str, Table] = {
 WORKER_STEPS: dict[str, Callable[[JobContext], dict[str, Any]]] = {
     "pull": pull.run, "finetune": finetune.run, "export": export.run, "stage": stage.run,
     "health": health.run, "commit": commit.run, "rollback": commit.rollback,
+    "personalize": personalize.run,
     "upload": upload.run, "switch": switch.run, "evaluate": evaluate.run,
 }
 """State -> the function the worker runs for it (``agent.jobs.steps``: one module per step,

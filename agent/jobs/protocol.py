@@ -220,7 +220,9 @@ class StepContext(BaseModel):
     staged_path: Path | None = None
     own_path: Path | None = None
     """The device's own model (its active slot) where a step reads parts of it: the evaluate
-    step's personalized score."""
+    step's personalized score, the personalize step."""
+    personalized: Path | None = None
+    """The personalize step's weights (a folder holding model.safetensors) that stage signs."""
 
     @property
     def micro_batch(self) -> int | None:

@@ -5,7 +5,8 @@ Installed: re-verified in place; a fine-tune's upstream in the standby slot is f
 into the job folder (the stage step replaces that slot). Not on the device: fetched from the
 job's registry in a child (``fetch``): a deploy stages it into the standby slot (the active
 model stays; anti-rollback by lineage, ``agent.storage.slots``); a fine-tune only trains from
-it, so it goes into the job folder, never a slot, and may be older than the newest version
+it (a personalized deploy only makes its own version from it), so it goes into the job
+folder, never a slot, and may be older than the newest version
 installed (what the job commits is its own new, higher version).
 """
 
@@ -101,7 +102,12 @@ def child_fetch(c: StepContext) -> dict[str, Any]:
     spec = c.spec
     ref = Ref(spec["model"], spec["version"], spec["registry"])
     trusted = load_trusted(c.trusted_keys)
-    if "finetune" in spec or "evaluate" in spec:
+    # A personalized deploy stages the device's own version of the release (the personalize
+    # and stage steps), never the release itself: like a fine-tune's upstream, it is only
+    # made from. With no model of its own to personalize with, it deploys as published.
+    personal = bool(spec.get("personal")) and ModelSlots(c.state_dir, ref.name).active() \
+        is not None
+    if "finetune" in spec or "evaluate" in spec or personal:
         pulled, source = fetch_training_source(ref, c.job_dir / "upstream",
                                                state_dir=c.state_dir, trusted=trusted)
         crash_inside_child("pull")  # fetched, not yet recorded: a restart fetches again

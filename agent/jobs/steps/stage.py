@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from agent.jobs.protocol import (
@@ -13,6 +14,7 @@ from agent.jobs.protocol import (
     StepContext,
     child_main,
     crash_inside_child,
+    read_output,
     run_child,
     step_context,
 )
@@ -23,6 +25,10 @@ from agent.jobs.steps.health import anchor_of
 
 def run(ctx: JobContext) -> dict[str, Any]:
     if isinstance(ctx.spec, DeployJob):
+        made = ctx.outputs.get("personalize", {})
+        if made.get("personalized"):
+            return run_child(ctx, __name__, "stage", step_context(
+                ctx, personalized=Path(made["path"])))
         pulled = ctx.outputs["pull"]
         if pulled.get("fetched"):
             return {"version": pulled["version"], "slot": pulled["slot"],
@@ -59,10 +65,12 @@ def child(c: StepContext) -> dict[str, Any]:
         name = default_version(parent.manifest.base_release.version, key.name, seq)
         write_bytes_atomic(vfile, name.encode())
     crash_inside_child("stage")  # the version is fixed, nothing is staged yet
+    # A fine-tune's checkpoint names the data it learned from (the job's data.json); a
+    # personalized release names the parts it kept.
+    content = personalized_content(c, parent.manifest) if c.personalized is not None else \
+        with_training_data(read_checkpoint(c.finetuned), c.job_dir)  # type: ignore[arg-type]
     staged = stage_local(
-        # The manifest names the data the fine-tune learned from (the job's data.json).
-        with_training_data(read_checkpoint(c.finetuned), c.job_dir),  # type: ignore[arg-type]
-        state_dir=c.state_dir, parent=parent,
+        content, state_dir=c.state_dir, parent=parent,
         version=vfile.read_text().strip(), key=key, trusted=load_trusted(c.trusted_keys),
         # The upstream's anchor set travels with every fine-tune of it, so the next
         # fine-tune on the device is held to the same forgetting gate.
@@ -72,6 +80,23 @@ def child(c: StepContext) -> dict[str, Any]:
     return {"version": staged.version, "slot": staged.slot,
             "sequence": staged.manifest.sequence, "signer": key.name,
             "manifest_sha256": staged.manifest_sha256}
+
+
+def personalized_content(c: StepContext, release: Any) -> Any:
+    """The personalize step's weights as a version of ``release`` (its manifest): the
+    release's model and training record, less its metrics (they describe the release's own
+    weights), plus what was kept of the device's model and from which of its versions."""
+    from registry.manifest import PersonalInfo
+    from registry.publish import VersionContent
+    from registry.safetensors_io import read_safetensors_index
+
+    made = read_output(c.job_dir / "personalize.json")
+    folder = Path(c.personalized)  # type: ignore[arg-type]
+    training = release.training.model_copy(update={
+        "metrics": {}, "data": None,
+        "personal": PersonalInfo(parts=tuple(made["parts"]), own_version=made["own_version"])})
+    return VersionContent(folder, release.model, training,
+                          read_safetensors_index(folder / "model.safetensors"), release.layout)
 
 
 CHILDREN: dict[str, Callable[[StepContext], dict[str, Any]]] = {"stage": child}

@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 from agent.daemon.config import AgentConfig
 from agent.daemon.jobspec import resolve_command_args
-from agent.jobs.spec import COMMAND_ARGS, SPECS, DeviceSettings
+from agent.jobs.resolve import DeviceSettings
+from agent.jobs.spec import COMMAND_ARGS, SPECS
 from contract import JOB_TYPES, CommandRejected, error_from_validation
 
 

@@ -174,7 +174,7 @@ def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
     # ... and as a daemon command, REJECTED BAD_ARGS before it is queued; a micro-batch the
     # fit holds passes.
     from agent.daemon.jobspec import resolve_command_args
-    from agent.jobs.spec import DeviceSettings
+    from agent.jobs.resolve import DeviceSettings
     from contract import CommandRejected
 
     settings = DeviceSettings(

@@ -17,14 +17,8 @@ import pytest
 
 from agent.finetune.job import min_samples
 from agent.jobs.preflight import check_inputs
-from agent.jobs.spec import (
-    ArgsRefused,
-    DeployArgs,
-    DeviceJob,
-    DeviceSettings,
-    FinetuneArgs,
-    resolve,
-)
+from agent.jobs.resolve import ArgsRefused, DeviceSettings, resolve
+from agent.jobs.spec import DeployArgs, DeviceJob, FinetuneArgs
 from agent.jobs.store import JobState, JobStore
 from agent.spool.config import SpoolConfig, spool_dir
 from agent.spool.index import count_kept

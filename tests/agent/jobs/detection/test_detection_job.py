@@ -238,7 +238,8 @@ def test_a_detector_job_it_cannot_run_is_refused_when_submitted(
     import shutil
 
     from agent.jobs.preflight import check_inputs
-    from agent.jobs.spec import ArgsRefused, DeviceSettings, FinetuneArgs, resolve
+    from agent.jobs.resolve import ArgsRefused, DeviceSettings, resolve
+    from agent.jobs.spec import FinetuneArgs
 
     dev = detector_device
     dev.install()
