@@ -149,3 +149,29 @@ def test_deploy_args_name_known_parts_and_the_daemon_passes_them_on(tmp_path: Pa
         with pytest.raises(ValidationError, match="personal"):
             DeployArgs.model_validate({"model": "digits", "version": "v2", "personal": bad})
 
+
+
+@pytest.mark.slow
+def test_a_personalized_version_signed_by_another_key_is_refused_and_nothing_changes(
+    device_template: Path, fleet_registry: RegistryServer, tmp_path: Path,
+) -> None:
+    from registry.signing import generate_keypair
+    from tests.agent.jobs.test_device_job import tree_digest
+
+    dev = make_device(device_template, fleet_registry, tmp_path / "dev")
+    dev.install()
+    submit(dev, "own", **TINY)
+    assert worker(dev.state, "own").returncode == 0
+    own = ModelSlots(dev.state, "digits").active()
+    # The key the job signs with is not the one the device trusts under that name: another
+    # key's signature, as a version made elsewhere and passed off as the device's would carry.
+    other, _ = generate_keypair(tmp_path / "other", "device")
+    (dev.state / "device.key.pem").write_bytes(other.read_bytes())
+    before = tree_digest(dev.state / "models")
+    rec, steps = _job(dev, "p", "deploy", _deploy_v2(dev))
+    assert rec.state is JobState.FAILED, rec
+    assert "stage" in rec.error["message"] and "not trusted here" in rec.error["message"], \
+        rec.error
+    assert "commit" not in steps and "health" not in steps
+    assert tree_digest(dev.state / "models") == before
+    assert ModelSlots(dev.state, "digits").active().version == own.version
