@@ -1,11 +1,12 @@
 """The daemon's Prometheus metrics: what its telemetry says, for Grafana instead of MQTT.
 
-Off unless agent.yaml's ``metrics`` section sets a port (``GET /metrics``, served by
-``prometheus_client``'s own server, on loopback unless ``allow_remote``) or a textfile for
-node_exporter's textfile collector. The main loop takes a snapshot every ``refresh_s``
-(sensors, the running job and its governor, the serving runtimes, the job store's states,
-the outbox's depth, the broker link); a scrape reads that snapshot and never touches the
-sensors, the stores or the link from the server's thread. All gauges, labelled ``device``:
+Off unless agent.yaml's ``metrics`` section sets a port (``GET /metrics``: prometheus_client's
+ASGI app on the project's bounded server, :data:`LIMITS`, on loopback unless
+``allow_remote``) or a textfile for node_exporter's textfile collector. The main loop takes a
+snapshot every ``refresh_s`` (sensors, the running job and its governor, the serving
+runtimes, the job store's states, the outbox's depth, the broker link); a scrape reads that
+snapshot and never touches the sensors, the stores or the link from the server's thread.
+All gauges, labelled ``device``:
 
 - ``edge_agent_up`` 1; ``edge_agent_broker_connected`` 0/1; ``edge_agent_outbox_messages``
   (results and events not yet acknowledged by the broker);
@@ -27,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, start_http_server, write_to_textfile
+from prometheus_client import CollectorRegistry, make_asgi_app, write_to_textfile
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -36,8 +37,15 @@ from agent.jobs.store import JobStore
 from agent.mqtt.link import MqttLink
 from agent.mqtt.outbox import Outbox
 from contract import Telemetry
+from registry.http_server import HttpLimits, HttpServer
 
 log = logging.getLogger("agent.daemon")
+
+LIMITS = HttpLimits(header_timeout_s=5.0, keep_alive_s=5.0, write_timeout_s=10.0,
+                    max_connections=8, max_head_bytes=8 << 10)
+"""A scrape endpoint's bounds: a few scrapers at once (Prometheus, an agent, a person with
+curl), a head in 5 s; prometheus_client's own server takes every connection in a thread of
+its own, unbounded."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,7 @@ class DaemonMetrics(Collector):
         self._snap = Snapshot()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
-        self._server: object | None = None
+        self._server: HttpServer | None = None
         self.port: int | None = None
         """Where GET /metrics listens once started (a port of 0 in the config: a free one)."""
 
@@ -113,9 +121,9 @@ class DaemonMetrics(Collector):
 
     def serve(self, host: str, port: int) -> int:
         """Start ``GET /metrics`` on ``host:port`` (0: a free port); returns the port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        self._server = server
-        return int(server.server_address[1])
+        self._server = HttpServer(make_asgi_app(registry=self.registry), limits=LIMITS,
+                                  host=host, port=port, name="edge-agent", drain_s=1.0).start()
+        return self._server.port
 
     def write_textfile(self, path: Path) -> None:
         """The metrics as a node_exporter .prom file (written to a temp file, then renamed)."""
@@ -124,8 +132,7 @@ class DaemonMetrics(Collector):
     def close(self) -> None:
         server, self._server = self._server, None
         if server is not None:
-            server.shutdown()  # type: ignore[attr-defined]
-            server.server_close()  # type: ignore[attr-defined]
+            server.close()
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:

@@ -84,3 +84,64 @@ def test_a_non_loopback_metrics_host_needs_allow_remote() -> None:
     assert MetricsConfig(port=9100, host="0.0.0.0", allow_remote=True).host == "0.0.0.0"
     with pytest.raises(ValidationError, match="extra"):
         MetricsConfig.model_validate({"port": 9100, "path": "/x"})
+
+
+def test_the_metrics_endpoint_holds_a_bounded_number_of_connections() -> None:
+    from agent.daemon.metrics import LIMITS, DaemonMetrics, Snapshot
+
+    m = DaemonMetrics("dev-b")
+    m.update(Snapshot(broker_connected=True, outbox_messages=3))
+    port = m.serve("127.0.0.1", 0)
+    try:
+        assert scrape(port)[("edge_agent_outbox_messages", (("device", "dev-b"),))] == 3
+        # Idle connections up to the bound are held; one more is answered 503 and closed,
+        # and a scrape gets through again once they go.
+        held = [socket.create_connection(("127.0.0.1", port), timeout=5)
+                for _ in range(LIMITS.max_connections)]
+        time.sleep(0.3)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
+            extra.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert extra.recv(64).startswith(b"HTTP/1.1 503"), "over the bound, not refused"
+        for s in held:
+            s.close()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert scrape(port)[("edge_agent_up", (("device", "dev-b"),))] == 1
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+    finally:
+        m.close()
+
+
+def test_the_grafana_dashboard_queries_only_what_the_daemon_exposes() -> None:
+    from datetime import datetime, timezone
+
+    from prometheus_client import generate_latest
+
+    from agent.daemon.metrics import DaemonMetrics, Snapshot
+    from contract.messages import GovernorInfo, JobProgress, MemInfo, ServingInfo, Telemetry
+    from tests.support.grafana import dashboard, queried_metrics
+
+    d = dashboard()
+    assert d["uid"] and len({p["id"] for p in d["panels"]}) == len(d["panels"])
+    assert all(p["targets"] and all(t["expr"] for t in p["targets"]) for p in d["panels"])
+    # Every gauge there is: a job running under the governor, a model being served.
+    m = DaemonMetrics("dev-c")
+    m.update(Snapshot(broker_connected=True, outbox_messages=1, jobs={"SUCCEEDED": 2},
+                      telemetry=Telemetry(
+                          ts=datetime(2026, 1, 1, tzinfo=timezone.utc), seq=1,
+                          temps_c={"cpu": 51.0}, power_mw=9000.0,
+                          mem=MemInfo(used_mb=900.0, total_mb=7600.0),
+                          governor=GovernorInfo(state="throttled", duty=0.5, reason="temp"),
+                          job=JobProgress(id="j", stage="finetune", step=3, total=10),
+                          serving={"digits": ServingInfo(processes=1, requests=5, failed=0,
+                                                         window_requests=5, p99_ms=4.0,
+                                                         slo_ms=50.0)})))
+    exposed = {f.name for f in text_string_to_metric_families(
+        generate_latest(m.registry).decode())}
+    queried = queried_metrics("edge_agent_")
+    assert len(queried) >= 10, queried
+    assert queried <= exposed, sorted(queried - exposed)
