@@ -12,7 +12,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import TYPE_CHECKING, Any, get_args, get_origin
 
 from fleet.cli.options import (
     EXIT_FAILED,
@@ -30,6 +30,9 @@ from fleet.rollout.progress import Progress, status_text
 from fleet.rollout.run import RolloutRun, summarize
 from fleet.rollout.store import ROLLOUT_ACTIVE, ROLLOUT_FINAL, FleetStore
 from fleet.rollout.verdict import ended_as_asked
+
+if TYPE_CHECKING:
+    from fleet.rollout.metrics import FleetMetrics
 
 
 def _plan_overrides(a: argparse.Namespace) -> dict[str, Any]:
@@ -105,11 +108,16 @@ def cmd_rollout_create(a: argparse.Namespace) -> int:
 
 
 def cmd_controller(a: argparse.Namespace) -> int:
+    if a.metrics_host not in LOOPBACK and not a.metrics_allow_remote:
+        raise UsageError(f"--metrics-host {a.metrics_host} is not loopback: the metrics name "
+                         "every rollout and device state; add --metrics-allow-remote on a "
+                         "network you trust")
     store = FleetStore(a.db)
     session = open_controller(a, store)
     if session is None:
         print(f"another controller holds {a.db}.lock", file=sys.stderr)
         return EXIT_FAILED
+    metrics = _serve_metrics(a)
     try:
         if a.forever and not a.rollout:
             # The db's controller: its learns' rounds too, not only their rollouts.
@@ -121,7 +129,28 @@ def cmd_controller(a: argparse.Namespace) -> int:
         session.conn.stop()
         if session.replica is not None:
             session.replica.release_all()
+        if metrics is not None:
+            metrics.close()
     return _exit_code(store, states)
+
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def _serve_metrics(a: argparse.Namespace) -> FleetMetrics | None:
+    """GET /metrics of the db's rollouts while this controller runs (``--metrics-port``)."""
+    if a.metrics_port is None:
+        return None
+    from fleet.rollout.metrics import FleetMetrics  # prometheus_client, the HTTP server
+
+    metrics = FleetMetrics(a.db)
+    try:
+        port = metrics.serve(a.metrics_host, a.metrics_port)
+    except OSError as e:
+        metrics.close()
+        raise UsageError(f"--metrics-port {a.metrics_port}: {e}") from None
+    print(json.dumps({"metrics": f"http://{a.metrics_host}:{port}/metrics"}), flush=True)
+    return metrics
 
 
 def _get_run(store: FleetStore, rid: str) -> RolloutRun:
@@ -219,6 +248,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hpc-train", metavar="CMD",
                    help="with --forever: how the learns run hpc-train (shell words; default "
                         "$FLEETCTL_HPC_TRAIN, else this Python's -m hpc_core.cli)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics of the db's rollouts on GET /metrics "
+                        "(rollouts by state, executions by wave and status, waves, leases; "
+                        "0: a free port, printed)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address for --metrics-port (loopback unless --metrics-allow-remote)")
+    p.add_argument("--metrics-allow-remote", action="store_true",
+                   help="let --metrics-host be a non-loopback address")
     p.set_defaults(fn=cmd_controller)
 
     ro = sub.add_parser("rollout", help="staged rollouts").add_subparsers(

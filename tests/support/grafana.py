@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "configs" / "grafana" / "edgetrain-devices.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "configs" / "grafana" / "edgetrain-fleet.json"
 
 _NAME = re.compile(r"\b(edge_agent_[a-z_]+|nv_inference_[a-z_]+|edgetrain_[a-z_]+)\b")
 

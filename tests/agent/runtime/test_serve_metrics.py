@@ -63,7 +63,7 @@ def test_metrics_count_http_and_grpc_per_version_under_tritons_names(
         assert m[(f"{hist}_bucket", (("le", "+Inf"), *v1))] == 3
         assert 0 < m[(f"{hist}_sum", v1)] <= request_us / 1e6 + 1e-9
         # The repository's Grafana dashboard queries no serving metric that is not here.
-        queried = queried_metrics("nv_inference_") | queried_metrics("edgetrain_")
+        queried = queried_metrics("nv_inference_") | queried_metrics("edgetrain_inference_")
         assert len(queried) >= 6 and queried <= {k[0] for k in m}, queried
 
         device.install(2)  # a commit: the next answers count under version 2
