@@ -5,33 +5,47 @@ published. Execution ids are ``{rollout}-{nonce}.{device}.{attempt}``: a restart
 re-sends the same id for every execution that was open, and a device that already has it
 answers DUPLICATE with where it stands — so no device ever runs one execution twice.
 
-Rollout states: running → (paused ⇄ running) → succeeded (every wave done, every device
-succeeded) or completed_with_failures (every wave done, some device failed for good without
-reaching the abort threshold), or → aborting → rolling_back → aborted; ``rollback`` of a
-finished rollout: rolling_back → rolled_back.
+Rollout states: running → (paused ⇄ running; waiting_approval → running before a wave an
+operator must approve) → succeeded (every wave done, every device succeeded) or
+completed_with_failures (every wave done, some device failed for good without reaching the
+abort threshold), or → aborting → rolling_back → aborted; ``rollback`` of a finished
+rollout: rolling_back → rolled_back.
 
 Execution ids, the in-memory ``RolloutRun`` and the summaries read from it are in
 ``fleet.rollout.run``; the command sent for an execution and how a result lands on it, in
 ``fleet.rollout.messages``. The decisions this loop acts on are each in a module named for
 them: when a rollout aborts itself and what follows (``fleet.rollout.abort``), when a wave is
 finished and how a rollout ends (``fleet.rollout.verdict``), whether an ended execution runs
-again (``fleet.rollout.retry``).
+again (``fleet.rollout.retry``); the operator's controls: the send rate, wave approvals and
+which wave a joining device goes into (``fleet.rollout.controls``).
+
+A device that answers DEFERRED (busy fine-tuning, throttled) keeps its execution open: the
+same id goes again at its recheck time, no attempt and no failure counted, at most the
+plan's ``max_defers`` times (then FAILED, ``DEFERRED_TOO_OFTEN``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-from contract import Result
+from contract import Result, Status
+from fleet.inventory import Inventory
 from fleet.mqtt import FleetConnection
+from fleet.rollout import controls
 from fleet.rollout.abort import abort_on_failure_rate, abort_on_metric_drop, state_after_abort
 from fleet.rollout.messages import command_for, finish_execution, infer_status
 from fleet.rollout.replicas import Replica
 from fleet.rollout.run import DEVICE_TERMINAL, RolloutRun, exec_id
 from fleet.rollout.schedule import Schedule
-from fleet.rollout.store import ROLLOUT_ACTIVE, Execution, FleetStore
+from fleet.rollout.store import (
+    DEFERRED_TOO_OFTEN,
+    ROLLOUT_ACTIVE,
+    ROLLOUT_GOING,
+    Execution,
+    FleetStore,
+)
 from fleet.rollout.verdict import rollback_verdict, rollout_verdict, wave_baked, wave_finished
 
 log = logging.getLogger("fleet.controller")
@@ -50,8 +64,15 @@ class Controller:
         on_progress: Callable[[RolloutRun], None] | None = None,
         replica: Replica | None = None,
         reask_s: float = 30.0,
+        membership: Mapping[str, list[str]] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
+        self.clock = clock
+        """Every time the controller records and decides by (a test runs it faster)."""
+        self.inventory = Inventory(membership)
+        """Group membership as the statuses (or the operator's inventory) say: who joins a
+        ``follow_group`` rollout."""
         self.replica = replica
         """Set when this is one of several controllers on a PostgreSQL db
         (``fleet.rollout.replicas``): it drives only the rollouts whose lease it holds."""
@@ -101,16 +122,25 @@ class Controller:
             raise KeyError(f"no rollout {rid!r}")
         run = RolloutRun(r, self.store.waves(rid), self.store.targets(rid))
         sched = self.sched[rid] = Schedule()
+        now = self.clock()
         for e in self.store.executions(rid):
             run.add(e)
             self.by_exec[e.id] = run
             if e.status == "PLANNED":
                 sched.plan(e)
+            elif e.status == "DEFERRED":
+                sched.recheck(e)
+            if e.sent_at is not None:
+                if e.kind == "job":
+                    run.notified.add(e.device)
+                if now - e.sent_at <= 60:  # the rate's window goes on where it was
+                    run.sends.append(e.sent_at)
+        run.sends = type(run.sends)(sorted(run.sends))
         self.runs[rid] = run
         # Re-send every execution that was in flight with its original id and times: the
         # device answers DUPLICATE (it has it) or runs it (it never arrived) — never twice.
         for e in run.execs.values():
-            if e.open and e.status != "PLANNED":
+            if e.open and e.status not in ("PLANNED", "DEFERRED"):
                 sched.sent(e, run.plan.timeout_s, self.reask_s)
                 self.outbox.append((run, e))
         self._retries(run, list(run.latest().values()))
@@ -140,9 +170,13 @@ class Controller:
             status = r.stored_status or infer_status(r)
             if status in (None, "DUPLICATE"):
                 return
-        now = time.time()
+        now = self.clock()
         self.heard[e.id] = now
-        if status == "ACCEPTED":
+        if status == "DEFERRED":
+            if e.status != "SENT":
+                return  # a late copy: the execution already moved on
+            self._deferred(run, e, r, now)
+        elif status == "ACCEPTED":
             if e.status == "SENT":
                 e.status = "ACCEPTED"
         elif status == "IN_PROGRESS":
@@ -157,12 +191,57 @@ class Controller:
         self.dirty[e.id] = e
         self.sched[run.rollout.id].changed = True
 
+    def _deferred(self, run: RolloutRun, e: Execution, r: Result, now: float) -> None:
+        """The device put ``e`` off: send the same id again at its recheck time, or fail it
+        once it was put off more than ``max_defers`` times."""
+        e.defers += 1
+        why = r.error.message if r.error else "busy"
+        if e.defers > run.plan.max_defers:
+            e.status, e.finished_at = "FAILED", now
+            e.error_code = DEFERRED_TOO_OFTEN
+            e.error_message = (f"the device deferred it {e.defers} times (max_defers "
+                               f"{run.plan.max_defers}); last: {why}")
+            return
+        e.status = "DEFERRED"
+        e.recheck_at = now + float(r.recheck_after_s or 1.0)
+        self.sched[run.rollout.id].recheck(e)
+        log.info("execution deferred", extra={"exec": e.id, "defers": e.defers,
+                                              "recheck_at": e.recheck_at, "why": why})
+
+    def on_status(self, device: str, st: Status | None) -> None:
+        """A device's status: a device that joined the group of a ``follow_group`` rollout
+        that goes on is added to it (``fleet.rollout.controls.wave_for_joiner``)."""
+        if self.inventory.update(device, st) is None:
+            return
+        groups = self.inventory.groups_of(device)
+        now = self.clock()
+        for run in self.runs.values():
+            p = run.plan
+            if (p.follow_group and p.group in groups and run.rollout.state in ROLLOUT_GOING
+                    and device not in run.target_set()):
+                self._join(run, device, now)
+
+    def _join(self, run: RolloutRun, device: str, now: float) -> None:
+        idx = controls.wave_for_joiner(run.waves)
+        self.store.add_target(run.rollout.id, device, idx)
+        run.add_target(device, idx)
+        wave = run.waves[idx]
+        if wave.state in ("running", "baking", "done"):
+            # The last wave started: the joiner runs in it now (a wave that was baking or had
+            # just finished runs again until the joiner is done too).
+            if wave.state != "running":
+                wave.state, wave.finished_at, wave.bake_until = "running", None, None
+                self.store.save_wave(wave)
+            self._plan_exec(run, device, idx, 1)
+        log.info("device joined the rollout's group", extra={
+            "rollout": run.rollout.id, "device": device, "wave": idx})
+
     # --- sending ----------------------------------------------------------------------
 
     def _plan_exec(self, run: RolloutRun, device: str, wave: int, attempt: int,
                    kind: str = "job") -> Execution:
         e = Execution(exec_id(run.rollout, device, attempt, kind), run.rollout.id, device,
-                      wave, kind, attempt, "PLANNED", time.time())
+                      wave, kind, attempt, "PLANNED", self.clock())
         run.add(e)
         self.by_exec[e.id] = run
         self.dirty[e.id] = e
@@ -176,7 +255,22 @@ class Controller:
         self.dirty[e.id] = e
         self.outbox.append((run, e))
         run.sends.append(now)
+        if e.kind == "job":
+            run.notified.add(e.device)
         self.sched[run.rollout.id].sent(e, run.plan.timeout_s, self.reask_s)
+
+    def _resend_deferred(self, run: RolloutRun, now: float) -> None:
+        """Each DEFERRED execution whose recheck time came goes again with its own id (not
+        through the rate: its device was notified already)."""
+        sched = self.sched[run.rollout.id]
+        for eid in sched.due(sched.rechecks, now):
+            e = run.execs[eid]
+            if e.status != "DEFERRED":
+                continue
+            e.status, e.sent_at, e.recheck_at = "SENT", now, None
+            self.dirty[e.id] = e
+            self.outbox.append((run, e))
+            sched.sent(e, run.plan.timeout_s, self.reask_s)
 
     def _cancel(self, run: RolloutRun, e: Execution, now: float) -> None:
         cid = e.id + ".cancel"
@@ -210,14 +304,17 @@ class Controller:
             self._apply_request(run, req, now)
         self._timeouts(run, now)
         state = run.rollout.state
-        if state in ("running", "paused"):
+        if state in ROLLOUT_GOING:
             rid = run.rollout.id
+            self._resend_deferred(run, now)
             self._retries(run, [e for e in self.dirty.values()
                                 if e.rollout_id == rid and e.kind == "job"])
-            reason = abort_on_failure_rate(run.plan, self.sched[rid].census(run, now))
+            census = self.sched[rid].census(run, now)
+            reason = abort_on_failure_rate(run.plan, census)
             if reason is not None:
                 self.abort(run, reason, now)
             else:
+                self._rate(run, census.succeeded, now)
                 self._waves(run, now)
         elif state == "aborting":
             self._aborting(run, now)
@@ -233,15 +330,37 @@ class Controller:
         log.info("rollout state", extra={"rollout": run.rollout.id, "state": state,
                                           "reason": reason})
 
+    def _rate(self, run: RolloutRun, succeeded: int, now: float) -> None:
+        """Record the starting rate, or grow it (``fleet.rollout.controls.next_rate``)."""
+        change = controls.next_rate(run.plan, run.rollout.controls,
+                                    {"notified": len(run.notified), "succeeded": succeeded}, now)
+        if change is None:
+            return
+        grew = "rate" in run.rollout.controls
+        run.rollout.controls.update(change)
+        self.store.save_controls(run.rollout.id, run.rollout.controls)
+        if grew:
+            log.info("rollout rate increased", extra={
+                "rollout": run.rollout.id, "per_minute": controls.rate_limit(
+                    run.plan, run.rollout.controls), "mark": change["rate_mark"]})
+
     def _apply_request(self, run: RolloutRun, req: str, now: float) -> None:
         state = run.rollout.state
-        if req == "pause" and state == "running":
+        req, _, arg = req.partition(":")
+        if req == "approve" and state in ROLLOUT_GOING:
+            c = run.rollout.controls
+            c["approved"] = max(int(c.get("approved", 0)), int(arg or 0))
+            self.store.save_controls(run.rollout.id, c)
+            log.info("waves approved", extra={"rollout": run.rollout.id, "through": c["approved"]})
+            if state == "waiting_approval":
+                self._set_state(run, "running")  # _waves starts the wave if it is approved
+        elif req == "pause" and state in ("running", "waiting_approval"):
             self._set_state(run, "paused")
         elif req == "resume" and state == "paused":
             self._set_state(run, "running")
-        elif req == "abort" and state in ("running", "paused"):
+        elif req == "abort" and state in ROLLOUT_GOING:
             self.abort(run, "operator abort", now)
-        elif req == "rollback" and state in ("running", "paused"):
+        elif req == "rollback" and state in ROLLOUT_GOING:
             # (A finished rollout is reopened by `fleetctl rollout rollback` itself.)
             self.abort(run, "operator rollback", now, rollback=True)
 
@@ -253,7 +372,7 @@ class Controller:
                 w.state, w.finished_at = "aborted", now
                 self.store.save_wave(w)
         for e in list(run.execs.values()):
-            if e.status == "PLANNED":
+            if e.status in ("PLANNED", "DEFERRED"):
                 e.status, e.finished_at = "CANCELED", now
                 e.error_code, e.error_message = "ABORTED", "never sent: the rollout was aborted"
                 self.dirty[e.id] = e
@@ -268,7 +387,8 @@ class Controller:
         sched = self.sched[run.rollout.id]
         for eid in sched.due(sched.deadlines, now):
             e = run.execs[eid]
-            if e.open and e.sent_at is not None and now - e.sent_at > run.plan.timeout_s:
+            if (e.open and e.status != "DEFERRED" and e.sent_at is not None
+                    and now - e.sent_at > run.plan.timeout_s):
                 sched.changed = True
                 was_started = e.status in ("ACCEPTED", "IN_PROGRESS")
                 e.status, e.finished_at = "TIMED_OUT", now
@@ -279,7 +399,7 @@ class Controller:
                     self._cancel(run, e, now)  # so a retry never runs beside the old one
         for eid in sched.due(sched.asks, now):
             e = run.execs[eid]
-            if not e.open or e.sent_at is None or e.status == "PLANNED":
+            if not e.open or e.sent_at is None or e.status in ("PLANNED", "DEFERRED"):
                 continue
             # Twice as long each time: an offline device's queue gets a few copies (its agent
             # answers the later ones DUPLICATE), a long job a few questions, not one a period.
@@ -308,6 +428,13 @@ class Controller:
             return
         if wave.state == "pending":
             if run.rollout.state == "paused":
+                return
+            if not controls.approved(run.plan, run.rollout.controls, wave.idx):
+                if run.rollout.state != "waiting_approval":
+                    self._set_state(run, "waiting_approval", None)
+                    log.info("wave waits for approval", extra={
+                        "rollout": run.rollout.id, "wave": wave.idx,
+                        "next": f"fleetctl rollout approve {run.rollout.id}"})
                 return
             wave.state, wave.started_at = "running", now
             self.store.save_wave(wave)
@@ -386,9 +513,12 @@ class Controller:
             for msg in self.conn.receive(poll_s):
                 if isinstance(msg.body, Result):
                     self.on_result(msg.device, msg.body)
-            now = time.time()
+                elif msg.kind == "status":
+                    self.on_status(msg.device, msg.body if isinstance(msg.body, Status)
+                                   else None)
+            now = self.clock()
             if self.replica is not None:
-                self._replica_turn(now)
+                self._replica_turn(time.time())  # leases are wall-clock, shared with others
             for run in list(self.runs.values()):
                 if run.rollout.state in ROLLOUT_ACTIVE:
                     self.tick(run, now)
