@@ -40,8 +40,10 @@ def test_real_daemon_defers_a_deploy_while_it_fine_tunes(
     mosquitto: Callable[..., Broker], agent: Callable[..., AgentProc], device: ProvisionedDevice
 ) -> None:
     broker = mosquitto()
-    fleet = Peer(broker).subscribe(T.result("dev-a"))
+    fleet = Peer(broker).subscribe(T.result("dev-a"), T.status("dev-a"))
     agent(broker, **device.agent_config(), limits={"defer_recheck_s": 7})
+    fleet.wait_for(lambda m: m.topic == T.status("dev-a") and m.json()["state"] == "online",
+                   timeout_s=30)  # subscribed to its commands
     store = JobStore(device.state)
     ft = command("finetune", args=device.finetune_args(steps=100_000))
     fleet.publish(T.command("dev-a", "finetune"), ft)
