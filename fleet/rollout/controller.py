@@ -17,7 +17,8 @@ Execution ids, the in-memory ``RolloutRun`` and the summaries read from it are i
 them: when a rollout aborts itself and what follows (``fleet.rollout.abort``), when a wave is
 finished and how a rollout ends (``fleet.rollout.verdict``), whether an ended execution runs
 again (``fleet.rollout.retry``); the operator's controls: the send rate, wave approvals and
-which wave a joining device goes into (``fleet.rollout.controls``).
+which wave a joining device goes into (``fleet.rollout.controls``), acted on in
+``fleet.rollout.operated``. The loop that drives it all is ``fleet.rollout.loop``.
 
 A device that answers DEFERRED (busy fine-tuning, throttled) keeps its execution open: the
 same id goes again at its recheck time, no attempt and no failure counted, at most the
@@ -30,18 +31,18 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-from contract import Result, Status
+from contract import Result
 from fleet.inventory import Inventory
 from fleet.mqtt import FleetConnection
 from fleet.rollout import controls
 from fleet.rollout.abort import abort_on_failure_rate, abort_on_metric_drop, state_after_abort
+from fleet.rollout.loop import ControllerLoop
 from fleet.rollout.messages import command_for, finish_execution, infer_status
+from fleet.rollout.operated import OperatorControls
 from fleet.rollout.replicas import Replica
 from fleet.rollout.run import DEVICE_TERMINAL, RolloutRun, exec_id
 from fleet.rollout.schedule import Schedule
 from fleet.rollout.store import (
-    DEFERRED_TOO_OFTEN,
-    ROLLOUT_ACTIVE,
     ROLLOUT_GOING,
     Execution,
     FleetStore,
@@ -55,7 +56,7 @@ CONTROLLER_TIMEOUT = "CONTROLLER_TIMEOUT"
 the device's own late result may still overrule it."""
 
 
-class Controller:
+class Controller(ControllerLoop, OperatorControls):
     def __init__(
         self,
         store: FleetStore,
@@ -191,51 +192,6 @@ class Controller:
         self.dirty[e.id] = e
         self.sched[run.rollout.id].changed = True
 
-    def _deferred(self, run: RolloutRun, e: Execution, r: Result, now: float) -> None:
-        """The device put ``e`` off: send the same id again at its recheck time, or fail it
-        once it was put off more than ``max_defers`` times."""
-        e.defers += 1
-        why = r.error.message if r.error else "busy"
-        if e.defers > run.plan.max_defers:
-            e.status, e.finished_at = "FAILED", now
-            e.error_code = DEFERRED_TOO_OFTEN
-            e.error_message = (f"the device deferred it {e.defers} times (max_defers "
-                               f"{run.plan.max_defers}); last: {why}")
-            return
-        e.status = "DEFERRED"
-        e.recheck_at = now + float(r.recheck_after_s or 1.0)
-        self.sched[run.rollout.id].recheck(e)
-        log.info("execution deferred", extra={"exec": e.id, "defers": e.defers,
-                                              "recheck_at": e.recheck_at, "why": why})
-
-    def on_status(self, device: str, st: Status | None) -> None:
-        """A device's status: a device that joined the group of a ``follow_group`` rollout
-        that goes on is added to it (``fleet.rollout.controls.wave_for_joiner``)."""
-        if self.inventory.update(device, st) is None:
-            return
-        groups = self.inventory.groups_of(device)
-        now = self.clock()
-        for run in self.runs.values():
-            p = run.plan
-            if (p.follow_group and p.group in groups and run.rollout.state in ROLLOUT_GOING
-                    and device not in run.target_set()):
-                self._join(run, device, now)
-
-    def _join(self, run: RolloutRun, device: str, now: float) -> None:
-        idx = controls.wave_for_joiner(run.waves)
-        self.store.add_target(run.rollout.id, device, idx)
-        run.add_target(device, idx)
-        wave = run.waves[idx]
-        if wave.state in ("running", "baking", "done"):
-            # The last wave started: the joiner runs in it now (a wave that was baking or had
-            # just finished runs again until the joiner is done too).
-            if wave.state != "running":
-                wave.state, wave.finished_at, wave.bake_until = "running", None, None
-                self.store.save_wave(wave)
-            self._plan_exec(run, device, idx, 1)
-        log.info("device joined the rollout's group", extra={
-            "rollout": run.rollout.id, "device": device, "wave": idx})
-
     # --- sending ----------------------------------------------------------------------
 
     def _plan_exec(self, run: RolloutRun, device: str, wave: int, attempt: int,
@@ -258,19 +214,6 @@ class Controller:
         if e.kind == "job":
             run.notified.add(e.device)
         self.sched[run.rollout.id].sent(e, run.plan.timeout_s, self.reask_s)
-
-    def _resend_deferred(self, run: RolloutRun, now: float) -> None:
-        """Each DEFERRED execution whose recheck time came goes again with its own id (not
-        through the rate: its device was notified already)."""
-        sched = self.sched[run.rollout.id]
-        for eid in sched.due(sched.rechecks, now):
-            e = run.execs[eid]
-            if e.status != "DEFERRED":
-                continue
-            e.status, e.sent_at, e.recheck_at = "SENT", now, None
-            self.dirty[e.id] = e
-            self.outbox.append((run, e))
-            sched.sent(e, run.plan.timeout_s, self.reask_s)
 
     def _cancel(self, run: RolloutRun, e: Execution, now: float) -> None:
         cid = e.id + ".cancel"
@@ -330,30 +273,11 @@ class Controller:
         log.info("rollout state", extra={"rollout": run.rollout.id, "state": state,
                                           "reason": reason})
 
-    def _rate(self, run: RolloutRun, succeeded: int, now: float) -> None:
-        """Record the starting rate, or grow it (``fleet.rollout.controls.next_rate``)."""
-        change = controls.next_rate(run.plan, run.rollout.controls,
-                                    {"notified": len(run.notified), "succeeded": succeeded}, now)
-        if change is None:
-            return
-        grew = "rate" in run.rollout.controls
-        run.rollout.controls.update(change)
-        self.store.save_controls(run.rollout.id, run.rollout.controls)
-        if grew:
-            log.info("rollout rate increased", extra={
-                "rollout": run.rollout.id, "per_minute": controls.rate_limit(
-                    run.plan, run.rollout.controls), "mark": change["rate_mark"]})
-
     def _apply_request(self, run: RolloutRun, req: str, now: float) -> None:
         state = run.rollout.state
         req, _, arg = req.partition(":")
         if req == "approve" and state in ROLLOUT_GOING:
-            c = run.rollout.controls
-            c["approved"] = max(int(c.get("approved", 0)), int(arg or 0))
-            self.store.save_controls(run.rollout.id, c)
-            log.info("waves approved", extra={"rollout": run.rollout.id, "through": c["approved"]})
-            if state == "waiting_approval":
-                self._set_state(run, "running")  # _waves starts the wave if it is approved
+            self._approve(run, int(arg or 0))
         elif req == "pause" and state in ("running", "waiting_approval"):
             self._set_state(run, "paused")
         elif req == "resume" and state == "paused":
@@ -486,83 +410,3 @@ class Controller:
         if any(e.open for e in run.latest("rollback").values()):
             return
         self._set_state(run, rollback_verdict(run.rollout))
-
-    # --- the loop -----------------------------------------------------------------------
-
-    def run(self, rids: list[str] | None = None, *, forever: bool = False,
-            poll_s: float = 0.05, turn: Callable[[float], None] | None = None,
-            rescan: Callable[[], None] | None = None,
-            finished: Callable[[], bool] | None = None) -> dict[str, str]:
-        """Drive the given rollouts (default: every active one) to a final state.
-
-        The one loop every controller runs (messages in -> rollouts -> sends out). ``turn``
-        (the learns' driver) acts after the rollouts each pass, its sends flushed with theirs;
-        ``forever`` also takes rollouts (and, through ``rescan``, whatever else) started
-        later; ``finished`` replaces "no rollout active" as the end of a bounded run.
-
-        A replica's bounded run waits for the rollouts another replica holds: it takes them
-        over if that one's lease expires, or sees them end there."""
-        waiting: set[str] = set()
-        for rid in rids or [r.id for r in self.store.rollouts(ROLLOUT_ACTIVE)]:
-            if not self.take(rid):
-                waiting.add(rid)
-        ended_elsewhere: dict[str, str] = {}
-        self.flush()
-        last_scan = time.monotonic()
-        while True:
-            for msg in self.conn.receive(poll_s):
-                if isinstance(msg.body, Result):
-                    self.on_result(msg.device, msg.body)
-                elif msg.kind == "status":
-                    self.on_status(msg.device, msg.body if isinstance(msg.body, Status)
-                                   else None)
-            now = self.clock()
-            if self.replica is not None:
-                self._replica_turn(time.time())  # leases are wall-clock, shared with others
-            for run in list(self.runs.values()):
-                if run.rollout.state in ROLLOUT_ACTIVE:
-                    self.tick(run, now)
-            self.flush()
-            if turn is not None:
-                turn(now)
-                self.flush()
-            for run in self.runs.values():
-                if self.on_progress is not None:
-                    self.on_progress(run)
-            if forever and time.monotonic() - last_scan > 1.0:
-                last_scan = time.monotonic()
-                for r in self.store.rollouts(ROLLOUT_ACTIVE):
-                    self.take(r.id)
-                if rescan is not None:
-                    rescan()
-            if waiting and time.monotonic() - last_scan > 1.0:
-                last_scan = time.monotonic()
-                for rid in sorted(waiting):
-                    r = self.store.rollout(rid)
-                    if r is None or r.state not in ROLLOUT_ACTIVE:
-                        ended_elsewhere[rid] = r.state if r else "missing"
-                        waiting.discard(rid)
-                    elif self.take(rid):
-                        waiting.discard(rid)
-            done = finished() if finished is not None else not waiting and all(
-                r.rollout.state not in ROLLOUT_ACTIVE for r in self.runs.values())
-            if not forever and done:
-                self.conn.flush()
-                if self.replica is not None:
-                    self.replica.release_all()
-                return {**ended_elsewhere,
-                        **{rid: r.rollout.state for rid, r in self.runs.items()}}
-
-    def _replica_turn(self, now: float) -> None:
-        """Keep our leases (drop what another replica took), release finished rollouts, and
-        apply the results other replicas received for the rollouts we hold or have loaded."""
-        assert self.replica is not None
-        for rid in self.replica.renew(now):
-            self.drop(rid)
-        for rid, run in self.runs.items():
-            if run.rollout.state not in ROLLOUT_ACTIVE and rid in self.replica.held:
-                self.replica.release(rid)
-        # Finished ones too: a late result still lands on its execution, as on one controller.
-        for seq, device, result in self.replica.drain(self.runs):
-            self.on_result(device, result)
-            self._drained.append(seq)
