@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from contract.codes import (
     COMMAND_TYPES,
+    DEFER_RECHECK_S,
     JOB_TYPES,
     PROTOCOL_VERSION,
     RETRYABLE_CODES,
@@ -70,6 +71,7 @@ __all__ = [
     "COMMAND_ID_RE",
     "COMMAND_TYPES",
     "DEFAULT_PREFIX",
+    "DEFER_RECHECK_S",
     "JOB_TYPES",
     "MAX_PAYLOAD_BYTES",
     "PROTOCOL_VERSION",

@@ -25,11 +25,18 @@ ResultStatus = Literal[
     "FAILED",
     "CANCELED",
     "TIMED_OUT",
+    "DEFERRED",
 ]
 TERMINAL_STATUSES = frozenset(
     {"REJECTED", "EXPIRED", "SUCCEEDED", "FAILED", "CANCELED", "TIMED_OUT"}
 )
-"""Exactly one of these ends every command (DUPLICATE answers a repeat, not the command)."""
+"""Exactly one of these ends every command (DUPLICATE answers a repeat, not the command).
+
+DEFERRED is none of them: the device keeps no record of a command it defers (it is busy
+fine-tuning, or throttled) and asks the sender to send the same id again after the result's
+``recheck_after_s``; that repeat is a new delivery, not a DUPLICATE."""
+DEFER_RECHECK_S = (1.0, 3600.0)
+"""Bounds of a DEFERRED result's ``recheck_after_s`` (seconds)."""
 
 EventKind = Literal["throttle", "model_committed", "model_rolled_back", "error"]
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from contract.codes import CommandType, ErrorCode, EventKind, ResultStatus
+from contract.codes import DEFER_RECHECK_S, CommandType, ErrorCode, EventKind, ResultStatus
 from contract.ids import COMMAND_ID_RE, check_command_id
 from contract.times import Timestamp
 
@@ -197,6 +197,19 @@ class Result(Message):
     stored_status: ResultStatus | None = None
     """On DUPLICATE: where the original command stands (ACCEPTED, IN_PROGRESS or its terminal
     status), so a sender that lost track (a restarted fleet controller) knows without waiting."""
+    recheck_after_s: float | None = Field(
+        default=None, ge=DEFER_RECHECK_S[0], le=DEFER_RECHECK_S[1])
+    """On DEFERRED only, and required there: send the same command again after this many
+    seconds (1 to 3600). ``error`` (code UNAVAILABLE) says why the device is busy."""
+
+    @model_validator(mode="after")
+    def _deferred(self) -> Result:
+        if self.status == "DEFERRED" and self.recheck_after_s is None:
+            raise ValueError("recheck_after_s: required on a DEFERRED result (1 to 3600 s)")
+        if self.status != "DEFERRED" and self.recheck_after_s is not None:
+            raise ValueError(f"recheck_after_s: only a DEFERRED result carries it, "
+                             f"not {self.status}")
+        return self
 
 
 class UploadInfo(Message):

@@ -90,15 +90,17 @@ class Announcer:
         self, tx: Tx, id: str, status: str, *, reply: dict[str, Any] | None = None,
         result: dict[str, Any] | None = None, error: dict[str, Any] | None = None,
         progress: dict[str, Any] | None = None, stored_status: str | None = None,
-        record: bool = True,
+        record: bool = True, recheck_after_s: float | None = None,
     ) -> Result:
-        """Add one result to the outbox inside ``tx`` (and to the reply topic, if any)."""
+        """Add one result to the outbox inside ``tx`` (and to the reply topic, if any);
+        ``recheck_after_s``: a DEFERRED's time to send the command again."""
         res = Result(
             id=id, device=self.device, status=status,  # type: ignore[arg-type]
             seq=tx.next_seq("res"), ts=utc_now(),
             progress=JobProgress.model_validate(progress) if progress else None,
             result=result, error=ErrorInfo.model_validate(error) if error else None,
             stored_status=stored_status,  # type: ignore[arg-type]
+            recheck_after_s=recheck_after_s,
         )
         payload = res.to_payload()
         tx.put(self.topics.result(self.device), payload)

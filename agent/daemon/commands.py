@@ -13,7 +13,8 @@ the original stands (until the record is pruned: ``limits.keep_*``).
 A job command's args are the job's allow-list resolved against this device's own settings
 (:func:`~agent.daemon.jobspec.resolve_command_args`): trust and paths come from agent.yaml,
 never from the command. At most ``limits.max_queued_jobs`` jobs wait; one more is REJECTED and
-not stored.
+not stored. A ``deploy`` from the fleet that arrives while the device fine-tunes or throttles
+is answered DEFERRED, not stored either (:mod:`agent.daemon.deferral`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from agent.daemon.announce import Announcer, error_info, job_status
+from agent.daemon.config import LimitsConfig
+from agent.daemon.deferral import defer_reason
 from agent.daemon.jobspec import resolve_command_args
 from agent.jobs.resolve import DeviceSettings
 from agent.jobs.store import JobStore, QueueFull
@@ -51,7 +54,7 @@ class CommandHandler:
         cancel: Callable[[str], tuple[str, dict[str, Any] | None]],
         set_power_mode: Callable[[str], tuple[str, dict[str, Any]]],
         wake_runner: Callable[[], None],
-        settings: DeviceSettings, max_queued: int,
+        settings: DeviceSettings, limits: LimitsConfig,
     ) -> None:
         self.store = store
         self.ann = announcer
@@ -60,7 +63,8 @@ class CommandHandler:
         self._set_power_mode = set_power_mode
         self._wake = wake_runner
         self._settings = settings
-        self._max_queued = max_queued
+        self._max_queued = limits.max_queued_jobs
+        self._recheck_s = limits.defer_recheck_s
 
     # -- entry point ----------------------------------------------------------------------
 
@@ -165,6 +169,16 @@ class CommandHandler:
     def _submit_job(
         self, cmd: Command, spec: dict[str, Any], source: str, reply: dict[str, Any] | None
     ) -> list[Result]:
+        why = None if self._recheck_s is None else defer_reason(
+            cmd.type, source, self._status().get("job"),
+            lambda jid: rec.type if (rec := self.store.get(jid)) else None)
+        if why is not None:
+            # Not stored: the same id sent again after the recheck time is a new delivery.
+            log.info("command %s deferred: %s", cmd.id, why)
+            error = {"code": "UNAVAILABLE", "retryable": True, "message": why}
+            return self.ann.send(lambda tx: [self.ann.put_result(
+                tx, cmd.id, "DEFERRED", reply=reply, error=error, record=False,
+                recheck_after_s=self._recheck_s)])
         stored_reply = dict(reply or {})
         if cmd.expires_at is not None:
             stored_reply["expires_at"] = cmd.expires_at.timestamp()

@@ -111,6 +111,10 @@ class LimitsConfig(_Strict):
     max_queued_jobs: int = Field(default=16, ge=1)
     """Jobs waiting in the queue at most; a job command beyond it is REJECTED (UNAVAILABLE,
     retryable) and not stored."""
+    defer_recheck_s: float | None = Field(default=60.0, ge=1, le=3600)
+    """A ``deploy`` from the fleet (MQTT) that arrives while a finetune job runs or the
+    governor throttles is answered DEFERRED, asking to be sent again after this many seconds
+    (agent.daemon.deferral); null: queue it behind the running job instead."""
     keep_finished_jobs: int = Field(default=200, ge=10)
     """Finished jobs (and their folders and logs) kept, newest first; older ones are pruned.
     A command id repeated after its record was pruned runs again."""

@@ -91,7 +91,7 @@ class Daemon:
         self.handler = CommandHandler(
             self.store, self.ann, status=self.status, cancel=self.runner.cancel,
             set_power_mode=set_power_mode, wake_runner=self.runner.wake,
-            settings=cfg.job_settings(), max_queued=cfg.limits.max_queued_jobs,
+            settings=cfg.job_settings(), limits=cfg.limits,
         )
         self.control = ControlServer(
             cfg.socket_path, self.handler, self.ann, self.store, status=self.status,

@@ -18,6 +18,7 @@ from fleet.cli.options import (
     EXIT_OK,
     UsageError,
     field_help,
+    inventory_membership,
     read_json_arg,
 )
 from fleet.cli.session import Session, open_controller, open_creator, targets_of
@@ -81,7 +82,7 @@ def _resolved(plan: LearnPlan, db: str) -> LearnPlan:
 def _drive(a: argparse.Namespace, store: FleetStore, learns: LearnStore,
            session: Session, learn_ids: list[str] | None, forever: bool = False) -> int:
     ctl = Controller(store, session.conn, replica=session.replica,
-                     reask_s=a.reask_s)
+                     reask_s=a.reask_s, membership=inventory_membership(a))
     # (Every learn has its work_dir by now: _resolved set it at start.)
     root = Path("fleetctl-learn") if is_url(a.db) else _work_root(a.db)
     driver = LearnDriver(learns, ctl, hpc_train_command(a.hpc_train), root.resolve())

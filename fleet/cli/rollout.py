@@ -1,6 +1,7 @@
 """``fleetctl rollout ...`` and ``fleetctl controller``: create a rollout from a plan (file
 and flags), drive it with the controller (one per state db, held by a lock beside it), show
-its status, list rollouts, post pause/resume/abort/rollback requests, and write its report;
+its status, list rollouts, post pause/resume/abort/rollback/approve requests, and write its
+report;
 ``register`` adds their sub-parsers, one create flag per ``RolloutPlan`` field.
 """
 
@@ -19,6 +20,7 @@ from fleet.cli.options import (
     EXIT_OK,
     UsageError,
     field_help,
+    inventory_membership,
     read_json_arg,
 )
 from fleet.cli.session import Session, open_controller, open_creator, targets_of
@@ -28,7 +30,7 @@ from fleet.rollout.controller import Controller
 from fleet.rollout.plan import RolloutPlan, load_plan, validate_plan
 from fleet.rollout.progress import Progress, status_text
 from fleet.rollout.run import RolloutRun, summarize
-from fleet.rollout.store import ROLLOUT_ACTIVE, ROLLOUT_FINAL, FleetStore
+from fleet.rollout.store import ROLLOUT_ACTIVE, ROLLOUT_FINAL, ROLLOUT_GOING, FleetStore
 from fleet.rollout.verdict import ended_as_asked
 
 if TYPE_CHECKING:
@@ -61,7 +63,7 @@ def _run_controller(a: argparse.Namespace, store: FleetStore, session: Session,
                     rids: list[str] | None, forever: bool = False) -> dict[str, str]:
     progress = Progress(enabled=not a.quiet)
     ctl = Controller(store, session.conn, on_progress=progress.update, replica=session.replica,
-                     reask_s=a.reask_s)
+                     reask_s=a.reask_s, membership=inventory_membership(a))
     try:
         states = ctl.run(rids, forever=forever)
     finally:
@@ -187,8 +189,8 @@ def cmd_rollout_list(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-TAKES_REQUESTS = ("running", "paused")
-"""The states whose controller acts on pause, resume and abort."""
+TAKES_REQUESTS = ROLLOUT_GOING
+"""The states whose controller acts on pause, resume, abort and approve."""
 
 
 def _utc(ts: float | None) -> str:
@@ -219,6 +221,35 @@ def cmd_rollout_request(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_rollout_approve(a: argparse.Namespace) -> int:
+    """Let the next wave (or every wave up to ``--wave N``) of an ``--approve-waves`` rollout
+    start: posted for the controller, which records it before the wave starts."""
+    store = FleetStore(a.db)
+    run = _get_run(store, a.id)
+    r, waves = run.rollout, run.waves
+    if not r.plan.approve_waves:
+        raise UsageError(f"rollout {a.id} was not created with --approve-waves: its waves "
+                         "start on their own")
+    if r.state not in TAKES_REQUESTS:
+        when = f" at {_utc(r.finished_at)}" if r.state in ROLLOUT_FINAL else ""
+        raise UsageError(f"rollout {a.id} is {r.state}{when}: nothing to approve")
+    if a.wave is None:
+        nxt = next((w.idx for w in waves if w.state == "pending"), None)
+        if r.state != "waiting_approval" or nxt is None:
+            raise UsageError(f"rollout {a.id} is {r.state}, not waiting for an approval; "
+                             "--wave N approves a later wave ahead")
+        wave = nxt
+    else:
+        wave = a.wave
+        if not 1 <= wave < len(waves):
+            raise UsageError(f"--wave {wave}: rollout {a.id} has waves 0-{len(waves) - 1}, "
+                             "and wave 0 needs no approval")
+    if not store.post_request(a.id, f"approve:{wave}", TAKES_REQUESTS):
+        raise UsageError(f"rollout {a.id} is no longer running: nothing to approve")
+    print(json.dumps({"rollout": a.id, "request": "approve", "wave": wave}))
+    return EXIT_OK
+
+
 def cmd_rollout_report(a: argparse.Namespace) -> int:
     store = FleetStore(a.db)
     rep = reports.build(_get_run(store, a.id))
@@ -229,11 +260,14 @@ def cmd_rollout_report(a: argparse.Namespace) -> int:
 
 
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per plan field, from the model itself: the flags cannot drift from it."""
+    """One flag per plan field, from the model itself: the flags cannot drift from it. A
+    yes/no field's flag alone says yes (``--approve-waves``; ``--approve-waves false`` no);
+    ``--rate`` is the other name of ``--max-per-minute`` (one field, one rate)."""
     for name, f in RolloutPlan.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        p.add_argument(flag, dest=f"plan_{name}", metavar="VALUE",
-                       help=field_help(f))
+        flags = ["--" + name.replace("_", "-")] + (["--rate"] if name == "max_per_minute" else [])
+        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if f.annotation is bool else {}
+        p.add_argument(*flags, dest=f"plan_{name}", metavar="VALUE", help=field_help(f),
+                       **extra)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -278,11 +312,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_rollout_list)
     for verb in ("pause", "resume", "abort"):
-        h = (f"ask the controller to {verb} a running or paused rollout (exit 2, nothing "
-             "posted, when it is finished or winding down)")
+        h = (f"ask the controller to {verb} a running, paused or waiting rollout (exit 2, "
+             "nothing posted, when it is finished or winding down)")
         p = ro.add_parser(verb, help=h, description=h)
         p.add_argument("id")
         p.set_defaults(fn=cmd_rollout_request)
+    h = ("let the next wave of an --approve-waves rollout start (it waits in waiting_approval "
+         "before each wave after the first); --wave N approves every wave up to N ahead")
+    p = ro.add_parser("approve", help=h, description=h)
+    p.add_argument("id")
+    p.add_argument("--wave", type=int, metavar="N",
+                   help="approve waves up to N (as `rollout status` numbers them)")
+    p.set_defaults(fn=cmd_rollout_approve)
     h = ("abort and roll back a running rollout, or roll back a finished one (rolling_back "
          "again, for the controller)")
     p = ro.add_parser("rollback", help=h, description=h)

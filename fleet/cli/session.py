@@ -61,6 +61,8 @@ def open_controller(a: argparse.Namespace, store: FleetStore,
     """The session of a process that drives the db's rollouts (``controller``, ``learn
     run``, a ``create`` that drives what it creates). None: a SQLite db's lock is taken."""
     t = Topics(a.prefix)
+    # Statuses too: a follow_group rollout takes the devices that join its group.
+    extra_subs = tuple(dict.fromkeys((*extra_subs, t.all_status())))
     if is_url(a.db):
         name = replica_name()
         subs = [*extra_subs, f"$share/{SHARE_GROUP}/{t.all_results()}"]

@@ -5,33 +5,48 @@ published. Execution ids are ``{rollout}-{nonce}.{device}.{attempt}``: a restart
 re-sends the same id for every execution that was open, and a device that already has it
 answers DUPLICATE with where it stands — so no device ever runs one execution twice.
 
-Rollout states: running → (paused ⇄ running) → succeeded (every wave done, every device
-succeeded) or completed_with_failures (every wave done, some device failed for good without
-reaching the abort threshold), or → aborting → rolling_back → aborted; ``rollback`` of a
-finished rollout: rolling_back → rolled_back.
+Rollout states: running → (paused ⇄ running; waiting_approval → running before a wave an
+operator must approve) → succeeded (every wave done, every device succeeded) or
+completed_with_failures (every wave done, some device failed for good without reaching the
+abort threshold), or → aborting → rolling_back → aborted; ``rollback`` of a finished
+rollout: rolling_back → rolled_back.
 
 Execution ids, the in-memory ``RolloutRun`` and the summaries read from it are in
 ``fleet.rollout.run``; the command sent for an execution and how a result lands on it, in
 ``fleet.rollout.messages``. The decisions this loop acts on are each in a module named for
 them: when a rollout aborts itself and what follows (``fleet.rollout.abort``), when a wave is
 finished and how a rollout ends (``fleet.rollout.verdict``), whether an ended execution runs
-again (``fleet.rollout.retry``).
+again (``fleet.rollout.retry``); the operator's controls: the send rate, wave approvals and
+which wave a joining device goes into (``fleet.rollout.controls``), acted on in
+``fleet.rollout.operated``. The loop that drives it all is ``fleet.rollout.loop``.
+
+A device that answers DEFERRED (busy fine-tuning, throttled) keeps its execution open: the
+same id goes again at its recheck time, no attempt and no failure counted, at most the
+plan's ``max_defers`` times (then FAILED, ``DEFERRED_TOO_OFTEN``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from contract import Result
+from fleet.inventory import Inventory
 from fleet.mqtt import FleetConnection
+from fleet.rollout import controls
 from fleet.rollout.abort import abort_on_failure_rate, abort_on_metric_drop, state_after_abort
+from fleet.rollout.loop import ControllerLoop
 from fleet.rollout.messages import command_for, finish_execution, infer_status
+from fleet.rollout.operated import OperatorControls
 from fleet.rollout.replicas import Replica
 from fleet.rollout.run import DEVICE_TERMINAL, RolloutRun, exec_id
 from fleet.rollout.schedule import Schedule
-from fleet.rollout.store import ROLLOUT_ACTIVE, Execution, FleetStore
+from fleet.rollout.store import (
+    ROLLOUT_GOING,
+    Execution,
+    FleetStore,
+)
 from fleet.rollout.verdict import rollback_verdict, rollout_verdict, wave_baked, wave_finished
 
 log = logging.getLogger("fleet.controller")
@@ -41,7 +56,7 @@ CONTROLLER_TIMEOUT = "CONTROLLER_TIMEOUT"
 the device's own late result may still overrule it."""
 
 
-class Controller:
+class Controller(ControllerLoop, OperatorControls):
     def __init__(
         self,
         store: FleetStore,
@@ -50,8 +65,15 @@ class Controller:
         on_progress: Callable[[RolloutRun], None] | None = None,
         replica: Replica | None = None,
         reask_s: float = 30.0,
+        membership: Mapping[str, list[str]] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
+        self.clock = clock
+        """Every time the controller records and decides by (a test runs it faster)."""
+        self.inventory = Inventory(membership)
+        """Group membership as the statuses (or the operator's inventory) say: who joins a
+        ``follow_group`` rollout."""
         self.replica = replica
         """Set when this is one of several controllers on a PostgreSQL db
         (``fleet.rollout.replicas``): it drives only the rollouts whose lease it holds."""
@@ -101,16 +123,25 @@ class Controller:
             raise KeyError(f"no rollout {rid!r}")
         run = RolloutRun(r, self.store.waves(rid), self.store.targets(rid))
         sched = self.sched[rid] = Schedule()
+        now = self.clock()
         for e in self.store.executions(rid):
             run.add(e)
             self.by_exec[e.id] = run
             if e.status == "PLANNED":
                 sched.plan(e)
+            elif e.status == "DEFERRED":
+                sched.recheck(e)
+            if e.sent_at is not None:
+                if e.kind == "job":
+                    run.notified.add(e.device)
+                if now - e.sent_at <= 60:  # the rate's window goes on where it was
+                    run.sends.append(e.sent_at)
+        run.sends = type(run.sends)(sorted(run.sends))
         self.runs[rid] = run
         # Re-send every execution that was in flight with its original id and times: the
         # device answers DUPLICATE (it has it) or runs it (it never arrived) — never twice.
         for e in run.execs.values():
-            if e.open and e.status != "PLANNED":
+            if e.open and e.status not in ("PLANNED", "DEFERRED"):
                 sched.sent(e, run.plan.timeout_s, self.reask_s)
                 self.outbox.append((run, e))
         self._retries(run, list(run.latest().values()))
@@ -140,9 +171,13 @@ class Controller:
             status = r.stored_status or infer_status(r)
             if status in (None, "DUPLICATE"):
                 return
-        now = time.time()
+        now = self.clock()
         self.heard[e.id] = now
-        if status == "ACCEPTED":
+        if status == "DEFERRED":
+            if e.status != "SENT":
+                return  # a late copy: the execution already moved on
+            self._deferred(run, e, r, now)
+        elif status == "ACCEPTED":
             if e.status == "SENT":
                 e.status = "ACCEPTED"
         elif status == "IN_PROGRESS":
@@ -162,7 +197,7 @@ class Controller:
     def _plan_exec(self, run: RolloutRun, device: str, wave: int, attempt: int,
                    kind: str = "job") -> Execution:
         e = Execution(exec_id(run.rollout, device, attempt, kind), run.rollout.id, device,
-                      wave, kind, attempt, "PLANNED", time.time())
+                      wave, kind, attempt, "PLANNED", self.clock())
         run.add(e)
         self.by_exec[e.id] = run
         self.dirty[e.id] = e
@@ -176,6 +211,8 @@ class Controller:
         self.dirty[e.id] = e
         self.outbox.append((run, e))
         run.sends.append(now)
+        if e.kind == "job":
+            run.notified.add(e.device)
         self.sched[run.rollout.id].sent(e, run.plan.timeout_s, self.reask_s)
 
     def _cancel(self, run: RolloutRun, e: Execution, now: float) -> None:
@@ -210,14 +247,17 @@ class Controller:
             self._apply_request(run, req, now)
         self._timeouts(run, now)
         state = run.rollout.state
-        if state in ("running", "paused"):
+        if state in ROLLOUT_GOING:
             rid = run.rollout.id
+            self._resend_deferred(run, now)
             self._retries(run, [e for e in self.dirty.values()
                                 if e.rollout_id == rid and e.kind == "job"])
-            reason = abort_on_failure_rate(run.plan, self.sched[rid].census(run, now))
+            census = self.sched[rid].census(run, now)
+            reason = abort_on_failure_rate(run.plan, census)
             if reason is not None:
                 self.abort(run, reason, now)
             else:
+                self._rate(run, census.succeeded, now)
                 self._waves(run, now)
         elif state == "aborting":
             self._aborting(run, now)
@@ -235,13 +275,16 @@ class Controller:
 
     def _apply_request(self, run: RolloutRun, req: str, now: float) -> None:
         state = run.rollout.state
-        if req == "pause" and state == "running":
+        req, _, arg = req.partition(":")
+        if req == "approve" and state in ROLLOUT_GOING:
+            self._approve(run, int(arg or 0))
+        elif req == "pause" and state in ("running", "waiting_approval"):
             self._set_state(run, "paused")
         elif req == "resume" and state == "paused":
             self._set_state(run, "running")
-        elif req == "abort" and state in ("running", "paused"):
+        elif req == "abort" and state in ROLLOUT_GOING:
             self.abort(run, "operator abort", now)
-        elif req == "rollback" and state in ("running", "paused"):
+        elif req == "rollback" and state in ROLLOUT_GOING:
             # (A finished rollout is reopened by `fleetctl rollout rollback` itself.)
             self.abort(run, "operator rollback", now, rollback=True)
 
@@ -253,7 +296,7 @@ class Controller:
                 w.state, w.finished_at = "aborted", now
                 self.store.save_wave(w)
         for e in list(run.execs.values()):
-            if e.status == "PLANNED":
+            if e.status in ("PLANNED", "DEFERRED"):
                 e.status, e.finished_at = "CANCELED", now
                 e.error_code, e.error_message = "ABORTED", "never sent: the rollout was aborted"
                 self.dirty[e.id] = e
@@ -268,7 +311,8 @@ class Controller:
         sched = self.sched[run.rollout.id]
         for eid in sched.due(sched.deadlines, now):
             e = run.execs[eid]
-            if e.open and e.sent_at is not None and now - e.sent_at > run.plan.timeout_s:
+            if (e.open and e.status != "DEFERRED" and e.sent_at is not None
+                    and now - e.sent_at > run.plan.timeout_s):
                 sched.changed = True
                 was_started = e.status in ("ACCEPTED", "IN_PROGRESS")
                 e.status, e.finished_at = "TIMED_OUT", now
@@ -279,7 +323,7 @@ class Controller:
                     self._cancel(run, e, now)  # so a retry never runs beside the old one
         for eid in sched.due(sched.asks, now):
             e = run.execs[eid]
-            if not e.open or e.sent_at is None or e.status == "PLANNED":
+            if not e.open or e.sent_at is None or e.status in ("PLANNED", "DEFERRED"):
                 continue
             # Twice as long each time: an offline device's queue gets a few copies (its agent
             # answers the later ones DUPLICATE), a long job a few questions, not one a period.
@@ -308,6 +352,13 @@ class Controller:
             return
         if wave.state == "pending":
             if run.rollout.state == "paused":
+                return
+            if not controls.approved(run.plan, run.rollout.controls, wave.idx):
+                if run.rollout.state != "waiting_approval":
+                    self._set_state(run, "waiting_approval", None)
+                    log.info("wave waits for approval", extra={
+                        "rollout": run.rollout.id, "wave": wave.idx,
+                        "next": f"fleetctl rollout approve {run.rollout.id}"})
                 return
             wave.state, wave.started_at = "running", now
             self.store.save_wave(wave)
@@ -359,80 +410,3 @@ class Controller:
         if any(e.open for e in run.latest("rollback").values()):
             return
         self._set_state(run, rollback_verdict(run.rollout))
-
-    # --- the loop -----------------------------------------------------------------------
-
-    def run(self, rids: list[str] | None = None, *, forever: bool = False,
-            poll_s: float = 0.05, turn: Callable[[float], None] | None = None,
-            rescan: Callable[[], None] | None = None,
-            finished: Callable[[], bool] | None = None) -> dict[str, str]:
-        """Drive the given rollouts (default: every active one) to a final state.
-
-        The one loop every controller runs (messages in -> rollouts -> sends out). ``turn``
-        (the learns' driver) acts after the rollouts each pass, its sends flushed with theirs;
-        ``forever`` also takes rollouts (and, through ``rescan``, whatever else) started
-        later; ``finished`` replaces "no rollout active" as the end of a bounded run.
-
-        A replica's bounded run waits for the rollouts another replica holds: it takes them
-        over if that one's lease expires, or sees them end there."""
-        waiting: set[str] = set()
-        for rid in rids or [r.id for r in self.store.rollouts(ROLLOUT_ACTIVE)]:
-            if not self.take(rid):
-                waiting.add(rid)
-        ended_elsewhere: dict[str, str] = {}
-        self.flush()
-        last_scan = time.monotonic()
-        while True:
-            for msg in self.conn.receive(poll_s):
-                if isinstance(msg.body, Result):
-                    self.on_result(msg.device, msg.body)
-            now = time.time()
-            if self.replica is not None:
-                self._replica_turn(now)
-            for run in list(self.runs.values()):
-                if run.rollout.state in ROLLOUT_ACTIVE:
-                    self.tick(run, now)
-            self.flush()
-            if turn is not None:
-                turn(now)
-                self.flush()
-            for run in self.runs.values():
-                if self.on_progress is not None:
-                    self.on_progress(run)
-            if forever and time.monotonic() - last_scan > 1.0:
-                last_scan = time.monotonic()
-                for r in self.store.rollouts(ROLLOUT_ACTIVE):
-                    self.take(r.id)
-                if rescan is not None:
-                    rescan()
-            if waiting and time.monotonic() - last_scan > 1.0:
-                last_scan = time.monotonic()
-                for rid in sorted(waiting):
-                    r = self.store.rollout(rid)
-                    if r is None or r.state not in ROLLOUT_ACTIVE:
-                        ended_elsewhere[rid] = r.state if r else "missing"
-                        waiting.discard(rid)
-                    elif self.take(rid):
-                        waiting.discard(rid)
-            done = finished() if finished is not None else not waiting and all(
-                r.rollout.state not in ROLLOUT_ACTIVE for r in self.runs.values())
-            if not forever and done:
-                self.conn.flush()
-                if self.replica is not None:
-                    self.replica.release_all()
-                return {**ended_elsewhere,
-                        **{rid: r.rollout.state for rid, r in self.runs.items()}}
-
-    def _replica_turn(self, now: float) -> None:
-        """Keep our leases (drop what another replica took), release finished rollouts, and
-        apply the results other replicas received for the rollouts we hold or have loaded."""
-        assert self.replica is not None
-        for rid in self.replica.renew(now):
-            self.drop(rid)
-        for rid, run in self.runs.items():
-            if run.rollout.state not in ROLLOUT_ACTIVE and rid in self.replica.held:
-                self.replica.release(rid)
-        # Finished ones too: a late result still lands on its execution, as on one controller.
-        for seq, device, result in self.replica.drain(self.runs):
-            self.on_result(device, result)
-            self._drained.append(seq)

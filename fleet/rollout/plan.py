@@ -21,6 +21,10 @@ class PlanError(ValueError):
     """A plan that does not validate; the message names each bad field and the fix."""
 
 
+RATE_TRIGGERS = ("notified", "succeeded")
+"""What ``rate_increase_after`` counts (AWS IoT Jobs' numberOfNotifiedThings and
+numberOfSucceededThings)."""
+
 GATE_METRIC = "gate"
 """``abort_metric``: whichever metric the device's gates compare, as its JobOutcome names it."""
 
@@ -55,7 +59,28 @@ class RolloutPlan(BaseModel):
     bake_s: float = Field(default=0.0, ge=0)
     """Seconds to wait after a healthy wave before the next one starts."""
     max_per_minute: int | None = Field(default=None, gt=0)
-    """Most commands sent per minute (None: as fast as the broker takes them)."""
+    """Most commands sent per minute (None: as fast as the broker takes them): ``60`` or
+    ``60/min`` (flag ``--rate`` or ``--max-per-minute``). With ``rate_increase`` it is the
+    starting rate, which then grows (AWS IoT Jobs' exponential rollout)."""
+    rate_increase: float | None = Field(default=None, gt=1, le=5)
+    """Multiply the rate by this (1 < factor <= 5) each time ``rate_increase_after`` is met
+    again, at most once a minute; needs ``max_per_minute``."""
+    rate_increase_after: str | None = None
+    """When the rate grows: ``notified:N`` (N more devices were sent the job since the last
+    increase) or ``succeeded:N`` (N more devices succeeded)."""
+    max_rate: int | None = Field(default=None, gt=0)
+    """The rate never grows past this many per minute (None: no ceiling)."""
+    approve_waves: bool = False
+    """Before each wave after the first the rollout waits (``waiting_approval``) until an
+    operator runs ``fleetctl rollout approve ID``."""
+    follow_group: bool = False
+    """With ``group``: a device that joins the group while the rollout runs gets it too, in
+    the first wave not started yet (the last wave once every wave started); none after the
+    rollout finished."""
+    max_defers: int = Field(default=10, ge=0, le=1000)
+    """How often a device may answer DEFERRED (busy fine-tuning or throttled: the command is
+    sent again after the device's recheck time, no attempt and no failure counted); one more
+    and the execution FAILED (DEFERRED_TOO_OFTEN, not retried)."""
     abort_failure_rate: float = Field(default=0.1, ge=0, le=1)
     """Abort when failed / completed exceeds this, once ``min_completed`` have completed. A
     device whose own gates rolled the new model back counts as failed."""
@@ -83,6 +108,23 @@ class RolloutPlan(BaseModel):
         if len(v) > 40:
             raise ValueError("at most 40 characters (it is part of execution ids)")
         return v
+
+    @field_validator("max_per_minute", "max_rate", mode="before")
+    @classmethod
+    def _per_minute(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().endswith("/min"):  # "60/min" from --rate
+            return v.strip()[:-4].strip()
+        return v
+
+    @field_validator("rate_increase_after")
+    @classmethod
+    def _increase_after(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        kind, _, n = v.partition(":")
+        if kind not in RATE_TRIGGERS or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"{v!r}: notified:N or succeeded:N with N >= 1, e.g. notified:50")
+        return f"{kind}:{int(n)}"
 
     @field_validator("group")
     @classmethod
@@ -138,7 +180,26 @@ class RolloutPlan(BaseModel):
     def _targets(self) -> RolloutPlan:
         if (self.group is None) == (self.devices is None):
             raise ValueError("give exactly one of group or devices")
+        if self.follow_group and self.group is None:
+            raise ValueError("follow_group: needs group (a device list has nothing to join)")
+        if (self.rate_increase is None) != (self.rate_increase_after is None):
+            raise ValueError("rate_increase and rate_increase_after go together, e.g. "
+                             "--rate-increase 2 --rate-increase-after notified:50")
+        if (self.rate_increase is not None or self.max_rate is not None) \
+                and self.max_per_minute is None:
+            raise ValueError("rate_increase/max_rate: give the starting rate too "
+                             "(--rate N/min)")
+        if self.max_rate is not None and self.max_per_minute is not None \
+                and self.max_rate < self.max_per_minute:
+            raise ValueError("max_rate: below the starting rate max_per_minute")
         return self
+
+    def rate_trigger(self) -> tuple[str, int] | None:
+        """(``notified`` | ``succeeded``, N) of ``rate_increase_after``, or None."""
+        if self.rate_increase_after is None:
+            return None
+        kind, n = self.rate_increase_after.split(":")
+        return kind, int(n)
 
     def wave_sizes(self, n_targets: int) -> list[int]:
         """Cumulative device counts per wave for ``n_targets`` devices; a wave that would add

@@ -24,6 +24,9 @@ def headline(rid: str, s: dict[str, Any]) -> str:
     many of the devices its waves targeted failed, never just that it finished."""
     head = f"rollout {rid}: {s['state']}"
     why = [s["reason"]] if s.get("reason") else []
+    if s["state"] == "waiting_approval":
+        nxt = next((w["wave"] for w in s["waves"] if w["state"] == "pending"), None)
+        why.append(f"wave {nxt} waits: fleetctl rollout approve {rid}")
     if s["state"] == "completed_with_failures":
         failed = sum(w["failed"] for w in s["waves"])
         why.append(f"{failed} of {sum(w['devices'] for w in s['waves'])} devices failed")
@@ -51,9 +54,13 @@ def status_text(s: dict[str, Any]) -> str:
     failed for good with its reason."""
     rows = [{**w, "progress": bar(w["succeeded"] + w["failed"] + w["canceled"], w["devices"])}
             for w in s["waves"]]
-    cols = ["wave", "state", "progress", "devices", "sent", "running", "succeeded", "failed",
-            "canceled"]
+    cols = ["wave", "state", "progress", "devices", "sent", "running", "deferred", "succeeded",
+            "failed", "canceled"]
     tail = f"targets {s['targets']}, rolled back {s['rolled_back']}"
+    if s.get("rate_per_minute") is not None:
+        tail += f", rate {s['rate_per_minute']}/min"
+    if s.get("approved_wave") is not None:
+        tail += f", approved through wave {s['approved_wave']}"
     failed = failures_text(s.get("failures") or [])
     return "\n".join([headline(s["id"], s), render_table(rows, cols), tail,
                       *([failed] if failed else [])])

@@ -54,7 +54,7 @@ def build(run: RolloutRun) -> dict[str, Any]:
             "sent_at": e.sent_at, "started_at": e.started_at, "finished_at": e.finished_at,
             "metric_before": e.metric_before, "metric_after": e.metric_after,
             "error_code": e.error_code, "error_message": e.error_message,
-            "export": export_summary(e.result),
+            "defers": e.defers, "export": export_summary(e.result),
         } for e in execs],
     }
 

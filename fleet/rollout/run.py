@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleet.rollout.controls import rate_limit
 from fleet.rollout.plan import RolloutPlan
 from fleet.rollout.retry import will_retry
 from fleet.rollout.store import Execution, Rollout, Wave
@@ -45,6 +46,8 @@ class Census:
     devices: dict[int, int] = field(default_factory=dict)
     """Per wave: devices with an attempt."""
     open_jobs: bool = False
+    succeeded: int = 0
+    """Latest attempts that succeeded (and were not rolled back by the device's gates)."""
     took_s: float = 0.0
 
 
@@ -57,11 +60,30 @@ class RolloutRun:
     targets: list[tuple[str, int]]
     execs: dict[str, Execution] = field(default_factory=dict)
     sends: deque[float] = field(default_factory=deque)
+    """When each command of the last 60 s went out (the rate's window)."""
+    notified: set[str] = field(default_factory=set)
+    """Devices sent the job at least once (the rate's ``notified`` trigger)."""
     _latest: dict[str, dict[str, Execution]] | None = field(default=None, repr=False)
+    _targeted: set[str] | None = field(default=None, repr=False)
 
     @property
     def plan(self) -> RolloutPlan:
         return self.rollout.plan
+
+    def target_set(self) -> set[str]:
+        """The targeted devices (cached; ``add_target`` keeps it current)."""
+        if self._targeted is None:
+            self._targeted = {d for d, _ in self.targets}
+        return self._targeted
+
+    def add_target(self, device: str, wave: int) -> None:
+        """A device that joined the group (already in the store): one more in ``wave`` and
+        in the cumulative targets of the waves from it on."""
+        self.targets.append((device, wave))
+        self.target_set().add(device)
+        for w in self.waves:
+            if w.idx >= wave:
+                w.target += 1
 
     def add(self, e: Execution) -> None:
         """A new execution (the only way one is added: the latest-attempt index follows)."""
@@ -96,13 +118,15 @@ class RolloutRun:
             else:
                 c.unfinished[e.wave] = c.unfinished.get(e.wave, 0) + 1
             c.failed_any += failed
+            c.succeeded += e.status == "SUCCEEDED" and not failed
             c.open_jobs = c.open_jobs or e.open
         c.took_s = time.perf_counter() - t0
         return c
 
     def may_send(self, now: float) -> bool:
-        """Under the plan's ``max_per_minute`` (sends of the last 60 s)."""
-        limit = self.plan.max_per_minute
+        """Under the rollout's rate now (sends of the last 60 s; ``fleet.rollout.controls``:
+        the plan's ``max_per_minute``, grown by ``rate_increase``)."""
+        limit = rate_limit(self.plan, self.rollout.controls)
         if limit is None:
             return True
         while self.sends and now - self.sends[0] > 60:
@@ -131,15 +155,20 @@ def summarize(run: RolloutRun) -> dict[str, Any]:
         waves.append({
             "wave": w.idx, "state": w.state, "devices": len(devs),
             "sent": sum(e.sent_at is not None for e in es),
-            "running": sum(e.open and e.sent_at is not None for e in es),
+            "running": sum(e.open and e.sent_at is not None and e.status != "DEFERRED"
+                           for e in es),
+            "deferred": sum(e.status == "DEFERRED" for e in es),
             "succeeded": sum(e.status == "SUCCEEDED" and not run.failed(e) for e in es),
             "failed": sum(run.failed(e) and run.final(e) for e in es),
             "canceled": sum(e.status == "CANCELED" for e in es),
             "started_at": w.started_at, "finished_at": w.finished_at,
         })
     rbs = run.latest("rollback").values()
+    controls = run.rollout.controls
     return {
         "id": run.rollout.id, "state": run.rollout.state, "reason": run.rollout.reason,
+        "rate_per_minute": rate_limit(run.plan, controls),
+        "approved_wave": int(controls.get("approved", 0)) if run.plan.approve_waves else None,
         "targets": len(run.targets), "waves": waves,
         "rolled_back": sum(e.status == "SUCCEEDED" for e in rbs),
         "rollback_failed": sum(not e.open and e.status != "SUCCEEDED" for e in rbs),

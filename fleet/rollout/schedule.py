@@ -1,6 +1,7 @@
 """What keeps a controller turn's cost independent of a rollout's size: per rollout, the
-executions waiting to be sent (in plan order), two heaps of deadlines (the timeout of each
-sent execution, the next time to ask an execution nothing was heard of again), and a
+executions waiting to be sent (in plan order), three heaps of deadlines (the timeout of each
+sent execution, the next time to ask an execution nothing was heard of again, the time a
+deferred one goes again), and a
 ``Census`` of the latest attempts recounted only when something changed and at most as often
 as its own cost allows (10x its duration apart, so counting never takes more than a tenth of
 the controller's time; a small rollout is recounted at once).
@@ -29,6 +30,8 @@ class Schedule:
     """Job executions PLANNED, oldest first (those no longer PLANNED are skipped)."""
     deadlines: list[tuple[float, str]] = field(default_factory=list)
     asks: list[tuple[float, str]] = field(default_factory=list)
+    rechecks: list[tuple[float, str]] = field(default_factory=list)
+    """DEFERRED executions by the time their device asked to be sent them again."""
     counted: Census | None = None
     counted_at: float = 0.0
     changed: bool = True
@@ -47,6 +50,11 @@ class Schedule:
         """Pop the ids whose time has come (the caller re-checks each: it may be done)."""
         while heap and heap[0][0] < now:
             yield heapq.heappop(heap)[1]
+
+    def recheck(self, e: Execution) -> None:
+        """``e`` was DEFERRED: send it again at its ``recheck_at``."""
+        assert e.recheck_at is not None
+        heapq.heappush(self.rechecks, (e.recheck_at, e.id))
 
     def ask_later(self, at: float, eid: str) -> None:
         heapq.heappush(self.asks, (at, eid))

@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,8 @@ CREATE TABLE IF NOT EXISTS rollouts (
     request TEXT,
     created_at DOUBLE PRECISION NOT NULL,
     updated_at DOUBLE PRECISION NOT NULL,
-    finished_at DOUBLE PRECISION
+    finished_at DOUBLE PRECISION,
+    controls TEXT
 );
 CREATE TABLE IF NOT EXISTS waves (
     rollout_id TEXT NOT NULL,
@@ -69,7 +70,9 @@ CREATE TABLE IF NOT EXISTS executions (
     metric_after DOUBLE PRECISION,
     error_code TEXT,
     error_message TEXT,
-    result TEXT
+    result TEXT,
+    defers INTEGER NOT NULL DEFAULT 0,
+    recheck_at DOUBLE PRECISION
 );
 CREATE INDEX IF NOT EXISTS executions_rollout ON executions (rollout_id, kind, device);
 CREATE TABLE IF NOT EXISTS fleet_schema (version INTEGER NOT NULL);
@@ -89,22 +92,38 @@ CREATE INDEX IF NOT EXISTS inbox_exec ON inbox (exec_id);
 """
 """``leases`` and ``inbox``: what controller replicas share (``fleet.rollout.replicas``)."""
 
-ROLLOUT_ACTIVE = ("running", "paused", "aborting", "rolling_back")
+ROLLOUT_ACTIVE = ("running", "paused", "waiting_approval", "aborting", "rolling_back")
+ROLLOUT_GOING = ("running", "paused", "waiting_approval")
+"""Active and not winding down: the states whose waves go on (after a pause or an approval)
+and which take pause, resume, abort and approve."""
 ROLLOUT_FINAL = ("succeeded", "completed_with_failures", "aborted", "rolled_back")
 """``succeeded``: every wave done and every targeted device succeeded;
 ``completed_with_failures``: every wave done, but at least one device failed for good (the
 failure rate stayed under the plan's abort threshold)."""
-REQUESTS = ("pause", "resume", "abort", "rollback")
+REQUESTS = ("pause", "resume", "abort", "rollback", "approve")
+"""``approve`` is posted as ``approve:N``: waves up to N may start (``--approve-waves``)."""
 
 EXEC_FAILED = ("FAILED", "TIMED_OUT", "EXPIRED", "REJECTED")
 """Terminal execution statuses that are failures (a SUCCEEDED whose outcome is rolled_back,
 the device's own gates refusing the model, is one too)."""
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The row of ``fleet_schema`` (SQLite files written before it: ``PRAGMA user_version``).
 1: a finished rollout with a failed device is ``completed_with_failures`` (version 0 called
-it ``succeeded``). 2: the replicas' tables (``fleet.rollout.replicas``: leases, inbox)."""
-EXEC_OPEN = ("PLANNED", "SENT", "ACCEPTED", "IN_PROGRESS")
-"""Controller-side execution states before the terminal ones of the contract."""
+it ``succeeded``). 2: the replicas' tables (``fleet.rollout.replicas``: leases, inbox).
+3: the rollout controls (``rollouts.controls``: the current rate, approved waves) and device
+deferrals (``executions.defers``, ``executions.recheck_at``)."""
+_ADDED_COLUMNS = (
+    ("rollouts", "controls", "TEXT"),
+    ("executions", "defers", "INTEGER NOT NULL DEFAULT 0"),
+    ("executions", "recheck_at", "DOUBLE PRECISION"),
+)
+"""Columns of version 3, added to a table an older version created."""
+EXEC_OPEN = ("PLANNED", "SENT", "ACCEPTED", "IN_PROGRESS", "DEFERRED")
+"""Controller-side execution states before the terminal ones of the contract; DEFERRED: the
+device answered DEFERRED, the same id goes again at ``recheck_at``."""
+DEFERRED_TOO_OFTEN = "DEFERRED_TOO_OFTEN"
+"""error_code of an execution FAILED because its device deferred it more than the plan's
+``max_defers`` times."""
 
 
 @dataclass
@@ -127,6 +146,10 @@ class Execution:
     error_code: str | None = None
     error_message: str | None = None
     result: dict[str, Any] | None = None
+    defers: int = 0
+    """DEFERRED answers so far (none counts as an attempt or a failure)."""
+    recheck_at: float | None = None
+    """While DEFERRED: when the same id is sent again."""
 
     @property
     def open(self) -> bool:
@@ -139,15 +162,16 @@ class Execution:
 
     @classmethod
     def from_row(cls, r: Any) -> Execution:
-        e = cls(*r)
-        e.result = None if r[-1] is None else json.loads(r[-1])
+        e = cls(**dict(zip(_EXEC_FIELDS, r, strict=True)))
+        e.result = None if e.result is None else json.loads(e.result)  # type: ignore[arg-type]
+        e.defers = int(e.defers or 0)
         return e
 
 
 _EXEC_FIELDS = (
     "id", "rollout_id", "device", "wave", "kind", "attempt", "status", "created_at", "sent_at",
     "started_at", "finished_at", "outcome", "metric_before", "metric_after", "error_code",
-    "error_message", "result",
+    "error_message", "result", "defers", "recheck_at",
 )
 _EXEC_COLS = ", ".join(_EXEC_FIELDS)
 _EXEC_UPSERT = (
@@ -189,6 +213,9 @@ class Rollout:
     created_at: float
     updated_at: float
     finished_at: float | None
+    controls: dict[str, Any] = field(default_factory=dict)
+    """What the controller decided that a restart must keep (``fleet.rollout.controls``):
+    the current rate and when it last grew, the waves an operator approved."""
 
 
 class FleetStore:
@@ -208,9 +235,19 @@ class FleetStore:
                 self.db.execute("INSERT INTO fleet_schema (version) VALUES (:v)", {"v": version})
             if version < 1:
                 self._migrate_completed_with_failures()
+            self._add_columns()
             # 1 -> 2 added tables only: SCHEMA above made them.
             if version < SCHEMA_VERSION:
                 self.db.execute("UPDATE fleet_schema SET version = :v", {"v": SCHEMA_VERSION})
+
+    def _add_columns(self) -> None:
+        """Version 3's columns on tables an older version created (fresh ones have them)."""
+        import sqlalchemy as sa
+
+        for table, col, type_ in _ADDED_COLUMNS:
+            have = {c["name"] for c in sa.inspect(self.db.conn).get_columns(table)}
+            if col not in have:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {col} {type_}")
 
     def _migrate_completed_with_failures(self) -> None:
         """Version 0 -> 1, once per db: a rollout recorded as ``succeeded`` although one of
@@ -276,11 +313,12 @@ class FleetStore:
 
     def rollout(self, rid: str) -> Rollout | None:
         row = self.db.execute(
-            "SELECT id, nonce, plan, state, reason, request, created_at, updated_at, finished_at "
-            "FROM rollouts WHERE id = :id", {"id": rid}).fetchone()
+            "SELECT id, nonce, plan, state, reason, request, created_at, updated_at, finished_at, "
+            "controls FROM rollouts WHERE id = :id", {"id": rid}).fetchone()
         if row is None:
             return None
-        return Rollout(row[0], row[1], RolloutPlan.model_validate_json(row[2]), *row[3:])
+        return Rollout(row[0], row[1], RolloutPlan.model_validate_json(row[2]), *row[3:9],
+                       controls=json.loads(row[9]) if row[9] else {})
 
     def rollouts(self, states: Iterable[str] | None = None) -> list[Rollout]:
         ids = [r[0] for r in self.db.execute("SELECT id FROM rollouts ORDER BY created_at")]
@@ -294,6 +332,10 @@ class FleetStore:
             "UPDATE rollouts SET state = :state, reason = COALESCE(:reason, reason), "
             "updated_at = :now, finished_at = COALESCE(:final, finished_at) WHERE id = :id",
             {"state": state, "reason": reason, "now": now, "final": final, "id": rid})
+
+    def save_controls(self, rid: str, controls: dict[str, Any]) -> None:
+        self.db.execute("UPDATE rollouts SET controls = :c WHERE id = :id",
+                        {"c": json.dumps(controls, sort_keys=True), "id": rid})
 
     def save_plan(self, rid: str, plan: RolloutPlan) -> None:
         self.db.execute("UPDATE rollouts SET plan = :plan WHERE id = :id",
@@ -312,7 +354,7 @@ class FleetStore:
                      states: Iterable[str] | None = None) -> bool:
         """Leave ``request`` for the controller; with ``states``, only while the rollout is
         in one of them (checked in the same statement). True when it was posted."""
-        if request not in REQUESTS:
+        if request.partition(":")[0] not in REQUESTS:
             raise ValueError(f"request {request!r}: one of {', '.join(REQUESTS)}")
         q = "UPDATE rollouts SET request = :req, updated_at = :now WHERE id = :id"
         if states is not None:
@@ -347,6 +389,19 @@ class FleetStore:
             "bake_until = :bake WHERE rollout_id = :rid AND idx = :idx",
             {"state": w.state, "started": w.started_at, "finished": w.finished_at,
              "bake": w.bake_until, "rid": w.rollout_id, "idx": w.idx})
+
+    def add_target(self, rid: str, device: str, wave: int) -> None:
+        """A device that joined the rollout's group (``follow_group``) goes into ``wave``:
+        its target row, and one more device in that wave's and the later waves' cumulative
+        targets, in one transaction."""
+        with self.tx() as db:
+            pos = db.scalar("SELECT COALESCE(MAX(pos), -1) + 1 FROM targets "
+                            "WHERE rollout_id = :id", {"id": rid})
+            db.execute("INSERT INTO targets (rollout_id, device, pos, wave) "
+                       "VALUES (:rid, :dev, :pos, :wave)",
+                       {"rid": rid, "dev": device, "pos": pos, "wave": wave})
+            db.execute("UPDATE waves SET target = target + 1 WHERE rollout_id = :rid "
+                       "AND idx >= :wave", {"rid": rid, "wave": wave})
 
     def targets(self, rid: str) -> list[tuple[str, int]]:
         """(device, wave) in rollout order; wave -1 = beyond the plan's last wave."""

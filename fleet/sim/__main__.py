@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--job-duration-s", type=float)
     ap.add_argument("--fail-share", type=float)
     ap.add_argument("--acc-delta", type=float)
+    ap.add_argument("--defer", type=int, metavar="N",
+                    help="answer DEFERRED to the first N deliveries of each job command")
+    ap.add_argument("--defer-recheck-s", type=float, help="their recheck_after_s (1-3600)")
     ap.add_argument("--telemetry-s", type=float, help="telemetry period (default: none)")
     ap.add_argument("--summary", type=Path, help="write executed jobs per device here at exit")
     a = ap.parse_args(argv)
@@ -74,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         beh["job_duration_s"] = a.job_duration_s
     if a.acc_delta is not None:
         beh["acc_delta"] = a.acc_delta
+    for key in ("defer", "defer_recheck_s"):
+        if getattr(a, key) is not None:
+            beh[key] = getattr(a, key)
     cfg = SimConfig.model_validate(data)
     fleet = SimFleet(cfg, BrokerConfig(host=a.host, port=a.port, prefix=a.prefix,
                                        username=a.username, password_file=a.password_file),

@@ -1,7 +1,7 @@
 """What ``python -m fleet.sim`` simulates: ``SimConfig`` (how many devices, their ids, groups
 and starting model, telemetry) and ``Behavior`` (how one device's jobs go: duration, failure,
-a device-side gate rollback, refusal, accuracy delta), with the deterministic ``fail_share``
-that tells a test which devices fail.
+a device-side gate rollback, refusal, deferral, accuracy delta), with the deterministic
+``fail_share`` that tells a test which devices fail.
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ class Behavior(BaseModel):
     acc_delta: float = 0.0
     """after - before of ``metric`` for a finished job (negative = the model got worse)."""
     rollback_duration_s: float = Field(default=0.05, ge=0)
+    defer: int = Field(default=0, ge=0)
+    """Answer DEFERRED (busy fine-tuning) to the first this-many deliveries of each finetune,
+    deploy or evaluate command, keeping no record of it, as the agent does while busy."""
+    defer_recheck_s: float = Field(default=1.0, ge=1, le=3600)
+    """The ``recheck_after_s`` of those DEFERRED results."""
 
 
 class SimConfig(BaseModel):

@@ -1,11 +1,11 @@
-"""One simulated device (``SimDevice``): the agent's side of the MQTT contract without the
-agent. It answers ACCEPTED/REJECTED at once, runs one job at a time with IN_PROGRESS, ends each
-command with exactly one terminal result, answers a repeated id with DUPLICATE (its job table
-is the idempotency record), and reports JobOutcome results with model_committed /
-model_rolled_back events; the job itself is a timer on the shared loop of its ``SimFleet``.
-
-A device knows its fleet only as a ``SimHost`` (the loop, the broker and the counters they
-share), so ``fleet.sim.fleet`` imports this module and never the other way round.
+"""One simulated device (``SimDevice``): the agent's side of the MQTT contract without the agent.
+It answers ACCEPTED/REJECTED (or DEFERRED, when its behavior says it is busy) at once, runs one
+job at a time with IN_PROGRESS, ends each command with exactly one terminal result, answers a
+repeated id with DUPLICATE (its job table is the idempotency record), and reports JobOutcome
+results with model_committed / model_rolled_back events; the job itself is a timer on the
+shared loop of its ``SimFleet``. A device knows its fleet only as a ``SimHost`` (the loop, the
+broker and the counters they share), so ``fleet.sim.fleet`` imports this module and never the
+other way round.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from fleet.mqtt import BrokerConfig, connect_props, make_client
 from fleet.sim.config import Behavior, SimConfig
 
 AGENT_VERSION = "sim-1"
+DEFERRABLE = frozenset({"finetune", "deploy", "evaluate"})
+"""The jobs a busy device defers (``Behavior.defer``); a rollback or cancel never waits."""
 
 
 class SimHost(Protocol):
@@ -91,6 +93,8 @@ class SimDevice:
         self.executed: list[str] = []
         """Ids of the jobs this device started, in order (a test's "ran twice?" record)."""
         self.duplicates = 0
+        self.deferred: dict[str, int] = {}
+        """Per command id, how often this device answered it DEFERRED."""
         self.res_seq = itertools.count()
         self.evt_seq = itertools.count()
         self.tel_seq = itertools.count()
@@ -193,6 +197,13 @@ class SimDevice:
             self.duplicates += 1
             self.send_result(cmd.id, "DUPLICATE", result=old.result, error=old.error,
                              stored_status=old.status)
+            return
+        if cmd.type in DEFERRABLE and self.deferred.get(cmd.id, 0) < self.behavior.defer:
+            # Busy: no record kept, so the same id sent again later is a new delivery.
+            self.deferred[cmd.id] = self.deferred.get(cmd.id, 0) + 1
+            self.send_result(cmd.id, "DEFERRED", recheck_after_s=self.behavior.defer_recheck_s,
+                             error=ErrorInfo(code="UNAVAILABLE", retryable=True,
+                                             message="simulated: a fine-tune job is running"))
             return
         job = _Job(cmd.id, cmd.type, cmd.args)
         self.jobs[cmd.id] = job

@@ -142,3 +142,24 @@ def test_unsafe_command_ids_are_refused_and_never_used_as_a_key(cid: str) -> Non
 @pytest.mark.parametrize("cid", ["c-1", "ft:2026-11-23T05.30_a", "9", "x" * 128])
 def test_safe_command_ids(cid: str) -> None:
     assert parse_command(_cmd(id=cid), "ping").id == cid
+
+
+def test_deferred_result_carries_a_bounded_recheck_time() -> None:
+    from pydantic import ValidationError
+
+    base = {"id": "c-1", "device": "d", "seq": 1, "ts": utc_now()}
+    r = Result(status="DEFERRED", recheck_after_s=30, error={
+        "code": "UNAVAILABLE", "message": "a finetune job is running", "retryable": True},
+        **base)
+    back = Result.from_payload(r.to_payload())
+    assert back.status == "DEFERRED" and back.recheck_after_s == 30.0
+    for bad, where in (({"status": "DEFERRED"}, "required on a DEFERRED"),
+                       ({"status": "DEFERRED", "recheck_after_s": 0.5}, "recheck_after_s"),
+                       ({"status": "DEFERRED", "recheck_after_s": 3601}, "recheck_after_s"),
+                       ({"status": "ACCEPTED", "recheck_after_s": 10}, "only a DEFERRED")):
+        with pytest.raises(ValidationError, match=where):
+            Result(**base, **bad)  # type: ignore[arg-type]
+    # A repeat of a deferred id is no DUPLICATE: DEFERRED is no terminal status.
+    from contract import TERMINAL_STATUSES
+
+    assert "DEFERRED" not in TERMINAL_STATUSES

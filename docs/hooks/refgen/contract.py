@@ -110,7 +110,8 @@ def contract_page() -> str:
     for s in typing.get_args(contract.ResultStatus):
         out.append(f"| `{s}` | {'yes' if s in contract.TERMINAL_STATUSES else ''} |")
     out += ["", "Exactly one terminal status ends every command (DUPLICATE answers a repeat, "
-            "not the command).", "", "### Event kinds", ""]
+            "not the command; DEFERRED asks for the same id again after `recheck_after_s`).", "",
+            "### Event kinds", ""]
     out += [", ".join(f"`{k}`" for k in typing.get_args(contract.EventKind)), ""]
     out += ["### Error codes", "", "| code | meaning | retryable |", "|---|---|---|"]
     for c in typing.get_args(contract.ErrorCode):
