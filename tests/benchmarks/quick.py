@@ -43,6 +43,7 @@ NEEDS = {
     "agent.py": ("mosquitto", have_mosquitto),
     "bridge_acl.py": ("mosquitto", have_mosquitto),
     "fleet.py": ("mosquitto", have_mosquitto),
+    "metrics.py": ("mosquitto", have_mosquitto),
     "sync.py": ("curl", lambda: shutil.which("curl") is not None),
 }
 """Script -> (what it needs on the host, whether the host has it): skipped without it."""
