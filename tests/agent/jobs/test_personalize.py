@@ -119,6 +119,14 @@ def test_a_personalized_deploy_keeps_the_devices_own_parts_and_signs_its_own_ver
     assert not all(torch.equal(mine[k], v2[k]) for k in personal)  # the parts did differ
     # The health check ran the staged version on the device's data.
     assert steps["health"]["passed"] is True
+    # Anti-rollback by lineage holds for it: v1 personalized is a version of an older
+    # release than the one now committed, refused at stage with the models untouched.
+    from tests.agent.jobs.test_device_job import tree_digest
+
+    before = tree_digest(dev.state / "models")
+    rec, steps = _job(dev, "old", "deploy", {**_deploy_v2(dev), "version": "v1"})
+    assert rec.state is JobState.FAILED and "DowngradeError" in rec.error["message"], rec.error
+    assert "commit" not in steps and tree_digest(dev.state / "models") == before
 
 
 @pytest.mark.slow
