@@ -1,7 +1,9 @@
 """``fleetctl send``: one command to a device or a group, and the replies that follow.
 
 A group command is published ONCE on the group topic (the broker fans it out); the devices
-to expect replies from are the group's members in the inventory.
+to expect replies from are the group's members in the inventory. A device that answers
+DEFERRED (busy fine-tuning or throttled) has answered for now: ``send`` does not send again
+(a rollout does), it shows when the device asked to be asked again and counts it as not done.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ class SendOutcome:
                 "device": d,
                 "status": r.status if r else "NO_REPLY",
                 "code": r.error.code if r and r.error else None,
-                "detail": (r.error.message if r and r.error
+                "detail": (f"ask again in {r.recheck_after_s:g} s: {r.error.message}"
+                           if r and r.status == "DEFERRED" and r.error
+                           else r.error.message if r and r.error
                            else res.get("outcome") if isinstance(res, dict) else None),
             })
         return out
@@ -86,7 +90,10 @@ def send(
             prev = out.last.get(m.device)
             if prev is None or prev.status not in TERMINAL_STATUSES:
                 out.last[m.device] = r
-        done = TERMINAL_STATUSES if wait else TERMINAL_STATUSES | {"ACCEPTED", "IN_PROGRESS"}
+        # DEFERRED ends the wait too: the device keeps no record of the command, so nothing
+        # more comes unless it is sent again.
+        done = TERMINAL_STATUSES | {"DEFERRED"} if wait else \
+            TERMINAL_STATUSES | {"DEFERRED", "ACCEPTED", "IN_PROGRESS"}
         if all(d in out.last and out.last[d].status in done for d in want):
             break
     return out

@@ -283,7 +283,8 @@ def test_bad_plan_is_refused_naming_the_field(fleetctl: Run, tmp_path: Path) -> 
 @pytest.mark.parametrize("wait", [True, False])
 def test_send_to_group_and_device(sim_fleet: Callable[..., SimFleet], fleetctl: Run,
                                   wait: bool) -> None:
-    sim_fleet(devices=5, overrides={"sim-0003": {"reject": True}})
+    sim_fleet(devices=5, overrides={"sim-0003": {"reject": True},
+                                    "sim-0004": {"defer": 1, "defer_recheck_s": 30}})
     extra = ["--wait"] if wait else []
     r = fleetctl("send", "--group", "sim", "ping", *extra, "--json")
     assert r.returncode == 0, r.stderr
@@ -292,6 +293,14 @@ def test_send_to_group_and_device(sim_fleet: Callable[..., SimFleet], fleetctl: 
     assert len(rows) == 5 and {x["status"] for x in rows} <= want
     r = fleetctl("send", "sim-0003", "deploy", "--args", '{"version": "v9"}', *extra)
     assert r.returncode == 1 and "BAD_ARGS" in r.stdout
+    # A busy device's DEFERRED is its answer for now: shown with its recheck time, not done,
+    # and not waited on past it (a rollout sends again; send does not).
+    t0 = time.monotonic()
+    r = fleetctl("send", "sim-0004", "deploy", "--args", '{"version": "v2"}', *extra,
+                 "--timeout-s", "60")
+    assert r.returncode == 1 and "DEFERRED" in r.stdout and "ask again in 30 s" in r.stdout, \
+        r.stdout
+    assert time.monotonic() - t0 < 50, "waited out the timeout on a DEFERRED answer"
     r = fleetctl("devices", "--json")
     assert [d["device"] for d in json.loads(r.stdout)] == [f"sim-{i:04d}" for i in range(5)]
 
