@@ -179,9 +179,10 @@ def _fit(
             name=name,
             storage_path=str(storage),
             failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
-            # Two per trial: the last one to resume from, and the one before while the last
-            # is being written.
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
+            # Every reported checkpoint is kept (one per evaluation): Ray deletes the older ones
+            # as new ones come in, and a driver killed before its next state save would leave
+            # a state naming a deleted one, a trial that cannot be restored.
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=None),
             callbacks=[_TrialLog(space.study.metric)],
             verbose=0,
         ),
