@@ -89,8 +89,11 @@ def optuna_two_workers(root: Path, space: Path, trials: int, steps: int) -> dict
     procs = [
         subprocess.Popen(
             _tune(out, space, trials, steps, ["--storage", storage, "--worker-index", str(i)]),
-            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for i in (0, 1)
     ]
     for p in procs:

@@ -131,7 +131,6 @@ def _connect(address: str | None) -> None:
             address="local",
             include_dashboard=False,
             runtime_env=runtime_env,
-            log_to_driver=False,
             logging_level=logging.WARNING,
         )
         return
@@ -173,7 +172,7 @@ def _fit(
             search_alg=budget,
             scheduler=_scheduler(base, space),
             num_samples=-1,  # the budget decides when the search is done
-            reuse_actors=False,  # a fresh process per trial, as a fresh worker trial would be
+            reuse_actors=False,  # a fresh process per trial: nothing left of the last one
         ),
         run_config=tune.RunConfig(
             name=name,
@@ -343,7 +342,10 @@ class _TrialLog(tune.Callback):
         )  # fmt: skip
 
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
-        log.error("trial %s failed: its error is in summary.md", trial.config.get(TRIAL_KEY))
+        log.error(
+            "trial %s failed: its error is in summary.md, its traceback in %s",
+            trial.config.get(TRIAL_KEY), getattr(trial, "error_file", None) or trial.path,
+        )  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------

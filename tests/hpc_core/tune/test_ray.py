@@ -3,10 +3,12 @@ here on loopback (`ray start --head`, two CPUs) and stopped afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,9 +22,11 @@ import pytest
 pytest.importorskip("ray.tune")
 pytest.importorskip("optuna")
 
-from hpc_core.cli import main  # noqa: E402
-from hpc_core.config import load_config  # noqa: E402
-from tests.support.mosquitto import free_port  # noqa: E402
+from hpc_core.cli import main
+from hpc_core.config import load_config
+from hpc_core.tune.ray_backend import asha_max_t
+from hpc_core.tune.search_space import SearchSpace, load_space
+from tests.support.mosquitto import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -38,23 +42,20 @@ SETS = [
 ]
 
 
-def _ray_pids(marker: str) -> list[int]:
-    """Processes whose command line names this cluster's temp dir: every Ray process of it."""
+def _ray_pids(token: str) -> list[int]:
+    """Every process of this cluster: they all inherit its token (some rename themselves, as
+    ray::DashboardAgent, so their command line does not tell)."""
     pids = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            environ = (entry / "environ").read_bytes()
         except OSError:
             continue
-        if marker in cmdline and int(entry.name) != os.getpid():
+        if f"RAY_AUTH_TOKEN={token}".encode() in environ.split(b"\0"):
             pids.append(int(entry.name))
     return pids
-
-
-def _session_marker(temp_dir: str) -> str:
-    return temp_dir.rstrip("/") + "/"
 
 
 @pytest.fixture(scope="module")
@@ -111,12 +112,15 @@ def ray_cluster() -> Iterator[dict[str, str]]:
             head.kill()
             head.wait()
         deadline = time.monotonic() + 30
-        marker = _session_marker(temp_dir)
-        while _ray_pids(marker) and time.monotonic() < deadline:
+        token = env["RAY_AUTH_TOKEN"]
+        while _ray_pids(token) and time.monotonic() < deadline:
             time.sleep(0.5)
-        for pid in _ray_pids(marker):
-            os.kill(pid, signal.SIGKILL)
-        leftover = _ray_pids(marker)
+        for pid in _ray_pids(token):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        leftover = _ray_pids(token)
+        shutil.rmtree(temp_dir, ignore_errors=True)
         assert not leftover, f"Ray processes left running: {leftover}"
 
 
@@ -332,3 +336,28 @@ def test_a_killed_driver_is_restored_without_rerunning_finished_trials(
     fresh = Trainer(cfg).train()
     assert results[n]["eval/acc"] == fresh.metrics["eval/acc"]
     assert results[n]["eval/loss"] == fresh.metrics["eval/loss"]
+
+
+def test_asha_max_t_is_the_real_step_count() -> None:
+    base = load_config(REPO / "configs/digits.yaml")  # 12 epochs x 22 steps of 64 of 1,438
+    assert asha_max_t(base, load_space(REPO / "configs/space_digits.yaml")) == 264
+    # A space that tunes the step count: its longest trial (most epochs, smallest batch).
+    tuned = SearchSpace.model_validate(
+        {
+            "params": {
+                "training.epochs": {"type": "int", "low": 2, "high": 20},
+                "training.global_batch_size": {"type": "categorical", "choices": [128, 64]},
+                "optimizer.lr": {"type": "float", "low": 1e-4, "high": 1e-1, "log": True},
+            }
+        }
+    )
+    assert asha_max_t(base, tuned) == 20 * 22
+
+
+def test_storage_is_the_optuna_backends(tmp_path: Path, capsys) -> None:
+    space = tmp_path / "space.yaml"
+    space.write_text("params:\n  optimizer.lr: {type: float, low: 1.0e-3, high: 1.0e-1}\n")
+    args = ["tune", "--backend", "ray", "--config", str(REPO / "configs/digits.yaml")]
+    args += ["--space", str(space), "--trials", "2", "--out", str(tmp_path / "out")]
+    assert main([*args, "--storage", "sqlite:///x.db"]) == 2
+    assert "--storage is the optuna backend's" in capsys.readouterr().err
