@@ -38,8 +38,9 @@ params:
 """
 
 
-def _env() -> dict[str, str]:
+def _env(root: Path) -> dict[str, str]:
     env = dict(os.environ)
+    env["RAY_TMPDIR"] = str(root / "rt")  # the local Ray's sessions: not /tmp/ray
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"  # one core per trial in both backends
     env["RAY_USAGE_STATS_ENABLED"] = "0"
@@ -89,7 +90,7 @@ def optuna_two_workers(root: Path, space: Path, trials: int, steps: int) -> dict
     procs = [
         subprocess.Popen(
             _tune(out, space, trials, steps, ["--storage", storage, "--worker-index", str(i)]),
-            env=_env(),
+            env=_env(root),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -106,7 +107,7 @@ def ray_local(root: Path, space: Path, trials: int, steps: int) -> dict[str, flo
     out = root / "ray"
     t0 = time.perf_counter()
     cmd = _tune(out, space, trials, steps, ["--backend", "ray", "--cpus-per-trial", "1"])
-    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, check=False)
+    done = subprocess.run(cmd, env=_env(root), capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return _read(out, time.perf_counter() - t0, trials)
 

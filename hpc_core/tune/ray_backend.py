@@ -28,14 +28,9 @@ resume from their last checkpoint, and the search goes on to the original ``--tr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import math
 import os
-import shutil
-import socket
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +41,8 @@ from ray.tune.search import ConcurrencyLimiter, Searcher
 from ray.tune.search.optuna import OptunaSearch
 
 from hpc_core.config import TrainConfig, config_from_dict
+from hpc_core.tune.ray_results import results_study
+from hpc_core.tune.ray_trial import TRIAL_KEY, ray_trial
 from hpc_core.tune.report import summary_markdown, write_reports
 from hpc_core.tune.search_space import (
     CategoricalParam,
@@ -53,7 +50,6 @@ from hpc_core.tune.search_space import (
     apply_params,
     distributions,
 )
-from hpc_core.tune.trial import MetricNotReported, check_metric_reported, trial_config
 from hpc_core.tune.worker import STEP_COUNT_FIELDS, hyperband_max_resource, make_sampler
 
 # ray is an optional extra: ``hpc_core.tune.command`` imports this module only for
@@ -62,8 +58,6 @@ from hpc_core.tune.worker import STEP_COUNT_FIELDS, hyperband_max_resource, make
 
 log = logging.getLogger("hpc_core.tune")  # one logger for every part of `hpc-train tune`
 
-TRIAL_KEY = "trial_number"
-"""Config key carrying the trial's number (its ``trial_NNNN`` folder), set by the searcher."""
 # Ray reads it when a trial's actor starts: the trial keeps the driver's working directory, so
 # relative paths of the config mean on a trial what they mean on the command line.
 _WORKER_ENV = {"RAY_CHDIR_TO_TRIAL_DIR": "0"}
@@ -346,167 +340,3 @@ class _TrialLog(tune.Callback):
             "trial %s failed: its error is in summary.md, its traceback in %s",
             trial.config.get(TRIAL_KEY), getattr(trial, "error_file", None) or trial.path,
         )  # fmt: skip
-
-
-# -------------------------------------------------------------------------------------------
-# One trial, in a Ray worker process
-
-
-class _ReportHook:
-    """Reports each evaluation to Ray with the checkpoint of that step; when Ray stops the
-    trial (the scheduler pruned it) asks the trainer to stop at this step."""
-
-    def __init__(self, metric: str, base_info: dict[str, Any]) -> None:
-        self.metric = metric
-        self.info = base_info
-        self.stopped_at: int | None = None
-
-    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
-        from hpc_core import checkpoint as ckpt
-
-        check_metric_reported(self.metric, step, metrics)
-        if self.metric not in metrics or self.stopped_at is not None:
-            return
-        if step >= trainer.total_steps:
-            return  # the last evaluation is reported with the final checkpoint, after the run
-        path = ckpt.step_dir(trainer.ckpt_root, step)
-        if not ckpt.is_complete(path):
-            trainer.save()
-        try:
-            _report(trainer, metrics, path, self.info, final=False)
-        except SystemExit:
-            # Ray's way of ending a trial it stopped: the report raises SystemExit in the
-            # training thread. The trainer checkpoints, closes its tracking run and returns.
-            self.stopped_at = step
-            trainer.request_stop(f"stopped by the scheduler at step {step}")
-
-
-def _report(
-    trainer: Any, metrics: dict[str, float], path: Path | None, info: dict[str, Any], final: bool
-) -> None:
-    row = {k: (v if math.isfinite(v) else float("nan")) for k, v in metrics.items()
-           if k.startswith("eval/")}  # fmt: skip
-    row.update(info, step=trainer.state.step, final=int(final))
-    checkpoint = tune.Checkpoint.from_directory(str(path)) if path is not None else None
-    tune.report(row, checkpoint=checkpoint)
-
-
-def ray_trial(config: dict[str, Any], *, base: dict[str, Any], metric: str, out: str) -> None:
-    """Ray Tune's trainable: one trial, ``trial_config`` trained by ``Trainer`` as the Optuna
-    backend's, resumed from the last checkpoint it reported when Ray restores it."""
-    from hpc_core.trainer import Trainer, TrainingDiverged
-
-    params = dict(config)
-    number = int(params.pop(TRIAL_KEY))
-    cfg = trial_config(config_from_dict(base, source="base config"), params, Path(out), number)
-    checkpoint = tune.get_checkpoint()
-    if checkpoint is None and cfg.run.output_dir.exists():
-        # A start of this trial that the experiment never recorded (the driver died first):
-        # its folder is this trial's, from scratch.
-        shutil.rmtree(cfg.run.output_dir)
-    with contextlib.ExitStack() as stack:
-        resume = None
-        if checkpoint is not None:
-            resume = Path(stack.enter_context(checkpoint.as_directory()))
-        info = {"worker": f"{socket.gethostname()}:{os.getpid()}", "start_step": 0}
-        hook = _ReportHook(metric, info)
-        trainer = Trainer(cfg, hooks=[hook])
-        if resume is not None:
-            info["start_step"] = _checkpoint_step(resume)
-            log.info("trial %d: resuming from step %d", number, info["start_step"])
-        t0 = time.perf_counter()
-        result = trainer.train(resume=resume)
-    log.info("trial %d: %s at step %d in %.1f s", number, result.stopped_reason,
-             result.final_step, time.perf_counter() - t0)  # fmt: skip
-    if hook.stopped_at is not None:
-        return  # Ray stopped it: nothing more may be reported
-    if metric not in result.metrics:
-        raise MetricNotReported(
-            f"the run reported no {metric!r}: set study.metric to an eval/* key"
-        )
-    value = result.metrics[metric]
-    if not math.isfinite(value):
-        raise TrainingDiverged(f"{metric} is {value} at step {result.final_step}")
-    _report(trainer, result.metrics, result.checkpoint_dir, info, final=True)
-
-
-def _checkpoint_step(path: Path) -> int:
-    from hpc_core import checkpoint as ckpt
-
-    return int(ckpt.read_trainer_state(path)["step"])
-
-
-# -------------------------------------------------------------------------------------------
-# The results as a study, for the Optuna backend's report writer
-
-
-def results_study(
-    grid: Any, base: TrainConfig, space: SearchSpace, out: Path, name: str
-) -> Any:
-    """An in-memory Optuna study holding the experiment's trials (complete: finished its run;
-    pruned: stopped by the scheduler; fail: raised), each with the user attributes the
-    Optuna backend records, so ``summary_markdown`` and ``write_reports`` serve both."""
-    import optuna
-    from optuna.trial import TrialState
-
-    metric = space.study.metric
-    dists = distributions(space)
-    rows = []
-    for result in grid:
-        config = dict(result.config or {})
-        if TRIAL_KEY not in config:
-            continue
-        number = int(config.pop(TRIAL_KEY))
-        last = result.metrics or {}
-        attrs: dict[str, Any] = {
-            "worker": last.get("worker", ""),
-            "steps": last.get("step", ""),
-            "seconds": round(float(last["time_total_s"]), 3) if "time_total_s" in last else "",
-        }
-        value = None
-        if result.error is not None:
-            state = TrialState.FAIL
-            attrs["error"] = error_text(result.error)
-        elif last.get("final"):
-            state = TrialState.COMPLETE
-            value = float(last[metric])
-            attrs["config"] = trial_config(base, config, out, number).to_dict()
-        else:
-            state = TrialState.PRUNED
-        intermediate: dict[int, float] = {}
-        frame = result.metrics_dataframe
-        if frame is not None and metric in frame and "step" in frame:
-            for step, v in zip(frame["step"], frame[metric], strict=True):
-                if not math.isnan(float(step)):
-                    intermediate[int(step)] = float(v)
-        rows.append((number, state, value, config, attrs, intermediate))
-    study = optuna.create_study(study_name=name, direction=space.study.direction)
-    for number, state, value, params, attrs, intermediate in sorted(rows, key=lambda r: r[0]):
-        known = {k: v for k, v in params.items() if k in dists}
-        study.add_trial(
-            optuna.trial.create_trial(
-                state=state,
-                value=value,
-                params=known,
-                distributions={k: dists[k] for k in known},
-                user_attrs=attrs,
-                intermediate_values=intermediate,
-            )
-        )
-        if study.trials[-1].number != number:
-            log.warning("trial %d is listed as %d", number, study.trials[-1].number)
-    return study
-
-
-def error_text(error: BaseException) -> str:
-    """A failed trial's error as the Optuna backend records it: ``Type: message``."""
-    cause: BaseException | None = error
-    # Ray wraps what the trial raised (RayTaskError, TuneError); the original is its cause.
-    while cause is not None:
-        inner = getattr(cause, "cause", None) or cause.__cause__
-        if inner is None or inner is cause:
-            break
-        cause = inner
-    assert cause is not None
-    text = str(cause).strip()
-    return f"{type(cause).__name__}: {text}"[:2000]
