@@ -19,6 +19,9 @@ Outputs under ``--out``: ``trial_NNNN/`` (each trial's run), and once no trial o
 running any more (the last worker to finish writes them): ``best_config.yaml`` (the best
 trial's resolved config, ready for ``hpc-train train``), ``summary.md`` and ``history.png``.
 
+``--backend ray`` runs the same study on a Ray cluster through Ray Tune (``OptunaSearch`` and
+ASHA, the same trials, failure rules and outputs): :mod:`hpc_core.tune.ray_backend`.
+
 This module is the command (its flags and ``run_tune``); the parts live beside it in
 :mod:`hpc_core.tune`: ``worker`` (joining the study, the trial loop), ``trial`` (one trial, its
 pruning hook and heartbeat), ``storage`` (the shared storage, opened safely by many workers at
@@ -40,6 +43,9 @@ from hpc_core.tune.search_space import load_space
 from hpc_core.tune.worker import run_worker
 
 # Not imported: hpc_core.trainer (torch) until a worker runs; optuna until a command needs it.
+
+
+RAY_INSTALL_HINT = "--backend ray needs Ray Tune: pip install 'edgetrain[ray]'"
 
 
 def add_tune_args(p: argparse.ArgumentParser) -> None:
@@ -77,6 +83,30 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a field of the base config (repeatable)",
     )
+    p.add_argument(
+        "--backend",
+        choices=["optuna", "ray"],
+        default="optuna",
+        help="optuna: this process is one worker of a study in --storage; ray: one driver "
+        "placing the trials on a Ray cluster (Ray Tune: OptunaSearch + ASHA), its experiment "
+        "in OUT/ray, restored when the command runs again",
+    )
+    p.add_argument(
+        "--address",
+        default=None,
+        help="ray: the cluster to use: auto (the one started on this machine with `ray start`),"
+        " HOST:PORT (its GCS) or ray://HOST:10001 (Ray Client); default: start a Ray on this "
+        "machine for the search",
+    )
+    p.add_argument(
+        "--cpus-per-trial", type=float, default=1.0, help="ray: CPUs each trial holds (default 1)"
+    )
+    p.add_argument(
+        "--gpus-per-trial",
+        type=float,
+        default=0.0,
+        help="ray: GPUs each trial holds, fractional allowed (0.5: two trials share a GPU)",
+    )
     p.add_argument("--log-format", choices=["auto", "text", "json"], default="auto")
 
 
@@ -104,6 +134,15 @@ def run_tune(args: argparse.Namespace) -> int:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     out = Path(args.out) if args.out else base.run.output_dir / "tune"
+    if args.backend == "ray":
+        try:
+            from hpc_core.tune.ray_backend import run_ray
+        except ImportError as e:
+            if (e.name or "").split(".")[0] != "ray":
+                raise
+            print(RAY_INSTALL_HINT, file=sys.stderr)
+            return 2
+        return run_ray(args, base, space, out)
     out.mkdir(parents=True, exist_ok=True)
     storage = args.storage or f"sqlite:///{out.resolve()}/study.db"
     result = run_worker(

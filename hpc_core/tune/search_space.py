@@ -164,6 +164,26 @@ def suggest(trial: Any, space: SearchSpace) -> dict[str, Any]:
     return out
 
 
+def distributions(space: SearchSpace) -> dict[str, Any]:
+    """The space as Optuna distributions, keyed by dotted config path: what ``suggest`` samples,
+    for samplers that ask with fixed distributions (Ray Tune's ``OptunaSearch``)."""
+    from optuna.distributions import (
+        CategoricalDistribution,
+        FloatDistribution,
+        IntDistribution,
+    )
+
+    out: dict[str, Any] = {}
+    for name, p in space.params.items():
+        if isinstance(p, FloatParam):
+            out[name] = FloatDistribution(p.low, p.high, log=p.log, step=p.step)
+        elif isinstance(p, IntParam):
+            out[name] = IntDistribution(p.low, p.high, log=p.log, step=p.step)
+        else:
+            out[name] = CategoricalDistribution(p.choices)
+    return out
+
+
 def apply_params(tree: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """Set each dotted path in a config tree (like ``--set``, but with typed values)."""
     for path, value in params.items():

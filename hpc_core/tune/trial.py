@@ -31,6 +31,18 @@ class WorkerStopping(Exception):
     """The worker was asked to stop (SIGTERM, SIGUSR1) in the middle of a trial."""
 
 
+def check_metric_reported(metric: str, step: int, metrics: dict[str, float]) -> None:
+    """Raise MetricNotReported when this step evaluated but ``metric`` is not among what the
+    evaluation reports: at the first evaluation, not after the whole run, since the objective
+    is read from the final evaluation and no other name can ever give the trial a value."""
+    evaluated = sorted(k for k in metrics if k.startswith("eval/"))
+    if evaluated and metric not in evaluated:
+        raise MetricNotReported(
+            f"study.metric {metric!r} is not reported by the evaluation at step "
+            f"{step} (it reports {', '.join(evaluated)}): fix study.metric in the space file"
+        )
+
+
 class PruningHook:
     """Reports each evaluation of ``metric`` to the trial; asks the trainer to stop if pruned."""
 
@@ -40,14 +52,7 @@ class PruningHook:
         self.pruned_at: int | None = None
 
     def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
-        evaluated = sorted(k for k in metrics if k.startswith("eval/"))
-        if evaluated and self.metric not in evaluated:
-            # At the first evaluation, not after the whole run: the objective is read from the
-            # final evaluation, so no other name can ever give the trial a value.
-            raise MetricNotReported(
-                f"study.metric {self.metric!r} is not reported by the evaluation at step "
-                f"{step} (it reports {', '.join(evaluated)}): fix study.metric in the space file"
-            )
+        check_metric_reported(self.metric, step, metrics)
         if self.metric not in metrics or self.pruned_at is not None:
             return
         value = metrics[self.metric]

@@ -23,7 +23,7 @@ from hpc_core.tune.trial import attempt_trial
 log = logging.getLogger("hpc_core.tune")  # one logger for every part of `hpc-train tune`
 
 
-def _sampler(space: SearchSpace, worker_index: int) -> Any:
+def make_sampler(space: SearchSpace, worker_index: int) -> Any:
     import optuna
 
     s = space.study
@@ -52,14 +52,14 @@ def _pruner(space: SearchSpace, base: TrainConfig) -> Any:
 
 
 # Trial parameters that change how many optimizer steps a trial runs.
-_STEP_COUNT_FIELDS = ("training.max_steps", "training.epochs", "training.global_batch_size")
+STEP_COUNT_FIELDS = ("training.max_steps", "training.epochs", "training.global_batch_size")
 
 
 def hyperband_max_resource(base: TrainConfig, space: SearchSpace) -> int | str:
     """Hyperband's maximum resource: the optimizer steps of one full trial (the unit of every
     report), or "auto" (Optuna takes the first finished trial's) when the space changes it.
     A guess too large (10**6 for a 264-step run) adds brackets whose rungs no trial reaches."""
-    if any(f in space.params for f in _STEP_COUNT_FIELDS):
+    if any(f in space.params for f in STEP_COUNT_FIELDS):
         return "auto"
     t = base.training
     if t.max_steps is not None:
@@ -117,7 +117,7 @@ def run_worker(
         study_name=study_name or space.study.name or base.run.name,
         storage=rdb,
         direction=space.study.direction,
-        sampler=_sampler(space, worker_index),
+        sampler=make_sampler(space, worker_index),
         pruner=_pruner(space, base),
         load_if_exists=True,
     )

@@ -404,3 +404,13 @@ def test_hyperband_max_resource_is_the_real_step_count() -> None:
         {"params": {"training.epochs": {"type": "int", "low": 2, "high": 12}}}
     )
     assert hyperband_max_resource(base, epochs) == "auto"
+
+
+def test_ray_backend_without_ray_says_how_to_install_it(
+    tmp_path: Path, space: Path, monkeypatch, capsys
+) -> None:
+    # As if the ray extra were not installed: importing ray fails.
+    monkeypatch.setitem(sys.modules, "ray", None)
+    monkeypatch.delitem(sys.modules, "hpc_core.tune.ray_backend", raising=False)
+    assert main(["tune", *_args(space, tmp_path / "out"), "--backend", "ray"]) == 2
+    assert "pip install 'edgetrain[ray]'" in capsys.readouterr().err

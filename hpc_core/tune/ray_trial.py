@@ -1,0 +1,115 @@
+"""One trial of ``hpc-train tune --backend ray``, in a Ray worker process: Ray Tune's trainable
+(``ray_trial``), a ``Trainer`` run of ``trial_config`` as the Optuna backend's, reporting each
+evaluation with that step's safetensors checkpoint folder, and resumed from the last one it
+reported when Ray restores it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from ray import tune
+
+from hpc_core.config import config_from_dict
+from hpc_core.tune.trial import MetricNotReported, check_metric_reported, trial_config
+
+# Not imported: hpc_core.trainer (torch) until a trial runs.
+
+log = logging.getLogger("hpc_core.tune")  # one logger for every part of `hpc-train tune`
+
+TRIAL_KEY = "trial_number"
+"""Config key carrying the trial's number (its ``trial_NNNN`` folder), set by the searcher."""
+
+
+
+
+class _ReportHook:
+    """Reports each evaluation to Ray with the checkpoint of that step; when Ray stops the
+    trial (the scheduler pruned it) asks the trainer to stop at this step."""
+
+    def __init__(self, metric: str, base_info: dict[str, Any]) -> None:
+        self.metric = metric
+        self.info = base_info
+        self.stopped_at: int | None = None
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        from hpc_core import checkpoint as ckpt
+
+        check_metric_reported(self.metric, step, metrics)
+        if self.metric not in metrics or self.stopped_at is not None:
+            return
+        if step >= trainer.total_steps:
+            return  # the last evaluation is reported with the final checkpoint, after the run
+        path = ckpt.step_dir(trainer.ckpt_root, step)
+        if not ckpt.is_complete(path):
+            trainer.save()
+        try:
+            _report(trainer, metrics, path, self.info, final=False)
+        except SystemExit:
+            # Ray's way of ending a trial it stopped: the report raises SystemExit in the
+            # training thread. The trainer checkpoints, closes its tracking run and returns.
+            self.stopped_at = step
+            trainer.request_stop(f"stopped by the scheduler at step {step}")
+
+
+def _report(
+    trainer: Any, metrics: dict[str, float], path: Path | None, info: dict[str, Any], final: bool
+) -> None:
+    row = {k: (v if math.isfinite(v) else float("nan")) for k, v in metrics.items()
+           if k.startswith("eval/")}  # fmt: skip
+    row.update(info, step=trainer.state.step, final=int(final))
+    checkpoint = tune.Checkpoint.from_directory(str(path)) if path is not None else None
+    tune.report(row, checkpoint=checkpoint)
+
+
+def ray_trial(config: dict[str, Any], *, base: dict[str, Any], metric: str, out: str) -> None:
+    """Ray Tune's trainable: one trial, ``trial_config`` trained by ``Trainer`` as the Optuna
+    backend's, resumed from the last checkpoint it reported when Ray restores it."""
+    from hpc_core.trainer import Trainer, TrainingDiverged
+
+    params = dict(config)
+    number = int(params.pop(TRIAL_KEY))
+    cfg = trial_config(config_from_dict(base, source="base config"), params, Path(out), number)
+    checkpoint = tune.get_checkpoint()
+    if checkpoint is None and cfg.run.output_dir.exists():
+        # A start of this trial that the experiment never recorded (the driver died first):
+        # its folder is this trial's, from scratch.
+        shutil.rmtree(cfg.run.output_dir)
+    with contextlib.ExitStack() as stack:
+        resume = None
+        if checkpoint is not None:
+            resume = Path(stack.enter_context(checkpoint.as_directory()))
+        info = {"worker": f"{socket.gethostname()}:{os.getpid()}", "start_step": 0}
+        hook = _ReportHook(metric, info)
+        trainer = Trainer(cfg, hooks=[hook])
+        if resume is not None:
+            info["start_step"] = _checkpoint_step(resume)
+            log.info("trial %d: resuming from step %d", number, info["start_step"])
+        t0 = time.perf_counter()
+        result = trainer.train(resume=resume)
+    log.info("trial %d: %s at step %d in %.1f s", number, result.stopped_reason,
+             result.final_step, time.perf_counter() - t0)  # fmt: skip
+    if hook.stopped_at is not None:
+        return  # Ray stopped it: nothing more may be reported
+    if metric not in result.metrics:
+        raise MetricNotReported(
+            f"the run reported no {metric!r}: set study.metric to an eval/* key"
+        )
+    value = result.metrics[metric]
+    if not math.isfinite(value):
+        raise TrainingDiverged(f"{metric} is {value} at step {result.final_step}")
+    _report(trainer, result.metrics, result.checkpoint_dir, info, final=True)
+
+
+def _checkpoint_step(path: Path) -> int:
+    from hpc_core import checkpoint as ckpt
+
+    return int(ckpt.read_trainer_state(path)["step"])
