@@ -7,12 +7,14 @@ reported when Ray restores it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import math
 import os
 import shutil
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,45 @@ log = logging.getLogger("hpc_core.tune")  # one logger for every part of `hpc-tr
 
 TRIAL_KEY = "trial_number"
 """Config key carrying the trial's number (its ``trial_NNNN`` folder), set by the searcher."""
+LOCK_WAIT_S = 300.0
+"""How long a trial waits for an earlier run of itself to end before it fails."""
 
 
+@contextlib.contextmanager
+def _sole_run(folder: Path, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
+    """Hold ``folder``'s trial lock (a file beside it, ``flock``, released when this process
+    ends however it ends). A driver killed mid-experiment leaves its trials running until Ray
+    ends its job, seconds later; the restored experiment starts them again at once, and two
+    runs of one trial in one folder delete each other's checkpoints (each prunes by step).
+    The later run waits for the earlier one here."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder.parent / f".{folder.name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{folder}: another run of this trial still holds it after {wait_s:.0f}"
+                        " s (a dead driver's trial Ray has not ended)") from None
+                time.sleep(0.2)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _drop_later_checkpoints(root: Path, step: int) -> None:
+    """Step checkpoints past ``step`` (the one a restored trial resumes from) that an earlier,
+    ended run of the trial wrote: left there, they would outrank the resumed run's own in the
+    trainer's pruning, which would then delete the checkpoint it is about to report."""
+    from hpc_core import checkpoint as ckpt
+
+    for p in ckpt.list_step_checkpoints(root):
+        if int(ckpt.read_trainer_state(p)["step"]) > step:
+            shutil.rmtree(p)
 
 
 class _ReportHook:
@@ -79,34 +118,37 @@ def ray_trial(config: dict[str, Any], *, base: dict[str, Any], metric: str, out:
     number = int(params.pop(TRIAL_KEY))
     cfg = trial_config(config_from_dict(base, source="base config"), params, Path(out), number)
     checkpoint = tune.get_checkpoint()
-    if checkpoint is None and cfg.run.output_dir.exists():
-        # A start of this trial that the experiment never recorded (the driver died first):
-        # its folder is this trial's, from scratch.
-        shutil.rmtree(cfg.run.output_dir)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_sole_run(cfg.run.output_dir))
+        if checkpoint is None and cfg.run.output_dir.exists():
+            # A start of this trial that the experiment never recorded (the driver died
+            # first): its folder is this trial's, from scratch.
+            shutil.rmtree(cfg.run.output_dir)
         resume = None
         if checkpoint is not None:
             resume = Path(stack.enter_context(checkpoint.as_directory()))
         info = {"worker": f"{socket.gethostname()}:{os.getpid()}", "start_step": 0}
-        hook = _ReportHook(metric, info)
-        trainer = Trainer(cfg, hooks=[hook])
         if resume is not None:
             info["start_step"] = _checkpoint_step(resume)
+            _drop_later_checkpoints(cfg.run.output_dir / "checkpoints", info["start_step"])
             log.info("trial %d: resuming from step %d", number, info["start_step"])
+        hook = _ReportHook(metric, info)
+        trainer = Trainer(cfg, hooks=[hook])
         t0 = time.perf_counter()
         result = trainer.train(resume=resume)
-    log.info("trial %d: %s at step %d in %.1f s", number, result.stopped_reason,
-             result.final_step, time.perf_counter() - t0)  # fmt: skip
-    if hook.stopped_at is not None:
-        return  # Ray stopped it: nothing more may be reported
-    if metric not in result.metrics:
-        raise MetricNotReported(
-            f"the run reported no {metric!r}: set study.metric to an eval/* key"
-        )
-    value = result.metrics[metric]
-    if not math.isfinite(value):
-        raise TrainingDiverged(f"{metric} is {value} at step {result.final_step}")
-    _report(trainer, result.metrics, result.checkpoint_dir, info, final=True)
+        log.info("trial %d: %s at step %d in %.1f s", number, result.stopped_reason,
+                 result.final_step, time.perf_counter() - t0)  # fmt: skip
+        if hook.stopped_at is not None:
+            return  # Ray stopped it: nothing more may be reported
+        if metric not in result.metrics:
+            raise MetricNotReported(
+                f"the run reported no {metric!r}: set study.metric to an eval/* key"
+            )
+        value = result.metrics[metric]
+        if not math.isfinite(value):
+            raise TrainingDiverged(f"{metric} is {value} at step {result.final_step}")
+        # Still holding the trial's lock: Ray copies the final checkpoint from its folder.
+        _report(trainer, result.metrics, result.checkpoint_dir, info, final=True)
 
 
 def _checkpoint_step(path: Path) -> int:

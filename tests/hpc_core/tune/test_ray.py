@@ -361,3 +361,26 @@ def test_storage_is_the_optuna_backends(tmp_path: Path, capsys) -> None:
     args += ["--space", str(space), "--trials", "2", "--out", str(tmp_path / "out")]
     assert main([*args, "--storage", "sqlite:///x.db"]) == 2
     assert "--storage is the optuna backend's" in capsys.readouterr().err
+
+
+def test_a_trial_waits_for_an_earlier_run_of_itself_to_end(tmp_path: Path) -> None:
+    from hpc_core.tune.ray_trial import _sole_run
+
+    folder = tmp_path / "trial_0002"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from hpc_core.tune.ray_trial import _sole_run\n"
+         "with _sole_run(Path(sys.argv[1])):\n    print('held', flush=True); time.sleep(60)",
+         str(folder)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(RuntimeError, match="another run of this trial"), \
+                _sole_run(folder, wait_s=0.5):
+            pass
+        holder.kill()  # the earlier run ends (killed, as Ray ends a dead driver's trials)
+        holder.wait()
+        with _sole_run(folder, wait_s=5):
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
