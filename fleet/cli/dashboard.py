@@ -10,7 +10,7 @@ import signal
 import threading
 from pathlib import Path
 
-from fleet.cli.options import EXIT_OK, UsageError, _broker, inventory_membership
+from fleet.cli.options import EXIT_OK, UsageError, broker_config, inventory_membership
 
 
 def cmd_dashboard(a: argparse.Namespace) -> int:
@@ -34,7 +34,7 @@ def cmd_dashboard(a: argparse.Namespace) -> int:
     opts = Options(db=a.db, host=a.listen_host, port=a.listen_port, token=token,
                    extra_origins=tuple(a.origin or ()), max_live=a.max_live)
     try:
-        server = DashboardServer(opts, _broker(a), inventory_membership(a))
+        server = DashboardServer(opts, broker_config(a), inventory_membership(a))
     except OSError as e:
         raise UsageError(f"--port {a.listen_port}: {e}") from None
     try:
