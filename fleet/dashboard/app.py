@@ -117,6 +117,7 @@ class Dashboard:
         routes = [
             Route("/", self.index), Route("/static/dashboard.js", self.script),
             Route("/static/dashboard.css", self.style),
+            Route("/favicon.ico", lambda request: Response(status_code=204)),
             Route("/api/snapshot", self.snapshot), Route("/events", self.events),
             Route("/login", self.login, methods=["POST"]),
             Route("/logout", self.logout, methods=["POST"]),

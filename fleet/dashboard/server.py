@@ -87,6 +87,7 @@ class DashboardServer:
         if self.board is not None:
             self.board.start(connect_timeout_s)
         self.hub.start()
+        self.http.start()
         return self
 
     def close(self) -> None:

@@ -160,18 +160,27 @@ function curve(points) {
   return svg;
 }
 
+function pct(v) { return v == null ? "–" : `${(100 * v).toFixed(1)}%`; }
+
+function learnCard(l) {
+  const head = el("h3", {}, el("span", { class: "rid", text: l.id }), " ",
+    el("span", { class: `state s-${l.state}`, text: l.state }),
+    ` round ${l.round} of ${l.rounds}, base ${l.base} (${l.model})`);
+  const rows = l.curve.map((p) => el("tr", {}, el("td", { text: String(p.round) }),
+    el("td", { text: p.phase }), el("td", { text: p.outcome ?? "" }), el("td", { text: pct(p.base) }),
+    el("td", { text: pct(p.candidate) }), el("td", { text: p.release ?? "" })));
+  const table = el("table", { class: "rounds" },
+    el("thead", {}, el("tr", {}, ...["round", "phase", "outcome", "base", "candidate", "release"].map((h) => el("th", { text: h })))),
+    el("tbody", {}, ...rows));
+  return el("article", { class: "learn", id: `learn-${l.id}` }, head,
+    l.reason ? el("p", { class: "notes", text: l.reason }) : null,
+    el("div", { class: "learn-body" }, curve(l.curve), table));
+}
+
 function renderLearns() {
   const box = document.getElementById("learns");
   if (!state.learns.length) { box.replaceChildren(el("p", { class: "muted", text: "no learns" })); return; }
-  box.replaceChildren(...state.learns.map((l) => el("article", { class: "learn", id: `learn-${l.id}` },
-    el("h3", {}, el("span", { class: "rid", text: l.id }), " ", el("span", { class: `state s-${l.state}`, text: l.state }),
-      ` round ${l.round} of ${l.rounds}, base ${l.base} (${l.model})`),
-    l.reason ? el("p", { class: "notes", text: l.reason }) : null,
-    el("div", { class: "learn-body" }, curve(l.curve),
-      el("table", { class: "rounds" }, el("thead", {}, el("tr", {}, ...["round", "phase", "outcome", "base", "candidate", "release"].map((h) => el("th", { text: h })))),
-        el("tbody", {}, ...l.curve.map((p) => el("tr", {}, el("td", { text: String(p.round) }), el("td", { text: p.phase }),
-          el("td", { text: p.outcome ?? "" }), el("td", { text: p.base == null ? "–" : `${(100 * p.base).toFixed(1)}%` }),
-          el("td", { text: p.candidate == null ? "–" : `${(100 * p.candidate).toFixed(1)}%` }), el("td", { text: p.release ?? "" }))))))))));
+  box.replaceChildren(...state.learns.map(learnCard));
 }
 
 function renderError() {
