@@ -268,4 +268,5 @@ function wire() {
 
 wire();
 apply(JSON.parse(document.getElementById("initial").textContent), true);
+performance.mark("dashboard-rendered");  // the first paint with the fleet on it (benchmarks)
 follow();
