@@ -9,8 +9,9 @@ Each command group lives in a module of its own that adds its sub-parsers throug
 ``register(sub)``: ``fleet.cli.devices`` (devices, watch, send), ``fleet.cli.broker``
 (broker-config), ``fleet.cli.rollout`` (controller, rollout ...), ``fleet.cli.learn`` (learn
 ...) and ``fleet.cli.dashboard`` (dashboard: the web page of ``fleet.dashboard``); the global
-options, exit codes and logging they share are ``fleet.cli.options``, and who may drive a db's rollouts and learns (the lock, the replicas' session, the devices a
-create goes to) is ``fleet.cli.session``.
+options, exit codes and logging they share are ``fleet.cli.options``, and who may drive a
+db's rollouts and learns (the lock, the replicas' session, the devices a create goes to) is
+``fleet.cli.session``.
 
 The package owns the command line only: parsing, printing, exit codes. It is the top of the
 fleet and may import every other part of it (``fleet.rollout``, ``fleet.learn``,

@@ -60,8 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
          "--operator-token-file (then approve, pause, resume and abort after a login)")
     p = sub.add_parser("dashboard", help=h, description=h)
     p.add_argument("--host", dest="listen_host", default="127.0.0.1", metavar="HOST",
-                   help="address to serve on, after the command (the global --host before it is the "
-                        "broker's; loopback unless --allow-remote)")
+                   help="address to serve on, after the command (the global --host before "
+                        "it is the broker's); loopback unless --allow-remote")
     p.add_argument("--port", dest="listen_port", type=int, default=8780,
                    metavar="PORT", help="port (0: a free one, printed)")
     p.add_argument("--allow-remote", action="store_true",
