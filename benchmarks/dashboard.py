@@ -206,6 +206,8 @@ def main() -> int:
             finally:
                 browser.close()
         print(f"with the dashboard open: {during}")
+        dash.popen.terminate()  # the run after is without it again
+        dash.reap(True)
         truth = db_times(db, during["id"])
         lags = {k: round(seen[k] / 1000 - t, 3) for k, t in truth.items() if k in seen}
         missing = sorted(set(truth) - set(seen))

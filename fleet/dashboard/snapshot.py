@@ -31,8 +31,9 @@ MAX_ACTIVE = 200
 MAX_LEARNS = 10
 MAX_FAILURES = 20
 """Failed devices listed per rollout (the count says how many more)."""
-COST_FACTOR = 5.0
-"""A rollout is read whole at most every ``COST_FACTOR`` x its last read time."""
+COST_FACTOR = 8.0
+"""A rollout is read whole at most every ``COST_FACTOR`` x its last read time: the reads
+take at most 1/8 of a core however large the rollout."""
 MIN_PERIOD_S = 0.25
 
 
