@@ -101,11 +101,11 @@ class Hub:
         now = time.monotonic()
         if key == self._db_key and (bv == self._board_version or now < self._board_due):
             return False  # nothing new, or only devices' statuses and not yet their turn
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         rows = self.board.rows(db["running"], db["failed"]) if self.board is not None else []
         # The table of 10,000 devices costs tens of ms: while only statuses and telemetry
         # change (a rollout's devices committing), it is rebuilt once a second at most.
-        self._board_due = now + max(BOARD_PERIOD_S, 10 * (time.perf_counter() - t0))
+        self._board_due = now + min(5.0, max(BOARD_PERIOD_S, 10 * (time.thread_time() - t0)))
         with self._lock:
             self.rows = rows
             self.state = {"rollouts": db["rollouts"], "order": db["order"],
