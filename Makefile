@@ -42,6 +42,14 @@ services:
 	@if ! command -v systemd-analyze >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null; \
 	fi
+	@# Chromium: the dashboard's browser test drives Debian's build headless (Playwright).
+	@if ! command -v chromium >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else \
+	    echo "chromium is missing: run 'sudo apt-get install -y chromium' (the dashboard's browser test will skip)"; \
+	  fi; \
+	fi
 	@# PostgreSQL (shared Optuna study), Slurm + munge (sbatch launch tests); the tests start them.
 	@if ! command -v slurmctld >/dev/null 2>&1 || ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \

@@ -7,10 +7,11 @@ resume or abort of a finished one).
 
 Each command group lives in a module of its own that adds its sub-parsers through
 ``register(sub)``: ``fleet.cli.devices`` (devices, watch, send), ``fleet.cli.broker``
-(broker-config), ``fleet.cli.rollout`` (controller, rollout ...) and ``fleet.cli.learn``
-(learn ...); the global options, exit codes and logging they share are ``fleet.cli.options``,
-and who may drive a db's rollouts and learns (the lock, the replicas' session, the devices a
-create goes to) is ``fleet.cli.session``.
+(broker-config), ``fleet.cli.rollout`` (controller, rollout ...), ``fleet.cli.learn`` (learn
+...) and ``fleet.cli.dashboard`` (dashboard: the web page of ``fleet.dashboard``); the global
+options, exit codes and logging they share are ``fleet.cli.options``, and who may drive a
+db's rollouts and learns (the lock, the replicas' session, the devices a create goes to) is
+``fleet.cli.session``.
 
 The package owns the command line only: parsing, printing, exit codes. It is the top of the
 fleet and may import every other part of it (``fleet.rollout``, ``fleet.learn``,
@@ -25,7 +26,7 @@ import argparse
 import logging
 import sys
 
-from fleet.cli import broker, devices, learn, rollout
+from fleet.cli import broker, dashboard, devices, learn, rollout
 from fleet.cli.options import (
     EXIT_FAILED,
     EXIT_USAGE,
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     broker.register(sub)
     rollout.register(sub)
     learn.register(sub)
+    dashboard.register(sub)
     return ap
 
 

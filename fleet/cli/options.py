@@ -39,6 +39,11 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(f"FLEETCTL_{name}", default)
 
 
+def broker_config(a: argparse.Namespace) -> BrokerConfig:
+    """The broker options as a ``BrokerConfig`` (a bad one: ``UsageError``)."""
+    return _broker(a)
+
+
 def _broker(a: argparse.Namespace) -> BrokerConfig:
     try:
         return BrokerConfig(

@@ -11,7 +11,6 @@ import argparse
 import json
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args, get_origin
 
@@ -25,12 +24,13 @@ from fleet.cli.options import (
 )
 from fleet.cli.session import Session, open_controller, open_creator, targets_of
 from fleet.inventory import render_table
+from fleet.rollout import operator
 from fleet.rollout import report as reports
 from fleet.rollout.controller import Controller
 from fleet.rollout.plan import RolloutPlan, load_plan, validate_plan
 from fleet.rollout.progress import Progress, status_text
 from fleet.rollout.run import RolloutRun, summarize
-from fleet.rollout.store import ROLLOUT_ACTIVE, ROLLOUT_FINAL, ROLLOUT_GOING, FleetStore
+from fleet.rollout.store import ROLLOUT_ACTIVE, FleetStore
 from fleet.rollout.verdict import ended_as_asked
 
 if TYPE_CHECKING:
@@ -189,64 +189,16 @@ def cmd_rollout_list(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-TAKES_REQUESTS = ROLLOUT_GOING
-"""The states whose controller acts on pause, resume, abort and approve."""
-
-
-def _utc(ts: float | None) -> str:
-    return "?" if ts is None else \
-        datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def cmd_rollout_request(a: argparse.Namespace) -> int:
+    """pause, resume, abort, rollback and approve: checked and posted by
+    ``fleet.rollout.operator`` (the dashboard's buttons take the same path)."""
     store = FleetStore(a.db)
     _get_run(store, a.id)
-    verb = a.rollout_cmd
-    if verb == "rollback":
-        if store.reopen_for_rollback(a.id):
-            print(json.dumps({"rollout": a.id, "state": "rolling_back", "next":
-                              "fleetctl controller (or the running one) sends the rollbacks"}))
-            return EXIT_OK
-        store.post_request(a.id, verb)
-    elif not store.post_request(a.id, verb, TAKES_REQUESTS):
-        # Finished (or winding down): no controller would act on it; say so, post nothing.
-        r = store.rollout(a.id)
-        assert r is not None
-        if r.state in ROLLOUT_FINAL:
-            raise UsageError(f"rollout {a.id} is already finished ({r.state} at "
-                             f"{_utc(r.finished_at)}): nothing to {verb}")
-        why = f" ({r.reason})" if r.reason else ""
-        raise UsageError(f"rollout {a.id} is {r.state}{why}: nothing to {verb}")
-    print(json.dumps({"rollout": a.id, "request": verb}))
-    return EXIT_OK
-
-
-def cmd_rollout_approve(a: argparse.Namespace) -> int:
-    """Let the next wave (or every wave up to ``--wave N``) of an ``--approve-waves`` rollout
-    start: posted for the controller, which records it before the wave starts."""
-    store = FleetStore(a.db)
-    run = _get_run(store, a.id)
-    r, waves = run.rollout, run.waves
-    if not r.plan.approve_waves:
-        raise UsageError(f"rollout {a.id} was not created with --approve-waves: its waves "
-                         "start on their own")
-    if r.state not in TAKES_REQUESTS:
-        when = f" at {_utc(r.finished_at)}" if r.state in ROLLOUT_FINAL else ""
-        raise UsageError(f"rollout {a.id} is {r.state}{when}: nothing to approve")
-    if a.wave is None:
-        nxt = next((w.idx for w in waves if w.state == "pending"), None)
-        if r.state != "waiting_approval" or nxt is None:
-            raise UsageError(f"rollout {a.id} is {r.state}, not waiting for an approval; "
-                             "--wave N approves a later wave ahead")
-        wave = nxt
-    else:
-        wave = a.wave
-        if not 1 <= wave < len(waves):
-            raise UsageError(f"--wave {wave}: rollout {a.id} has waves 0-{len(waves) - 1}, "
-                             "and wave 0 needs no approval")
-    if not store.post_request(a.id, f"approve:{wave}", TAKES_REQUESTS):
-        raise UsageError(f"rollout {a.id} is no longer running: nothing to approve")
-    print(json.dumps({"rollout": a.id, "request": "approve", "wave": wave}))
+    try:
+        out = operator.request(store, a.id, a.rollout_cmd, getattr(a, "wave", None))
+    except operator.Refused as e:
+        raise UsageError(str(e)) from None
+    print(json.dumps(out))
     return EXIT_OK
 
 
@@ -323,7 +275,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("id")
     p.add_argument("--wave", type=int, metavar="N",
                    help="approve waves up to N (as `rollout status` numbers them)")
-    p.set_defaults(fn=cmd_rollout_approve)
+    p.set_defaults(fn=cmd_rollout_request)
     h = ("abort and roll back a running rollout, or roll back a finished one (rolling_back "
          "again, for the controller)")
     p = ro.add_parser("rollback", help=h, description=h)

@@ -43,6 +43,8 @@ TRAINING = ("runtime.py", "upstream.py", "finetune.py", "export.py", "trainer_ov
 NEEDS = {
     "agent.py": ("mosquitto", have_mosquitto),
     "bridge_acl.py": ("mosquitto", have_mosquitto),
+    "dashboard.py": ("mosquitto and chromium", lambda: have_mosquitto()
+                     and Path("/usr/bin/chromium").exists()),
     "fleet.py": ("mosquitto", have_mosquitto),
     "metrics.py": ("mosquitto", have_mosquitto),
     "sync.py": ("curl", lambda: shutil.which("curl") is not None),
