@@ -204,15 +204,23 @@ class Dashboard:
                      path="/")
         return r
 
-    async def logout(self, request: Request) -> Response:
-        sid = request.cookies.get(COOKIE)
+    def _refused_write(self, request: Request) -> Response | None:
+        """403 unless the request carries a live session, its CSRF token and this
+        dashboard's own origin (``auth.Operators.check_write``); None: it may write."""
         try:
-            self.operators.check_write(sid, request.headers.get(CSRF_HEADER),
+            self.operators.check_write(request.cookies.get(COOKIE),
+                                       request.headers.get(CSRF_HEADER),
                                        request.headers.get("origin"),
                                        request.headers.get("referer"))
         except Refused as e:
             return _error(403, str(e))
-        self.operators.logout(sid)
+        return None
+
+    async def logout(self, request: Request) -> Response:
+        refused = self._refused_write(request)
+        if refused is not None:
+            return refused
+        self.operators.logout(request.cookies.get(COOKIE))
         r = JSONResponse({"ok": True})
         r.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
         return r
@@ -232,13 +240,11 @@ class Dashboard:
 
     async def rollout_request(self, request: Request) -> Response:
         sid = request.cookies.get(COOKIE)
+        refused = self._refused_write(request)
+        if refused is not None:
+            return refused
         try:
-            self.operators.check_write(sid, request.headers.get(CSRF_HEADER),
-                                       request.headers.get("origin"),
-                                       request.headers.get("referer"))
             body = await self._body(request)
-        except Refused as e:
-            return _error(403, str(e))
         except BodyRefused as e:
             return _error(e.status, str(e))
         except (TimeoutError, ClientGone) as e:
