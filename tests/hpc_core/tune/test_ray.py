@@ -274,8 +274,11 @@ def test_a_killed_driver_is_restored_without_rerunning_finished_trials(
         "  optimizer.lr: {type: float, low: 1.0e-3, high: 3.0e-2, log: true}\n"
     )
     out = tmp_path / "tune"
-    long = [*SETS, "training.max_steps=250"]  # long enough to catch a trial mid-run
-    args = _args(ray_cluster, space, out, trials=4, sets=long)
+    # Long enough, and trials enough, that the saved experiment state (every 2 s) holds a
+    # finished trial beside a running one that reported a checkpoint on a loaded host too:
+    # with 4 trials of 250 steps a clean-clone run saw the search end first.
+    long = [*SETS, "training.max_steps=400"]
+    args = _args(ray_cluster, space, out, trials=6, sets=long)
     driver = subprocess.Popen(
         [sys.executable, "-m", "hpc_core.cli", *args],
         env=ray_cluster["env"],  # type: ignore[arg-type]
@@ -311,7 +314,7 @@ def test_a_killed_driver_is_restored_without_rerunning_finished_trials(
     assert rc == 0, stdout[-3000:] + stderr[-3000:]
     assert "restoring the ray experiment" in stderr
     rows = _table((out / "summary.md").read_text())
-    assert [r["state"] for r in rows] == ["complete"] * 4, rows
+    assert [r["state"] for r in rows] == ["complete"] * 6, rows
     # The finished trials did not run again: their runs' records are as they were.
     for n in finished:
         assert (out / f"trial_{n:04d}/metrics.jsonl").read_bytes() == before[n], n
