@@ -264,6 +264,30 @@ def _experiment_trials(out: Path) -> list[tuple[str, dict]]:
     ]  # fmt: skip
 
 
+def _just_after_a_save(out: Path, deadline: float, quiet_s: float = 0.3) -> None:
+    """Return once Ray has copied the experiment's state into ``out`` and gone quiet: it
+    copies it from the driver's staging folder every 2 s, and a driver killed inside a copy
+    leaves a truncated file no restore can read (Ray's copy is not atomic; documented). A
+    kill just after one copy is far from the next."""
+    exp = out / "ray" / "digits"
+
+    def stamp() -> dict[str, int]:
+        try:
+            return {p.name: p.stat().st_mtime_ns for p in exp.iterdir() if p.is_file()}
+        except OSError:  # not there yet, or a file replaced while listed
+            return {}
+
+    before = stamp()
+    while (now := stamp()) == before and time.monotonic() < deadline:
+        time.sleep(0.05)  # wait for a copy to land
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        settled = stamp()
+        if settled == now:
+            return
+        now = settled
+
+
 def test_a_killed_driver_is_restored_without_rerunning_finished_trials(
     ray_cluster: dict[str, str], tmp_path: Path
 ) -> None:
@@ -290,6 +314,7 @@ def test_a_killed_driver_is_restored_without_rerunning_finished_trials(
         # reported a checkpoint.
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
+            _just_after_a_save(out, deadline)
             trials = _experiment_trials(out)
             done = [r for s, r in trials if s == "TERMINATED"]
             running = [r for s, r in trials if s == "RUNNING" and r.get("checkpoint_dir_name")]
