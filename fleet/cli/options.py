@@ -94,6 +94,17 @@ def _seconds(text: str) -> float:
     return v
 
 
+def positive_seconds(text: str) -> float:
+    """A duration over 0 s (a refresh period)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number of seconds") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{text}: more than 0 seconds")
+    return v
+
+
 def add_global_options(ap: argparse.ArgumentParser) -> None:
     """The options before the command, each defaulting to its ``FLEETCTL_*`` variable."""
     g = ap.add_argument_group("broker (or FLEETCTL_HOST, _PORT, _PREFIX, ... in the environment)")

@@ -20,6 +20,7 @@ from fleet.cli.options import (
     UsageError,
     field_help,
     inventory_membership,
+    positive_seconds,
     read_json_arg,
 )
 from fleet.cli.session import Session, open_controller, open_creator, targets_of
@@ -145,7 +146,7 @@ def _serve_metrics(a: argparse.Namespace) -> FleetMetrics | None:
         return None
     from fleet.rollout.metrics import FleetMetrics  # prometheus_client, the HTTP server
 
-    metrics = FleetMetrics(a.db)
+    metrics = FleetMetrics(a.db, refresh_s=a.metrics_refresh_s)
     try:
         port = metrics.serve(a.metrics_host, a.metrics_port)
     except OSError as e:
@@ -238,6 +239,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="serve Prometheus metrics of the db's rollouts on GET /metrics "
                         "(rollouts by state, executions by wave and status, waves, leases; "
                         "0: a free port, printed)")
+    p.add_argument("--metrics-refresh-s", type=positive_seconds, default=5.0, metavar="S",
+                   help="seconds between two readings of the db for --metrics-port (a scrape "
+                        "serves the last one; default 5)")
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address for --metrics-port (loopback unless --metrics-allow-remote)")
     p.add_argument("--metrics-allow-remote", action="store_true",

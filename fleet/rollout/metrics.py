@@ -1,8 +1,10 @@
 """The rollout controller's Prometheus metrics: ``fleetctl controller --metrics-port PORT``.
 
-A scrape reads the controller's state db (its own connection, read-only queries), never the
-controller's memory: what it shows is what every replica and ``fleetctl rollout status``
-see, and a scrape cannot slow a controller's turn beyond the db's own reads. Rollouts are
+A thread reads the controller's state db every ``refresh_s`` (its own connection, read-only
+queries), never the controller's memory: what it shows is what every replica and ``fleetctl
+rollout status`` see. A scrape serves the last reading: its cost is the rendering, not the
+db's grouped reads (~4 ms at 1,000 series, with a garbage-collector tail of 20+ ms in a
+controller's heap), and no number of scrapers adds load on the db. Rollouts are
 labelled one by one while they run and for :data:`RECENT_S` after they end, so the series
 stay bounded by the rollouts of a day, not of the db's life. All gauges:
 
@@ -16,11 +18,14 @@ stay bounded by the rollouts of a day, not of the db's life. All gauges:
   baking, done, aborted);
 - ``edgetrain_fleet_lease_seconds{rollout, owner}``: a controller replica's live lease on a
   rollout and the seconds left on it (PostgreSQL replicas; a single SQLite controller holds
-  none).
+  none);
+- ``edgetrain_fleet_metrics_read_timestamp_seconds``: when the series above were read (a db
+  that cannot be read leaves the last reading and this time behind: alert on its age).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +38,8 @@ from prometheus_client.registry import Collector
 from fleet.db import Database
 from registry.http_server import HttpLimits, HttpServer
 
+log = logging.getLogger("fleet.metrics")
+
 RECENT_S = 24 * 3600.0
 """How long a finished rollout keeps its own series."""
 
@@ -42,30 +49,67 @@ LIMITS = HttpLimits(header_timeout_s=5.0, keep_alive_s=5.0, write_timeout_s=10.0
 
 
 class FleetMetrics(Collector):
-    """Reads the state db ``db`` at each scrape."""
+    """The rollouts of the state db ``db``, read every ``refresh_s`` seconds."""
 
-    def __init__(self, db: str | Path) -> None:
+    def __init__(self, db: str | Path, refresh_s: float = 5.0) -> None:
+        if refresh_s <= 0:
+            raise ValueError(f"refresh_s {refresh_s} must be > 0")
         self._db = Database(db)
-        self._lock = threading.Lock()  # one connection: one scrape at a time
+        self.refresh_s = refresh_s
+        self._reading: list[Metric] = []
+        self._read_at = 0.0
+        self._stop = threading.Event()
+        self._reader: threading.Thread | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         self._server: HttpServer | None = None
 
     def serve(self, host: str, port: int) -> int:
-        """``GET /metrics`` on ``host:port`` (0: a free port) from a thread; returns the port."""
+        """``GET /metrics`` on ``host:port`` (0: a free port) from a thread; returns the port.
+        The db is read once before the port opens, so the first scrape has the rollouts."""
+        self.start_reading()
         self._server = HttpServer(make_asgi_app(registry=self.registry), limits=LIMITS,
                                   host=host, port=port, name="fleetctl", drain_s=1.0).start()
         return self._server.port
 
+    def start_reading(self) -> None:
+        """Read the db now, then every ``refresh_s`` from a daemon thread."""
+        if self._reader is not None:
+            return
+        self.read()
+        self._reader = threading.Thread(target=self._read_forever, name="fleet-metrics",
+                                        daemon=True)
+        self._reader.start()
+
+    def read(self) -> None:
+        """One reading of the db, which the scrapes serve from then on."""
+        now = time.time()
+        reading = list(self._read(now))  # built whole, then swapped in: a scrape sees one
+        self._reading, self._read_at = reading, now
+
+    def _read_forever(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            try:
+                self.read()
+            except Exception as e:  # a db hiccup must not end the metrics
+                log.warning("metrics: the state db could not be read; the last reading stays",
+                            extra={"error": str(e)})
+
     def close(self) -> None:
+        self._stop.set()
         server, self._server = self._server, None
         if server is not None:
             server.close()
+        if self._reader is not None:
+            self._reader.join(30)
         self._db.close()
 
     def collect(self) -> Iterator[Metric]:
-        with self._lock:
-            yield from self._read(time.time())
+        yield from self._reading
+        if self._read_at:
+            yield GaugeMetricFamily("edgetrain_fleet_metrics_read_timestamp_seconds",
+                                    "When the state db was last read for these metrics",
+                                    value=self._read_at)
 
     def _read(self, now: float) -> Iterator[Metric]:
         db = self._db

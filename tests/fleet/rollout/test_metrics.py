@@ -5,6 +5,7 @@ own parser; on PostgreSQL the replica's lease shows while it holds the rollout."
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import time
 import urllib.request
@@ -15,6 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleet.mqtt import BrokerConfig
+from fleet.rollout.metrics import FleetMetrics
+from fleet.rollout.store import FleetStore
 from fleet.sim.fleet import SimFleet
 from tests.fleet.conftest import BOTH_ENGINES, fleetctl_argv
 from tests.support.grafana import queried_metrics
@@ -40,7 +43,8 @@ def test_the_controller_serves_its_rollouts_as_metrics(
 ) -> None:
     sim_fleet(devices=12, behavior={"job_duration_s": 0.4})
     base = [*fleetctl_argv(broker, tmp_path, fleet_db), "--lease-s", "5"]
-    ctl = subprocess.Popen([*base, "controller", "--forever", "--metrics-port", "0"],
+    ctl = subprocess.Popen([*base, "controller", "--forever", "--metrics-port", "0",
+                            "--metrics-refresh-s", "0.2"],
                            env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
     try:
@@ -93,10 +97,45 @@ def test_a_remote_metrics_host_needs_the_flag_that_allows_it(
     assert not (tmp_path / "fleet.db").exists()  # refused before anything was opened
 
 
-@pytest.mark.parametrize("flag", ["--metrics-port=x", "--metrics-port=-"])
-def test_a_bad_metrics_port_is_a_usage_error(
+@pytest.mark.parametrize("flag", ["--metrics-port=x", "--metrics-port=-",
+                                  "--metrics-refresh-s=0", "--metrics-refresh-s=x"])
+def test_a_bad_metrics_flag_is_a_usage_error(
     flag: str, broker: BrokerConfig, tmp_path: Path, subprocess_env: dict[str, str],
 ) -> None:
     r = subprocess.run([*fleetctl_argv(broker, tmp_path), "controller", flag],
                        env=subprocess_env, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--metrics-port" in r.stderr, r.stderr
+    assert r.returncode == 2 and flag.split("=")[0] in r.stderr, r.stderr
+
+
+def test_scrapes_serve_the_last_reading_and_a_db_that_fails_keeps_it(tmp_path: Path) -> None:
+    """The db is read every refresh_s, not at each scrape; a reading that fails leaves the last
+    one (and its timestamp, which says how old it is) instead of empty metrics."""
+    db = tmp_path / "fleet.db"
+    FleetStore(db).close()
+    with sqlite3.connect(db) as c:
+        c.execute("INSERT INTO rollouts (id, nonce, plan, state, created_at, updated_at) "
+                  "VALUES ('r1', 'n', '{}', 'running', 1, 1)")
+    m = FleetMetrics(db, refresh_s=0.05)
+    try:
+        port = m.serve("127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}/metrics"
+        first = scrape(url)
+        assert first[("edgetrain_fleet_rollouts", (("state", "running"),))] == 1
+        with sqlite3.connect(db) as c:
+            c.execute("UPDATE rollouts SET state = 'succeeded'")
+        deadline = time.monotonic() + 10
+        while ("edgetrain_fleet_rollouts", (("state", "succeeded"),)) not in scrape(url):
+            assert time.monotonic() < deadline, "the db change never showed"
+            time.sleep(0.05)
+        with sqlite3.connect(db) as c:
+            c.execute("ALTER TABLE executions RENAME TO executions_gone")
+        time.sleep(0.3)  # several failed readings
+        stale = scrape(url)
+        time.sleep(0.3)
+        again = scrape(url)
+        stamp = ("edgetrain_fleet_metrics_read_timestamp_seconds", ())
+        assert stale[("edgetrain_fleet_rollouts", (("state", "succeeded"),))] == 1
+        assert again[stamp] == stale[stamp]  # nothing read since: its age grows
+        assert time.time() - again[stamp] >= 0.3
+    finally:
+        m.close()
