@@ -102,6 +102,19 @@ class Database:
         finally:
             cur.close()
 
+    def fetch_raw(self, sql: str, params: Params | None = None) -> list[tuple[Any, ...]]:
+        """All rows as the driver's own tuples, past SQLAlchemy's result layer (~1 us a row
+        instead of ~5): for a reader that polls thousands of rows and keeps what it built
+        from each (the dashboard's executions)."""
+        raw = self.conn.connection.dbapi_connection
+        assert raw is not None
+        cur = raw.cursor()
+        try:
+            cur.execute(sql if self.dialect == "sqlite" else _pyformat(sql), dict(params or {}))
+            return [tuple(r) for r in cur.fetchall()]
+        finally:
+            cur.close()
+
     def script(self, ddl: str) -> None:
         """Statements separated by ``;`` (the stores' ``CREATE ... IF NOT EXISTS``)."""
         for stmt in ddl.split(";"):

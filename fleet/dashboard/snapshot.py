@@ -4,7 +4,8 @@ status``), fleet-learning rounds with their accuracy per round (as ``fleetctl le
 and which device runs which rollout's job now.
 
 Reads only, and cheaply: a one-query fingerprint per tick (counts and latest times of each
-shown rollout's executions) says which rollouts changed; only those are read whole, and a
+shown rollout's executions) says which rollouts changed; only those are read again (of
+their executions, only the rows that changed are built again), and a
 rollout whose read takes long is read at most every ``COST_FACTOR`` times its read time, so a
 10,000-device rollout costs the controller's host a bounded share of a core, however often
 the page asks. Shown: every active rollout and the :data:`MAX_ROLLOUTS` latest ones.
@@ -22,7 +23,7 @@ from fleet.learn.report import round_summary
 from fleet.learn.store import LearnStore
 from fleet.rollout import report as rollout_reports
 from fleet.rollout.run import summarize
-from fleet.rollout.store import ROLLOUT_ACTIVE, FleetStore
+from fleet.rollout.store import ROLLOUT_ACTIVE, Execution, FleetStore
 
 MAX_ROLLOUTS = 20
 """Finished rollouts shown beside the active ones (the latest first)."""
@@ -59,6 +60,8 @@ class FleetReader:
         self.store = FleetStore(db)
         self.learns = LearnStore(self.store)
         self._rollouts: dict[str, _Cached] = {}
+        self._rows: dict[str, dict[str, tuple[tuple[Any, ...], Execution]]] = {}
+        """Each shown rollout's executions as last read (see ``load_run``'s ``rows``)."""
         self._learns_key: Any = None
         self._learns: list[dict[str, Any]] = []
 
@@ -67,7 +70,8 @@ class FleetReader:
 
     def read(self) -> dict[str, Any]:
         """``rollouts`` (id -> summary, ``order``: newest first), ``learns``, and the
-        devices' rollout facts (``running``: device -> job, ``failed``: device -> reason)."""
+        devices' rollout facts (``running``: device -> job, ``failed``: device -> reason;
+        ``devices_key`` changes when they may have)."""
         db = self.store.db
         now = time.monotonic()
         rows = db.execute(
@@ -98,6 +102,7 @@ class FleetReader:
             self._rollouts[rid] = self._read_rollout(rid, fp, now)
         for rid in set(self._rollouts) - set(ids):
             del self._rollouts[rid]
+            self._rows.pop(rid, None)
         running: dict[str, str] = {}
         failed: dict[str, str] = {}
         for rid in reversed(ids):  # the newest rollout's word last: it wins
@@ -106,12 +111,15 @@ class FleetReader:
             failed.update(c.failed)
             for dev in c.running:
                 failed.pop(dev, None)
+        # Changes when any shown rollout was read again: what the device table depends on.
+        devices_key = tuple((rid, self._rollouts[rid].read_at) for rid in ids)
         return {"rollouts": {rid: self._rollouts[rid].summary for rid in ids}, "order": ids,
-                "learns": self._read_learns(), "running": running, "failed": failed}
+                "learns": self._read_learns(), "running": running, "failed": failed,
+                "devices_key": devices_key}
 
     def _read_rollout(self, rid: str, fp: tuple[Any, ...], now: float) -> _Cached:
         t0 = time.thread_time()  # CPU, not wall: a busy host must not stretch the period
-        run = rollout_reports.load_run(self.store, rid)
+        run = rollout_reports.load_run(self.store, rid, self._rows.setdefault(rid, {}))
         s = summarize(run)
         plan = run.plan
         waiting = (next((w["wave"] for w in s["waves"] if w["state"] == "pending"), None)

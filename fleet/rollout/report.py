@@ -12,16 +12,31 @@ from typing import Any
 from fleet.inventory import render_table
 from fleet.rollout.progress import failures_text, headline
 from fleet.rollout.run import RolloutRun, summarize
-from fleet.rollout.store import FleetStore
+from fleet.rollout.store import Execution, FleetStore
 from registry.atomic import write_bytes_atomic
 
 
-def load_run(store: FleetStore, rid: str) -> RolloutRun:
+def load_run(store: FleetStore, rid: str,
+             rows: dict[str, tuple[tuple[Any, ...], Execution]] | None = None) -> RolloutRun:
+    """Rollout ``rid`` from the store. ``rows``: a reader's cache of the rollout's executions
+    (id -> the raw row and what was built from it), kept current here: only the rows that
+    changed since the last read are built again (a 10,000-device rollout read every half
+    second by the dashboard)."""
     r = store.rollout(rid)
     if r is None:
         raise KeyError(f"no rollout {rid!r}; `fleetctl rollout list` shows them")
     run = RolloutRun(r, store.waves(rid), store.targets(rid))
-    run.execs = {e.id: e for e in store.executions(rid)}
+    if rows is None:
+        run.execs = {e.id: e for e in store.executions(rid)}
+        return run
+    fresh: dict[str, tuple[tuple[Any, ...], Execution]] = {}
+    for row in store.execution_rows(rid):
+        old = rows.get(row[0])
+        fresh[row[0]] = old if old is not None and old[0] == row else (row,
+                                                                        Execution.from_row(row))
+    rows.clear()
+    rows.update(fresh)
+    run.execs = {k: e for k, (_, e) in fresh.items()}
     return run
 
 
