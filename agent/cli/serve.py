@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import logging
 import signal
 import threading
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.cli.common import add_state_args, fail, guarded, state_dir_of
+from registry.loopback import is_loopback
 
 log = logging.getLogger("agent.cli.serve")
 
@@ -87,15 +87,6 @@ Stop it with SIGTERM or Ctrl-C. Exit codes: 0 stopped, 2 bad arguments.
 """
 
 
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name other than localhost may resolve anywhere
-
-
 def run_serve(args: argparse.Namespace) -> int:
     from agent.runtime.active_model import ActiveModel
     from agent.runtime.oip import OipLimits, OipServer
@@ -103,7 +94,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_format)
     on_tcp = args.unix_socket is None or args.grpc_port is not None
-    if on_tcp and not _loopback(args.host) and not args.allow_remote:
+    if on_tcp and not is_loopback(args.host) and not args.allow_remote:
         return fail(2, f"serve: --host {args.host} is not a loopback address: the endpoint has "
                     "no authentication or TLS, so anyone who reaches the port can run the model "
                     "(and load the device); put a proxy with TLS in front, or pass "

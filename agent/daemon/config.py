@@ -25,6 +25,7 @@ from agent.jobs.resolve import DeviceSettings
 from agent.storage.trust import default_trusted_keys
 from contract import DEFAULT_PREFIX, Topics, check_id
 from hpc_core.config import ConfigError, apply_overrides, read_yaml
+from registry.loopback import is_loopback
 from registry.validation import format_errors
 
 ENV_PREFIX = "EDGE_AGENT_"
@@ -154,7 +155,7 @@ class MetricsConfig(_Strict):
 
     @model_validator(mode="after")
     def _loopback(self) -> MetricsConfig:
-        if self.host not in ("127.0.0.1", "::1", "localhost") and not self.allow_remote:
+        if not is_loopback(self.host) and not self.allow_remote:
             raise ValueError(f"metrics.host {self.host!r} is not loopback: the endpoint has no "
                              "auth; set metrics.allow_remote: true to serve it there")
         return self

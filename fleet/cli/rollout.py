@@ -33,6 +33,7 @@ from fleet.rollout.progress import Progress, status_text
 from fleet.rollout.run import RolloutRun, summarize
 from fleet.rollout.store import ROLLOUT_ACTIVE, FleetStore
 from fleet.rollout.verdict import ended_as_asked
+from registry.loopback import is_loopback
 
 if TYPE_CHECKING:
     from fleet.rollout.metrics import FleetMetrics
@@ -111,7 +112,7 @@ def cmd_rollout_create(a: argparse.Namespace) -> int:
 
 
 def cmd_controller(a: argparse.Namespace) -> int:
-    if a.metrics_host not in LOOPBACK and not a.metrics_allow_remote:
+    if not is_loopback(a.metrics_host) and not a.metrics_allow_remote:
         raise UsageError(f"--metrics-host {a.metrics_host} is not loopback: the metrics name "
                          "every rollout and device state; add --metrics-allow-remote on a "
                          "network you trust")
@@ -135,9 +136,6 @@ def cmd_controller(a: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.close()
     return _exit_code(store, states)
-
-
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 def _serve_metrics(a: argparse.Namespace) -> FleetMetrics | None:

@@ -5,7 +5,6 @@ live hub, the application and the bounded HTTP server it runs on
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,17 +16,10 @@ from fleet.dashboard.live import Hub
 from fleet.dashboard.snapshot import FleetReader
 from fleet.mqtt import BrokerConfig
 from registry.http_server import HttpLimits, HttpServer
+from registry.loopback import is_loopback
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def limits(max_live: int) -> HttpLimits:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli.serve import _loopback
+from registry.loopback import is_loopback
 from tests.agent.runtime.conftest import Device
 from tests.agent.runtime.test_oip import UnixHTTPConnection, call, infer_body
 
@@ -79,11 +79,11 @@ def test_a_non_loopback_host_needs_allow_remote(device: Device,
 
 
 @pytest.mark.parametrize(("host", "ok"), [
-    ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("localhost", True),
+    ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("[::1]", True), ("localhost", True),
     ("0.0.0.0", False), ("192.168.1.10", False), ("::", False), ("example.com", False),
 ])
 def test_what_counts_as_loopback(host: str, ok: bool) -> None:
-    assert _loopback(host) is ok
+    assert is_loopback(host) is ok
 
 
 def test_serve_help_has_examples() -> None:
