@@ -42,11 +42,14 @@ rules, under attack, several seeds, beside a centralized bound.
   dropped (``max_staleness`` 0). Beside every device on time, which is also what waiting for
   everyone gets by round, at ``slowdown`` units a round.
 * **Personalization** (``--personal``: the camera mix with label skew, and alone): fedavg
-  with ``--personal-holdout`` (20 %) of each device's own data held out as its test set;
-  each device scored by its local-only model (its data alone, the same epochs), the global
-  model, and the global model with its last layer fine-tuned on the device's data
-  (``--head-epochs``); the union of the held-out parts by the global model and every
-  local-only one. FedBN is not simulated: the mlp has no normalization layer.
+  with ``--personal-holdout`` (20 %) of each device's own data held out as its test set and
+  as much as its validation set; each device scored by its local-only model (its data alone,
+  the same epochs, its best checkpoint on validation), the global model, the global model
+  with its last layer fine-tuned on the device's data (``--head-epochs``), the global model
+  fine-tuned whole (``--ft-epochs``, its best epoch on validation), and the model it serves:
+  the best of those on its validation data, as its health check keeps the better of two
+  models; the union of the held-out parts by the global model and every local-only one.
+  FedBN is not simulated: the mlp has no normalization layer.
 
 What is simulated and what is the product path: the devices' local training is simulated,
 all in this one process, vectorized over devices and runs: ``torch.func.vmap`` of
@@ -147,6 +150,10 @@ class Fleet:
     own_x: list[torch.Tensor] = field(default_factory=list)
     """Per device, its own held-out data (personalization runs only; see ``hold_out``)."""
     own_y: list[torch.Tensor] = field(default_factory=list)
+    val_x: list[torch.Tensor] = field(default_factory=list)
+    """Per device, its own validation data: what it chooses the model it serves by (its
+    health check's held-out data), never trained on and never scored."""
+    val_y: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def samples(self) -> list[int]:
@@ -155,18 +162,23 @@ class Fleet:
 
 def hold_out(fleet: Fleet, fraction: float) -> Fleet:
     """The fleet with a seeded ``fraction`` of each device's own data (its classes, through
-    its camera) held out as that device's test set, at least one sample, the rest to train
-    on: the protocol of personalized FL benchmarks (a device is scored on what it sees)."""
-    xs, ys, ox, oy = [], [], [], []
+    its camera) held out as that device's test set and as much again as its validation set
+    (at least one sample each), the rest to train on: the protocol of personalized FL
+    benchmarks (a device is scored on what it sees), with the device's own choice of model
+    made on data apart from both."""
+    xs, ys, ox, oy, vx, vy = [], [], [], [], [], []
     for i, (x, y) in enumerate(zip(fleet.x, fleet.y, strict=True)):
         perm = torch.from_numpy(np.random.default_rng(fleet.seed * 1000 + 900 + i)
                                 .permutation(len(y)))
-        k = min(max(1, round(fraction * len(y))), len(y) - 1)
+        k = min(max(1, round(fraction * len(y))), (len(y) - 1) // 2)
         ox.append(x[perm[:k]])
         oy.append(y[perm[:k]])
-        xs.append(x[perm[k:]])
-        ys.append(y[perm[k:]])
-    return Fleet(fleet.spec, fleet.seed, fleet.shards, xs, ys, fleet.test_x, fleet.test_y, ox, oy)
+        vx.append(x[perm[k:2 * k]])
+        vy.append(y[perm[k:2 * k]])
+        xs.append(x[perm[2 * k:]])
+        ys.append(y[perm[2 * k:]])
+    return Fleet(fleet.spec, fleet.seed, fleet.shards, xs, ys, fleet.test_x, fleet.test_y, ox, oy,
+                 vx, vy)
 
 
 def make_fleet(spec: str, seed: int, devices: int, test_fraction: float) -> Fleet:
@@ -586,79 +598,108 @@ def _centralized(centrals: list[Central], args: argparse.Namespace) -> list[list
 def personalize(runs: list[Run], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Per personalization run (fedavg on devices holding part of their data out), each
     device's held-out data scored by (a) its local-only model: the same model trained on its
-    own training part alone, from the run's initial weights, with one optimizer for rounds x
-    local epochs epochs (the compute it spends in the federated run); (b) the global model;
-    (c) its personalized model: the global model with its last layer fine-tuned on the
-    device's own training part for ``--head-epochs`` epochs (the body frozen, a fresh
-    optimizer). And the union of the held-out parts: the global model, each device's
-    local-only model, and personalized serving (each device's part by its own model)."""
+    own training part alone, from the run's initial weights, for rounds x local epochs epochs
+    (the compute it spends in the federated run), the checkpoint of its ten with the best
+    validation accuracy; (b) the global model; (c) the global model with its last layer
+    fine-tuned on the device's training part for ``--head-epochs`` epochs (the body frozen,
+    a fresh optimizer); (d) the global model fine-tuned whole for ``--ft-epochs`` epochs, the
+    epoch (0: the global model as it came) with the best validation accuracy; and (e) what
+    the device serves: of (a), (c) and (d), the one with the best validation accuracy, as a
+    device's health check keeps the better of its active model and a candidate on its own
+    held-out data. And the union of the held-out parts: the global model, each device's
+    local-only model, and the served models (each device's part by its own)."""
     _start_process()
     n, model = args.devices, make_model(args.hidden)
     like = init_params(args.hidden, 0)
     head = list(like)[-2:]  # the last Linear's weight and bias
     data = [(x, y) for r in runs for x, y in zip(r.fleet.x, r.fleet.y, strict=True)]
+    val = [(x, y) for r in runs for x, y in zip(r.fleet.val_x, r.fleet.val_y, strict=True)]
     optim = Optim(args.lr, args.momentum, args.weight_decay)
     none = torch.zeros(len(data))
 
-    def train(rows: torch.Tensor, epochs: int, salt: int, frozen: Sequence[str]) -> torch.Tensor:
+    def scored(rows: torch.Tensor) -> list[float]:
+        return [accuracy(model, unflat(rows[k], like), *val[k]) for k in range(len(val))]
+
+    def train(rows: torch.Tensor, epochs: int, salt: int, frozen: Sequence[str],
+              checks: int = 0) -> torch.Tensor:
+        """``rows`` trained ``epochs`` epochs; with ``checks``, each lane's checkpoint (of
+        ``checks`` evenly spaced, the start included) with the best validation accuracy."""
         lanes = Lanes(model, data, args.batch, optim,
                       [(torch.Generator().manual_seed(r.fleet.seed + salt), n) for r in runs],
                       frozen=frozen)
         params = {k: v.clone() for k, v in unflat_lanes(rows, like).items()}
         buf = {k: torch.zeros_like(v) for k, v in params.items()}
-        for _ in range(epochs):
+        best, best_acc = rows.clone(), scored(rows) if checks else []
+        every = max(1, epochs // checks) if checks else 0
+        for e in range(1, epochs + 1):
             lanes.epoch(params, buf, None, none)
-        return flat(params, len(rows))
+            if checks and (e % every == 0 or e == epochs):
+                now = flat(params, len(rows))
+                for k, acc in enumerate(scored(now)):
+                    if acc > best_acc[k]:  # ties keep the earlier: less fitted to its data
+                        best[k], best_acc[k] = now[k], acc
+        return best if checks else flat(params, len(rows))
 
+    assert all(r.final is not None for r in runs)
+    glob_rows = torch.stack([r.final for r in runs for _ in range(n)])  # type: ignore[misc]
     local = train(torch.stack([flat(init_params(args.hidden, r.fleet.seed), 1)[0]
                                for r in runs for _ in range(n)]),
-                  args.rounds * args.local_epochs, 31, ())
-    assert all(r.final is not None for r in runs)
-    personal = train(torch.stack([r.final for r in runs for _ in range(n)]),  # type: ignore[misc]
-                     args.head_epochs, 47, [k for k in like if k not in head])
+                  args.rounds * args.local_epochs, 31, (), checks=10)
+    personal = train(glob_rows, args.head_epochs, 47, [k for k in like if k not in head])
+    tuned = train(glob_rows, args.ft_epochs, 53, (), checks=min(10, args.ft_epochs))
+    val_acc = {"local": scored(local), "head": scored(personal), "ft": scored(tuned)}
     out = []
     for j, r in enumerate(runs):
         f, glob = r.fleet, unflat(r.final, like)  # type: ignore[arg-type]
         ux, uy = torch.cat(f.own_x), torch.cat(f.own_y)
         devices = []
         for i in range(n):
-            mine = (f.own_x[i], f.own_y[i])
-            devices.append({
-                "held_out": len(f.own_y[i]),
-                "local": accuracy(model, unflat(local[j * n + i], like), *mine),
-                "global": accuracy(model, glob, *mine),
-                "personal": accuracy(model, unflat(personal[j * n + i], like), *mine)})
-        served = sum(d["personal"] * d["held_out"] for d in devices) / len(uy)
+            k, mine = j * n + i, (f.own_x[i], f.own_y[i])
+            acc = {"local": accuracy(model, unflat(local[k], like), *mine),
+                   "head": accuracy(model, unflat(personal[k], like), *mine),
+                   "ft": accuracy(model, unflat(tuned[k], like), *mine)}
+            # The served model: the best on validation; a tie goes to the fleet's (ft, then
+            # head) over the device's own.
+            pick = max(("ft", "head", "local"), key=lambda m: val_acc[m][k])
+            devices.append({"held_out": len(f.own_y[i]), "validation": len(f.val_y[i]),
+                            "global": accuracy(model, glob, *mine), **acc,
+                            "served": acc[pick], "served_by": pick,
+                            "val": {"global": accuracy(model, glob, *val[k]),
+                                    **{m: v[k] for m, v in val_acc.items()}}})
+        served = sum(d["served"] * d["held_out"] for d in devices) / len(uy)
         out.append({"partition": f.spec, "seed": f.seed, "devices": devices, "union": {
             "held_out": len(uy), "global": accuracy(model, glob, ux, uy),
-            "personal": served,
+            "served": served,
             "local": [accuracy(model, unflat(local[j * n + i], like), ux, uy)
                       for i in range(n)]}})
     return out
 
 
 def personal_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per partition: per device (mean over seeds) local, global and personalized accuracy on
-    its held-out data; the union; and the issue's two comparisons, per device and seed."""
+    """Per partition: per device (mean over seeds) its accuracy on its held-out data by each
+    model and the served one; the union; and the issue's two comparisons, per device and
+    seed."""
     out: dict[str, Any] = {}
+    keys = ("held_out", "local", "global", "head", "ft", "served")
     for spec in dict.fromkeys(r["partition"] for r in results):
         rs = [r for r in results if r["partition"] == spec]
         n = len(rs[0]["devices"])
-        per_device = [{k: float(np.mean([r["devices"][i][k] for r in rs]))
-                       for k in ("held_out", "local", "global", "personal")} for i in range(n)]
-        gaps = [100 * (d["personal"] - max(d["local"], d["global"]))
+        per_device = [{k: float(np.mean([r["devices"][i][k] for r in rs])) for k in keys}
+                      for i in range(n)]
+        gaps = [100 * (d["served"] - max(d["local"], d["global"]))
                 for r in rs for d in r["devices"]]
         union_gaps = [100 * (r["union"]["global"] - max(r["union"]["local"])) for r in rs]
+        picks = [d["served_by"] for r in rs for d in r["devices"]]
         out[spec] = {
             "seeds": len(rs), "devices": per_device,
+            "served_by": {m: picks.count(m) for m in ("ft", "head", "local")},
             "union": {"held_out": rs[0]["union"]["held_out"],
                       "global": float(np.mean([r["union"]["global"] for r in rs])),
-                      "personal": float(np.mean([r["union"]["personal"] for r in rs])),
+                      "served": float(np.mean([r["union"]["served"] for r in rs])),
                       "best_local": float(np.mean([max(r["union"]["local"]) for r in rs])),
                       "mean_local": float(np.mean([np.mean(r["union"]["local"]) for r in rs]))},
-            "personal_vs_better": {"met": sum(g >= 0 for g in gaps), "of": len(gaps),
-                                   "worst_points": min(gaps),
-                                   "mean_points": float(np.mean(gaps))},
+            "served_vs_better": {"met": sum(g >= 0 for g in gaps), "of": len(gaps),
+                                 "worst_points": min(gaps), "mean_points": float(np.mean(gaps))},
             "global_vs_every_local_on_union": {"met": sum(g >= 0 for g in union_gaps),
                                                "of": len(union_gaps),
                                                "worst_points": min(union_gaps)}}
@@ -667,18 +708,20 @@ def personal_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def print_personal(ps: dict[str, Any], args: argparse.Namespace) -> None:
     for spec, s in ps.items():
-        print(f"\npersonalization on {spec} (fedavg, {100 * args.personal_holdout:g} % of each "
-              f"device's data held out as its test set; head fine-tune {args.head_epochs} "
-              f"epochs; mean over {s['seeds']} seeds)")
+        print(f"\npersonalization on {spec} (fedavg; {100 * args.personal_holdout:g} % of each "
+              f"device's data held out as its test set and as much as its validation set; "
+              f"head fine-tune {args.head_epochs} epochs, whole fine-tune up to "
+              f"{args.ft_epochs}; mean over {s['seeds']} seeds)")
         print(f"  {'device':>6} {'held out':>8} {'local only':>10} {'global':>7} "
-              f"{'personal':>8}")
+              f"{'head':>7} {'whole':>7} {'served':>7}")
         for i, d in enumerate(s["devices"]):
             print(f"  {i:>6} {d['held_out']:>8.1f} {d['local']:>10.4f} {d['global']:>7.4f} "
-                  f"{d['personal']:>8.4f}")
-        u = s["union"]
-        print(f"  union ({u['held_out']} held out): global {u['global']:.4f}, personalized "
-              f"serving {u['personal']:.4f}, best local-only model {u['best_local']:.4f} "
-              f"(mean {u['mean_local']:.4f})")
+                  f"{d['head']:>7.4f} {d['ft']:>7.4f} {d['served']:>7.4f}")
+        u, by = s["union"], s["served_by"]
+        print(f"  union ({u['held_out']} held out): global {u['global']:.4f}, served "
+              f"{u['served']:.4f}, best local-only model {u['best_local']:.4f} "
+              f"(mean {u['mean_local']:.4f}); served: whole fine-tune {by['ft']}, head "
+              f"{by['head']}, local only {by['local']} device-seeds")
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -824,9 +867,9 @@ def targets(summary: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
                        "met": points >= -ALIE_POINTS,
                        "by_rule": {k: 100 * (v - clean["final"]) for k, v in alie.items()}}
     for spec, p in (summary.get("personal") or {}).items():
-        pv, gu = p["personal_vs_better"], p["global_vs_every_local_on_union"]
+        pv, gu = p["served_vs_better"], p["global_vs_every_local_on_union"]
         out.setdefault("personal", {})[spec] = {
-            "personal_vs_better": pv, "global_vs_every_local_on_union": gu,
+            "served_vs_better": pv, "global_vs_every_local_on_union": gu,
             "met": pv["met"] == pv["of"] and gu["met"] == gu["of"]}
     st = stragglers_summary(summary, args)
     if st and "stragglers" in st["by_round"]:
@@ -850,8 +893,8 @@ def print_targets(t: dict[str, Any], args: argparse.Namespace) -> None:
               f"{a['points_vs_clean_fedavg']:+.1f} points vs clean fedavg (>= -{ALIE_POINTS:g}:"
               f" {'met' if a['met'] else 'NOT met'})")
     for spec, p in t.get("personal", {}).items():
-        pv, gu = p["personal_vs_better"], p["global_vs_every_local_on_union"]
-        print(f"  {spec}: personalized >= the better of (local only, global) on "
+        pv, gu = p["served_vs_better"], p["global_vs_every_local_on_union"]
+        print(f"  {spec}: personalized serving >= the better of (local only, global) on "
               f"{pv['met']}/{pv['of']} device-seeds (worst {pv['worst_points']:+.1f} points, "
               f"mean {pv['mean_points']:+.1f}); global >= every local-only model on the union "
               f"in {gu['met']}/{gu['of']} seeds (worst {gu['worst_points']:+.1f} points): "
@@ -976,6 +1019,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="personalization: share of each device's data held out as its test")
     ap.add_argument("--head-epochs", type=int, default=5,
                     help="personalization: epochs of the last layer's local fine-tune")
+    ap.add_argument("--ft-epochs", type=int, default=250,
+                    help="personalization: most epochs of the whole model's local fine-tune "
+                         "(the best epoch on the device's validation data kept)")
     ap.add_argument("--trim", type=float, default=0.2, help="trimmed-mean: dropped a side")
     ap.add_argument("--prox-mu", type=float, default=0.01, help="fedprox: proximal mu")
     ap.add_argument("--dp-epsilon", type=float, default=8.0, help="dp-fedavg: epsilon budget")
@@ -1023,9 +1069,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not 0 <= args.stragglers < args.devices or args.max_staleness < 0:
         ap.error(f"--stragglers {args.stragglers}: fewer than --devices {args.devices}; "
                  f"--max-staleness {args.max_staleness}: 0 or more")
-    if not 0 < args.personal_holdout < 1 or args.head_epochs < 1:
-        ap.error(f"--personal-holdout {args.personal_holdout}: a fraction in (0, 1); "
-                 f"--head-epochs {args.head_epochs}: at least 1")
+    if not 0 < args.personal_holdout < 0.5 or args.head_epochs < 1 or args.ft_epochs < 1:
+        ap.error(f"--personal-holdout {args.personal_holdout}: a fraction in (0, 0.5) (held "
+                 f"out twice: test and validation); --head-epochs {args.head_epochs} and "
+                 f"--ft-epochs {args.ft_epochs}: at least 1")
     if not 0 <= args.attackers < args.devices:
         ap.error(f"--attackers {args.attackers}: fewer than --devices {args.devices}")
     return args

@@ -17,6 +17,9 @@ from benchmarks.federated_protocol import (
     Lanes,
     Late,
     Optim,
+    Run,
+    _federated,
+    _fill,
     alie_z,
     attack,
     flat,
@@ -25,6 +28,7 @@ from benchmarks.federated_protocol import (
     make_fleet,
     make_model,
     parse,
+    personalize,
     round_updates,
     straggler_jobs,
     unflat_lanes,
@@ -193,12 +197,29 @@ def test_a_head_fine_tune_trains_the_last_layer_alone() -> None:
 def test_each_device_holds_out_part_of_its_own_data() -> None:
     fleet = make_fleet("dirichlet:0.5+cameras:plain,invert", 0, 4, 0.2)
     held = hold_out(fleet, 0.2)
-    for x, y, tx, ty, ox, oy in zip(fleet.x, fleet.y, held.x, held.y, held.own_x, held.own_y,
-                                    strict=True):
-        assert len(ty) + len(oy) == len(y) and 1 <= len(oy) <= max(1, round(0.2 * len(y)))
+    for x, y, tx, ty, ox, oy, vx, vy in zip(fleet.x, fleet.y, held.x, held.y, held.own_x,
+                                            held.own_y, held.val_x, held.val_y, strict=True):
+        # a test part and a validation part of the same size, the rest to train on
+        assert len(ty) + len(oy) + len(vy) == len(y) and len(vy) == len(oy)
+        assert 1 <= len(oy) <= max(1, round(0.2 * len(y)))
         # the same samples, as the device's camera sees them, split without overlap
-        both = torch.cat([tx, ox]).reshape(len(y), -1)
+        parts = torch.cat([tx, ox, vx]).reshape(len(y), -1)
         mine = x.reshape(len(y), -1)
-        assert sorted(map(tuple, both.tolist())) == sorted(map(tuple, mine.tolist()))
-        assert sorted(torch.cat([ty, oy]).tolist()) == sorted(y.tolist())
+        assert sorted(map(tuple, parts.tolist())) == sorted(map(tuple, mine.tolist()))
+        assert sorted(torch.cat([ty, oy, vy]).tolist()) == sorted(y.tolist())
     assert held.test_x is fleet.test_x
+
+
+def test_a_device_serves_the_model_best_on_its_validation_data() -> None:
+    """Personalization: the whole fine-tune keeps its best epoch on validation, the global
+    model as it came among them, and the served model is the best on validation."""
+    args = parse(["--quick", "--devices", "4", "--rounds", "2", "--ft-epochs", "6"])
+    fleet = hold_out(make_fleet("cameras:plain,invert", 0, 4, 0.2), 0.2)
+    run = Run(fleet, "fedavg", Rule(), 0.0, attack="personal")
+    _fill([run], _federated([run], args))  # the fedavg run, in this process
+    [result] = personalize([run], args)
+    for d in result["devices"]:
+        v = d["val"]
+        assert v["ft"] >= v["global"]  # epoch 0 is one of the whole fine-tune's choices
+        assert v[d["served_by"]] == max(v["ft"], v["head"], v["local"])
+        assert d["served"] == d[d["served_by"]]
