@@ -124,3 +124,24 @@ def test_workers_of_a_study_share_its_parent_run(make_config, tmp_path: Path) ->
     assert client.get_run(first.run_id).info.status == "RUNNING"
     # Off when the config logs no MLflow.
     assert open_study_run(make_config("digits", []), out, "alpha") is None
+
+
+def test_a_trials_wandb_run_has_its_study_as_group(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("wandb")
+    for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))  # nothing written to $HOME
+    from hpc_core.config import WandbConfig
+    from hpc_core.tracking import TrialTracking, WandbSink, trial_tracking
+
+    with trial_tracking(TrialTracking("alpha", 3)):
+        sink = WandbSink(tmp_path / "trial", WandbConfig(), "digits-trial3", {})
+    try:
+        assert sink.run.group == "alpha" and sink.run.job_type == "trial"
+    finally:
+        sink.run.finish()
+    # Outside a study: no group.
+    alone = WandbSink(tmp_path / "run", WandbConfig(), "digits", {})
+    try:
+        assert not alone.run.group
+    finally:
+        alone.run.finish()
