@@ -20,6 +20,11 @@ reported, its config is invalid, it runs out of memory) ends ERROR and a new tri
 (``faults.max_nan_rollbacks=0``), and after ``study.max_consecutive_failures`` failures in a
 row no new trial starts (exit 1).
 
+Processes: a trial's Ray worker runs the next trial placed on it (``reuse_actors``), so torch
+and the trainer are imported once per worker, by the workers' setup hook (``ray_worker``), not
+once per trial. Tracking: the study's MLflow parent run (``study_run``) is opened before the
+search and closed after it; each trial's runs are nested under it.
+
 State: the Ray experiment lives in ``OUT/ray/STUDY``. A command that finds it there restores it
 (``Tuner.restore``): finished and failed trials stay as they are, the trials that were running
 resume from their last checkpoint, and the search goes on to the original ``--trials``.
