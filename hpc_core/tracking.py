@@ -9,6 +9,11 @@ At the end of a run the MLflow and W&B sinks attach the same artefacts (``write_
 the final checkpoint's manifest (each file's size and sha256, step, config digest, metrics),
 its trainer_state.json, metrics.jsonl and a plot of the curves; and they record how the run
 ended: FINISHED, FAILED (an exception) or KILLED (a stop signal, Ctrl-C).
+
+A run opened inside ``trial_tracking(TrialTracking(...))`` (a trial of ``hpc-train tune``)
+belongs to its study: in MLflow it is nested under the study's parent run
+(``mlflow.parentRunId``) and tagged ``edgetrain.study``/``edgetrain.trial``; in W&B the study is
+its ``group``.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
-
-import torch
 
 from hpc_core.config import WandbConfig
 from registry.atomic import write_bytes_atomic
@@ -37,10 +43,52 @@ RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 """How a run ended, in MLflow's words: FAILED = an exception, KILLED = a signal or Ctrl-C."""
 
 
+EXPERIMENT = "edgetrain"
+"""The MLflow experiment every run logs into."""
+STUDY_TAG = "edgetrain.study"
+"""MLflow tag naming the study of a parent run and of its trials' runs."""
+TRIAL_TAG = "edgetrain.trial"
+"""MLflow tag: the trial's number, on a trial's run."""
+TRIAL_STATE_TAG = "edgetrain.trial_state"
+"""MLflow tag: how the trial ended (COMPLETE, PRUNED, FAIL); a pruned trial's run is FINISHED."""
+
+
+@dataclass
+class TrialTracking:
+    """The study a trial's tracking runs belong to, and what the trial tells them."""
+
+    study: str
+    trial: int
+    mlflow_parent_run_id: str | None = None
+    """The study's MLflow parent run: the trial's run is nested under it."""
+    state: str | None = None
+    """Set when the trial's end is known before its run closes (PRUNED): tagged on the run."""
+
+
+_TRIAL: ContextVar[TrialTracking | None] = ContextVar("edgetrain_trial_tracking", default=None)
+
+
+@contextlib.contextmanager
+def trial_tracking(trial: TrialTracking) -> Iterator[TrialTracking]:
+    """Runs opened inside belong to ``trial``'s study (this thread or task only)."""
+    token = _TRIAL.set(trial)
+    try:
+        yield trial
+    finally:
+        _TRIAL.reset(token)
+
+
+def current_trial() -> TrialTracking | None:
+    """The trial whose runs this thread opens, if any."""
+    return _TRIAL.get()
+
+
 class SystemSampler:
     """CPU use of this process since the last sample, its RSS, and the GPU's use and memory."""
 
     def __init__(self) -> None:
+        import torch  # not at import: the tune driver reads this module's tags without torch
+
         # The trainer has already picked this rank's GPU (torch.cuda.set_device) if it uses one.
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
@@ -59,6 +107,8 @@ class SystemSampler:
         }
         self._last = (now, cpu)
         if self.device is not None:
+            import torch
+
             out["sys/gpu_mem_mb"] = torch.cuda.memory_reserved(self.device) / 2**20
             # Utilisation needs pynvml (or amdsmi); memory alone is still worth logging.
             with contextlib.suppress(Exception):
@@ -149,7 +199,7 @@ class MlflowSink:
         uri = tracking_uri or f"sqlite:///{output_dir.resolve()}/mlflow.db"
         mlflow.set_tracking_uri(uri)
         self._close_dead_run()
-        name = "edgetrain"
+        name = EXPERIMENT
         if mlflow.get_experiment_by_name(name) is None:
             # Local stores keep artefacts beside the database; a server decides for itself.
             location = None
@@ -160,7 +210,15 @@ class MlflowSink:
             except Exception:  # another process created it first: use theirs
                 log.debug("experiment %s exists already", name)
         mlflow.set_experiment(name)
-        self.run = mlflow.start_run(run_name=run_name)
+        self.trial = current_trial()
+        if self.trial is None:
+            self.run = mlflow.start_run(run_name=run_name)
+        else:
+            self.run = mlflow.start_run(
+                run_name=run_name,
+                parent_run_id=self.trial.mlflow_parent_run_id,
+                tags={STUDY_TAG: self.trial.study, TRIAL_TAG: str(self.trial.trial)},
+            )
         record = {"run_id": self.run.info.run_id, "tracking_uri": uri}
         write_bytes_atomic(output_dir / self.OPEN_RUN, json.dumps(record).encode())
         mlflow.log_params(params)
@@ -189,6 +247,8 @@ class MlflowSink:
             self.mlflow.log_artifacts(tmp)
         if error is not None:
             self.mlflow.set_tag("error", error[:5000])  # MLflow's limit for a tag's value
+        if self.trial is not None and self.trial.state is not None:
+            self.mlflow.set_tag(TRIAL_STATE_TAG, self.trial.state)
         self.mlflow.end_run(status)
         (self.output_dir / self.OPEN_RUN).unlink(missing_ok=True)
 
@@ -205,9 +265,13 @@ class WandbSink:
         except ImportError as e:
             raise RuntimeError("logging.wandb needs `pip install edgetrain[tracking]`") from e
         self.output_dir = output_dir
+        self.trial = current_trial()
         self.run = wandb.init(
             project=cfg.project,
             name=run_name,
+            # A tune trial's run: its study is the group, as W&B's sweeps group theirs.
+            group=self.trial.study if self.trial is not None else None,
+            job_type="trial" if self.trial is not None else None,
             mode=cfg.mode,
             dir=output_dir,
             config=params,
@@ -230,6 +294,8 @@ class WandbSink:
         for f in write_artefacts(self.output_dir, records, files):
             self.run.save(str(f), base_path=str(files), policy="now")
         self.run.summary["status"] = status
+        if self.trial is not None and self.trial.state is not None:
+            self.run.summary["trial_state"] = self.trial.state
         if error is not None:
             self.run.summary["error"] = error
         if status == "KILLED":

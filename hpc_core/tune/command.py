@@ -40,6 +40,7 @@ from hpc_core.config import ConfigError, load_config
 from hpc_core.logs import setup_logging
 from hpc_core.tune.report import summary_markdown, write_reports
 from hpc_core.tune.search_space import load_space
+from hpc_core.tune.study_run import close_study_run
 from hpc_core.tune.worker import run_worker
 
 # Not imported: hpc_core.trainer (torch) until a worker runs; optuna until a command needs it.
@@ -168,6 +169,9 @@ def run_tune(args: argparse.Namespace) -> int:
               "summary.md", file=sys.stderr)  # fmt: skip
         return 1 if result.stopped == "failures" else 0
     best = write_reports(result.study, metric, out)
+    if result.parent is not None:
+        status = {"done": "FINISHED", "failures": "FAILED", "signal": "KILLED"}[result.stopped]
+        close_study_run(result.parent, result.study, metric, status=status)
     if best is None:
         print("no trial completed", file=sys.stderr)
         return 1

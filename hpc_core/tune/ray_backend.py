@@ -20,6 +20,11 @@ reported, its config is invalid, it runs out of memory) ends ERROR and a new tri
 (``faults.max_nan_rollbacks=0``), and after ``study.max_consecutive_failures`` failures in a
 row no new trial starts (exit 1).
 
+Processes: a trial's Ray worker runs the next trial placed on it (``reuse_actors``), so torch
+and the trainer are imported once per worker, by the workers' setup hook (``ray_worker``), not
+once per trial. Tracking: the study's MLflow parent run (``study_run``) is opened before the
+search and closed after it; each trial's runs are nested under it.
+
 State: the Ray experiment lives in ``OUT/ray/STUDY``. A command that finds it there restores it
 (``Tuner.restore``): finished and failed trials stay as they are, the trials that were running
 resume from their last checkpoint, and the search goes on to the original ``--trials``.
@@ -43,6 +48,7 @@ from ray.tune.search.optuna import OptunaSearch
 from hpc_core.config import TrainConfig, config_from_dict
 from hpc_core.tune.ray_results import results_study
 from hpc_core.tune.ray_trial import TRIAL_KEY, ray_trial
+from hpc_core.tune.ray_worker import WORKER_SETUP_HOOK
 from hpc_core.tune.report import summary_markdown, write_reports
 from hpc_core.tune.search_space import (
     CategoricalParam,
@@ -50,6 +56,7 @@ from hpc_core.tune.search_space import (
     apply_params,
     distributions,
 )
+from hpc_core.tune.study_run import StudyRun, close_study_run, open_study_run
 from hpc_core.tune.worker import STEP_COUNT_FIELDS, hyperband_max_resource, make_sampler
 
 # ray is an optional extra: ``hpc_core.tune.command`` imports this module only for
@@ -60,7 +67,7 @@ log = logging.getLogger("hpc_core.tune")  # one logger for every part of `hpc-tr
 
 # Ray reads it when a trial's actor starts: the trial keeps the driver's working directory, so
 # relative paths of the config mean on a trial what they mean on the command line.
-_WORKER_ENV = {"RAY_CHDIR_TO_TRIAL_DIR": "0"}
+_WORKER_ENV = {"RAY_CHDIR_TO_TRIAL_DIR": "0", "TUNE_FUNCTION_THREAD_TIMEOUT_S": "120"}
 
 
 def study_name(args: argparse.Namespace, base: TrainConfig, space: SearchSpace) -> str:
@@ -89,11 +96,14 @@ def run_ray(args: argparse.Namespace, base: TrainConfig, space: SearchSpace, out
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     # Ray's own summary tables would interleave with ours: our trial log lines and summary.md.
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    # The study's MLflow parent run (logging.mlflow): found again when the experiment is
+    # restored.
+    parent = open_study_run(base, out, study_name(args, base, space))
     started = not ray.is_initialized()
     if started:
         _connect(args.address)
     try:
-        grid = _fit(args, base, space, out)
+        grid = _fit(args, base, space, out, parent)
     finally:
         if started:
             ray.shutdown()
@@ -110,6 +120,8 @@ def run_ray(args: argparse.Namespace, base: TrainConfig, space: SearchSpace, out
             file=sys.stderr,
         )
     best = write_reports(study, metric, out)
+    if parent is not None:
+        close_study_run(parent, study, metric, status="FAILED" if failed else "FINISHED")
     if best is None:
         print("no trial completed", file=sys.stderr)
         return 1
@@ -118,7 +130,7 @@ def run_ray(args: argparse.Namespace, base: TrainConfig, space: SearchSpace, out
 
 
 def _connect(address: str | None) -> None:
-    runtime_env = {"env_vars": dict(_WORKER_ENV)}
+    runtime_env = {"env_vars": dict(_WORKER_ENV), "worker_process_setup_hook": WORKER_SETUP_HOOK}
     if address is None:
         # A fresh Ray on this machine, never one that happens to run here already.
         ray.init(
@@ -132,14 +144,23 @@ def _connect(address: str | None) -> None:
 
 
 def _fit(
-    args: argparse.Namespace, base: TrainConfig, space: SearchSpace, out: Path
+    args: argparse.Namespace,
+    base: TrainConfig,
+    space: SearchSpace,
+    out: Path,
+    parent: StudyRun | None,
 ) -> Any:
     name = study_name(args, base, space)
     storage = out / "ray"
     resources = {"cpu": args.cpus_per_trial, "gpu": args.gpus_per_trial}
     trainable = tune.with_resources(
         tune.with_parameters(
-            ray_trial, base=base.to_dict(), metric=space.study.metric, out=str(out)
+            ray_trial,
+            base=base.to_dict(),
+            metric=space.study.metric,
+            out=str(out),
+            study=name,
+            parent_run_id=parent.run_id if parent is not None else None,
         ),
         resources,
     )
@@ -166,7 +187,9 @@ def _fit(
             search_alg=budget,
             scheduler=_scheduler(base, space),
             num_samples=-1,  # the budget decides when the search is done
-            reuse_actors=False,  # a fresh process per trial: nothing left of the last one
+            # A trial's process (its imports done: torch alone takes seconds) runs the next
+            # trial; a stopped trial ends before the next one starts (ray_trial).
+            reuse_actors=True,
         ),
         run_config=tune.RunConfig(
             name=name,

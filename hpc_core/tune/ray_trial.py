@@ -21,6 +21,7 @@ from typing import Any
 from ray import tune
 
 from hpc_core.config import config_from_dict
+from hpc_core.tracking import TrialTracking, current_trial, trial_tracking
 from hpc_core.tune.trial import MetricNotReported, check_metric_reported, trial_config
 
 # Not imported: hpc_core.trainer (torch) until a trial runs.
@@ -96,6 +97,9 @@ class _ReportHook:
             # Ray's way of ending a trial it stopped: the report raises SystemExit in the
             # training thread. The trainer checkpoints, closes its tracking run and returns.
             self.stopped_at = step
+            tracked = current_trial()
+            if tracked is not None:
+                tracked.state = "PRUNED"  # tagged on the trial's tracking runs as they close
             trainer.request_stop(f"stopped by the scheduler at step {step}")
 
 
@@ -109,9 +113,18 @@ def _report(
     tune.report(row, checkpoint=checkpoint)
 
 
-def ray_trial(config: dict[str, Any], *, base: dict[str, Any], metric: str, out: str) -> None:
+def ray_trial(
+    config: dict[str, Any],
+    *,
+    base: dict[str, Any],
+    metric: str,
+    out: str,
+    study: str,
+    parent_run_id: str | None = None,
+) -> None:
     """Ray Tune's trainable: one trial, ``trial_config`` trained by ``Trainer`` as the Optuna
-    backend's, resumed from the last checkpoint it reported when Ray restores it."""
+    backend's, resumed from the last checkpoint it reported when Ray restores it; its tracking
+    runs belong to ``study`` (nested under the MLflow run ``parent_run_id``)."""
     from hpc_core.trainer import Trainer, TrainingDiverged
 
     params = dict(config)
@@ -133,13 +146,18 @@ def ray_trial(config: dict[str, Any], *, base: dict[str, Any], metric: str, out:
             _drop_later_checkpoints(cfg.run.output_dir / "checkpoints", info["start_step"])
             log.info("trial %d: resuming from step %d", number, info["start_step"])
         hook = _ReportHook(metric, info)
+        stack.enter_context(trial_tracking(TrialTracking(study, number, parent_run_id)))
         trainer = Trainer(cfg, hooks=[hook])
         t0 = time.perf_counter()
         result = trainer.train(resume=resume)
         log.info("trial %d: %s at step %d in %.1f s", number, result.stopped_reason,
                  result.final_step, time.perf_counter() - t0)  # fmt: skip
         if hook.stopped_at is not None:
-            return  # Ray stopped it: nothing more may be reported
+            # Ray stopped it: end the way Ray's report would have (SystemExit(0), a graceful
+            # end), not by returning: a returning trainable reports once more and waits for Ray
+            # to take that result, which a stopped trial's Ray never does. That wait kept the
+            # thread alive, so an actor reused for the next trial never became free.
+            raise SystemExit(0)
         if metric not in result.metrics:
             raise MetricNotReported(
                 f"the run reported no {metric!r}: set study.metric to an eval/* key"
@@ -155,3 +173,4 @@ def _checkpoint_step(path: Path) -> int:
     from hpc_core import checkpoint as ckpt
 
     return int(ckpt.read_trainer_state(path)["step"])
+

@@ -13,10 +13,14 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_core.config import TrainConfig, config_from_dict
+from hpc_core.tracking import TrialTracking, current_trial, trial_tracking
 from hpc_core.tune.search_space import SearchSpace, apply_params, suggest
+
+if TYPE_CHECKING:
+    from hpc_core.tune.study_run import StudyRun
 
 # Not imported: hpc_core.trainer (torch) until a trial runs; optuna until a command needs it.
 
@@ -59,6 +63,9 @@ class PruningHook:
         self.trial.report(value if math.isfinite(value) else float("nan"), step)
         if self.trial.should_prune():
             self.pruned_at = step
+            tracked = current_trial()
+            if tracked is not None:
+                tracked.state = "PRUNED"  # tagged on the trial's tracking runs as they close
             trainer.request_stop(f"pruned by optuna at step {step}")
 
 
@@ -70,10 +77,20 @@ def trial_config(base: TrainConfig, params: dict[str, Any], out: Path, number: i
     # No rollback on a non-finite loss: a rollback scales the LR down, so the trial's value
     # would belong to other hyperparameters than the ones the sampler recorded for it.
     tree["faults"]["max_nan_rollbacks"] = 0
+    if tree["logging"]["mlflow"] and tree["logging"]["mlflow_tracking_uri"] is None:
+        # One store for the study: its parent run and every trial's run nested under it.
+        tree["logging"]["mlflow_tracking_uri"] = f"sqlite:///{out.resolve()}/mlflow.db"
     return config_from_dict(tree, source=f"trial {number}")
 
 
-def _run_trial(trial: Any, base: TrainConfig, space: SearchSpace, out: Path, worker: str) -> float:
+def _run_trial(
+    trial: Any,
+    base: TrainConfig,
+    space: SearchSpace,
+    out: Path,
+    worker: str,
+    parent: StudyRun | None,
+) -> float:
     """Train one trial and return its value; raise TrialPruned, WorkerStopping or the error
     that failed it."""
     import optuna
@@ -85,13 +102,20 @@ def _run_trial(trial: Any, base: TrainConfig, space: SearchSpace, out: Path, wor
     cfg = trial_config(base, suggest(trial, space), out, trial.number)
     trial.set_user_attr("config", cfg.to_dict())
     hook = PruningHook(trial, metric)
-    trainer = Trainer(cfg, hooks=[hook])
-    t0 = time.perf_counter()
-    try:
-        result = trainer.train()
-    finally:
-        trial.set_user_attr("seconds", round(time.perf_counter() - t0, 3))
-        trial.set_user_attr("steps", trainer.state.step)
+    tracked = TrialTracking(
+        study=trial.study.study_name,
+        trial=trial.number,
+        mlflow_parent_run_id=parent.run_id if parent is not None else None,
+    )
+    # The trial's tracking runs (opened by the trainer) belong to the study.
+    with trial_tracking(tracked):
+        trainer = Trainer(cfg, hooks=[hook])
+        t0 = time.perf_counter()
+        try:
+            result = trainer.train()
+        finally:
+            trial.set_user_attr("seconds", round(time.perf_counter() - t0, 3))
+            trial.set_user_attr("steps", trainer.state.step)
     if result.stopped_reason in ("SIGTERM", "SIGUSR1"):
         raise WorkerStopping(f"{result.stopped_reason} at step {result.final_step}")
     if hook.pruned_at is not None:
@@ -143,6 +167,7 @@ def attempt_trial(
     space: SearchSpace,
     out: Path,
     worker: str,
+    parent: StudyRun | None = None,
 ) -> Any:
     """Run one trial and tell the study how it ended; return that state, or None when the
     worker must stop (a stop signal arrived during the trial)."""
@@ -151,7 +176,7 @@ def attempt_trial(
 
     try:
         with _heartbeat(storage, trial):
-            value = _run_trial(trial, base, space, out, worker)
+            value = _run_trial(trial, base, space, out, worker, parent)
     except optuna.TrialPruned:
         study.tell(trial, state=TrialState.PRUNED)
         return TrialState.PRUNED

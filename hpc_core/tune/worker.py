@@ -16,6 +16,7 @@ from typing import Any, Literal
 from hpc_core.config import TrainConfig
 from hpc_core.tune.search_space import SearchSpace
 from hpc_core.tune.storage import make_storage
+from hpc_core.tune.study_run import StudyRun, open_study_run
 from hpc_core.tune.trial import attempt_trial
 
 # Not imported: hpc_core.trainer (torch) until a worker runs; optuna until a command needs it.
@@ -94,6 +95,8 @@ class WorkerResult:
     signal: SIGTERM/SIGUSR1 arrived during a trial."""
     finished: bool
     """No trial of the study is running any more: this worker writes the reports."""
+    parent: StudyRun | None = None
+    """The study's MLflow parent run (logging.mlflow), shared by every worker."""
 
 
 def run_worker(
@@ -121,6 +124,7 @@ def run_worker(
         pruner=_pruner(space, base),
         load_if_exists=True,
     )
+    parent = open_study_run(base, out, study.study_name)
     worker = f"{socket.gethostname()}:{os.getpid()}"
     stopped: Literal["done", "failures", "signal"] = "done"
     failures = 0
@@ -137,7 +141,7 @@ def run_worker(
             trial.set_user_attr("surplus", True)
             study.tell(trial, state=TrialState.FAIL)
             break
-        state = attempt_trial(study, rdb, trial, base, space, out, worker)
+        state = attempt_trial(study, rdb, trial, base, space, out, worker, parent)
         if state is None:
             stopped = "signal"
             break
@@ -151,4 +155,4 @@ def run_worker(
             stopped = "failures"
             break
     running = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
-    return WorkerResult(study, stopped, finished=not running)
+    return WorkerResult(study, stopped, finished=not running, parent=parent)

@@ -26,6 +26,7 @@ from hpc_core.cli import main
 from hpc_core.config import load_config
 from hpc_core.tune.ray_backend import asha_max_t
 from hpc_core.tune.search_space import SearchSpace, load_space
+from tests.hpc_core.tune.test_study_run import study_runs
 from tests.support.mosquitto import free_port
 
 REPO = Path(__file__).resolve().parents[3]
@@ -168,7 +169,8 @@ def test_search_completes_with_asha_and_best_config_trains(
         "  model.kwargs.width: {type: categorical, choices: [4, 8]}\n"
     )
     out = tmp_path / "tune"
-    rc, stdout, stderr = _run(ray_cluster, _args(ray_cluster, space, out, trials=4))
+    sets = [*SETS, "logging.mlflow=true"]
+    rc, stdout, stderr = _run(ray_cluster, _args(ray_cluster, space, out, trials=4, sets=sets))
     assert rc == 0, stdout[-3000:] + stderr[-3000:]
     summary = (out / "summary.md").read_text()
     assert stdout.startswith(summary)  # printed as the Optuna backend prints it
@@ -182,6 +184,19 @@ def test_search_completes_with_asha_and_best_config_trains(
         assert r["steps"] == "30" if r["state"] == "complete" else r["steps"] in ("10", "20")
         assert re.fullmatch(r".+:\d+", r["worker"]), r  # host:pid of the Ray worker
     assert (out / "history.png").stat().st_size > 1000
+    # Tracking: the experiment's MLflow parent run, each trial's run nested under it, ended as
+    # its trial ended (a pruned one FINISHED, tagged PRUNED), the best trial on the parent.
+    parent, children = study_runs(out)
+    assert parent.info.status == "FINISHED"
+    states = {r["trial"]: r["state"] for r in rows}
+    by_trial = {r.data.tags["edgetrain.trial"]: r for r in children}
+    assert sorted(by_trial) == sorted(states) and len(children) == 4
+    for number, run in by_trial.items():
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["edgetrain.trial_state"] == states[number].upper()
+    assert parent.data.metrics["best/eval/acc"] == pytest.approx(
+        max(float(r["value"]) for r in rows if r["state"] == "complete"), abs=5e-5
+    )
     # Ray's checkpoints are the project's checkpoint folders: safetensors and JSON, no pickle.
     ckpts = _checkpoints(out)
     assert ckpts
