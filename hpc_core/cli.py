@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         publish_cli.register_cli(sub)
     register_aggregate_cli(sub)
-    from hpc_core.vision.weights import register_cli as register_weights_cli
+    from hpc_core.vision.weights_cli import register_cli as register_weights_cli
 
     register_weights_cli(sub)
     return p

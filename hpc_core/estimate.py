@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hpc_core.config import ConfigError, TrainConfig, load_config, read_yaml
@@ -90,6 +89,8 @@ class Estimate:
 
 def run_probe(cfg: TrainConfig, steps: int = 20, warmup: int = 3) -> tuple[Probe, Any]:
     """Time ``steps`` optimizer steps (after ``warmup``), one evaluation and one save."""
+    import torch  # not at import: `hpc-train --help` and the torch-free commands
+
     from hpc_core.trainer import Trainer
 
     cfg = cfg.model_copy(deep=True)

@@ -19,12 +19,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from hpc_core.config import ConfigError, TrainConfig, load_config
+
+if TYPE_CHECKING:  # torch at run time only: `hpc-train --help` and its torch-free commands
+    import torch
 
 
 @dataclass

@@ -12,7 +12,6 @@ import logging
 import sys
 
 from hpc_core.config import ConfigError, load_config
-from hpc_core.distributed import end_rank, shutdown
 from hpc_core.logs import setup_logging
 from registry.atomic import private_umask
 
@@ -53,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
+    from hpc_core.distributed import shutdown
     from hpc_core.trainer import Trainer, TrainingDiverged
 
     trainer = Trainer(cfg)
@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_train_args(p)
+    from hpc_core.distributed import end_rank  # torch: imported once the arguments parse
+
     return end_rank(run(p.parse_args(argv)))
 
 

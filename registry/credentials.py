@@ -12,6 +12,7 @@ to the registry in ``$EDGETRAIN_REGISTRY`` and to no other.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import stat
 from collections.abc import Mapping
@@ -21,7 +22,6 @@ from urllib.parse import urlparse
 from pydantic import BaseModel, ConfigDict, SecretStr, ValidationError, field_validator
 
 from registry.errors import KeyFileError
-from registry.loopback import is_loopback
 
 TOKEN_ENV = "EDGETRAIN_REGISTRY_TOKEN"
 """A principal's registry token, sent only to the registry named by ``REGISTRY_ENV``."""
@@ -40,6 +40,19 @@ def origin_of(url: str) -> Origin:
         raise ValueError(f"{url!r} is not an http(s) URL")
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
     return parsed.scheme, parsed.hostname.lower(), port
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback IP (all of 127.0.0.0/8, ``::1``, bracketed or not): the one
+    check every listener of the project makes before it serves without authentication, and
+    every client before it sends a token over plain HTTP. Any other name is not loopback: it
+    may resolve anywhere."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def check_token(token: str, where: str) -> str:

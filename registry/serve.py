@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 
 from registry.atomic import private_umask
+from registry.credentials import is_loopback
 from registry.errors import KeyFileError
 from registry.http_server import HttpServer
-from registry.loopback import is_loopback
 from registry.principals import AuthoritySource, add_principal
 from registry.serve_app import RegistryApp, ServerLimits
 from registry.write_rules import RegistryFolder

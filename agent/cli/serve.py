@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.cli.common import add_state_args, fail, guarded, state_dir_of
-from registry.loopback import is_loopback
+from registry.credentials import is_loopback
 
 log = logging.getLogger("agent.cli.serve")
 

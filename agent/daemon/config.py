@@ -25,7 +25,7 @@ from agent.jobs.resolve import DeviceSettings
 from agent.storage.trust import default_trusted_keys
 from contract import DEFAULT_PREFIX, Topics, check_id
 from hpc_core.config import ConfigError, apply_overrides, read_yaml
-from registry.loopback import is_loopback
+from registry.credentials import is_loopback
 from registry.validation import format_errors
 
 ENV_PREFIX = "EDGE_AGENT_"

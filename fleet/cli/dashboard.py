@@ -16,7 +16,7 @@ from fleet.cli.options import EXIT_OK, UsageError, broker_config, inventory_memb
 def cmd_dashboard(a: argparse.Namespace) -> int:
     from fleet.dashboard.auth import TokenFileError, read_token  # starlette, jinja2, sse
     from fleet.dashboard.server import DashboardServer, Options
-    from registry.loopback import is_loopback
+    from registry.credentials import is_loopback
 
     if not is_loopback(a.listen_host) and not a.allow_remote:
         raise UsageError(f"--host {a.listen_host} is not loopback: the page shows every "

@@ -33,7 +33,7 @@ from fleet.rollout.progress import Progress, status_text
 from fleet.rollout.run import RolloutRun, summarize
 from fleet.rollout.store import ROLLOUT_ACTIVE, FleetStore
 from fleet.rollout.verdict import ended_as_asked
-from registry.loopback import is_loopback
+from registry.credentials import is_loopback
 
 if TYPE_CHECKING:
     from fleet.rollout.metrics import FleetMetrics

@@ -15,8 +15,8 @@ from fleet.dashboard.devices import DeviceBoard
 from fleet.dashboard.live import Hub
 from fleet.dashboard.snapshot import FleetReader
 from fleet.mqtt import BrokerConfig
+from registry.credentials import is_loopback
 from registry.http_server import HttpLimits, HttpServer
-from registry.loopback import is_loopback
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 

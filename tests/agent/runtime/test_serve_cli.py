@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from registry.loopback import is_loopback
+from registry.credentials import is_loopback
 from tests.agent.runtime.conftest import Device
 from tests.agent.runtime.test_oip import UnixHTTPConnection, call, infer_body
 

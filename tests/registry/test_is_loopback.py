@@ -1,10 +1,10 @@
-"""The one loopback check every listener and client uses."""
+"""The one loopback check every listener and client uses (registry.credentials)."""
 
 from __future__ import annotations
 
 import pytest
 
-from registry.loopback import is_loopback
+from registry.credentials import is_loopback
 
 
 @pytest.mark.parametrize(("host", "ok"), [
