@@ -327,6 +327,13 @@ class TrialBudget(Searcher):
             self.searcher.on_trial_complete(trial_id, result=None, error=True)
             return
         self.failures_in_a_row = 0
+        if not (result or {}).get("final"):
+            # Stopped by the scheduler before its last step: PRUNED to the sampler, as the
+            # Optuna backend records a pruned trial. With its last result, Ray's OptunaSearch
+            # records it COMPLETE at its early score, and TPE learns that the parameters of
+            # every trial stopped early (during the warm-up: at chance) are bad.
+            self.searcher.on_trial_complete(trial_id, result=None, error=False)
+            return
         self.searcher.on_trial_complete(trial_id, result=result, error=False)
 
     def get_state(self) -> dict[str, Any]:

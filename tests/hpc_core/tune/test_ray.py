@@ -397,6 +397,31 @@ def test_asha_max_t_is_the_real_step_count() -> None:
     assert asha_max_t(base, tuned) == 20 * 22
 
 
+def test_a_trial_the_scheduler_stopped_is_pruned_to_the_sampler() -> None:
+    """Ray's OptunaSearch records a finished trial COMPLETE at its last score; a trial ASHA
+    stopped at step 20 (a chance-level score in the warm-up) must reach TPE as PRUNED, as the
+    Optuna backend records it, or TPE learns that its parameters are bad."""
+    from ray.tune.search.optuna import OptunaSearch
+
+    from hpc_core.tune.ray_backend import TrialBudget
+    from hpc_core.tune.search_space import distributions
+    from hpc_core.tune.worker import make_sampler
+
+    space = load_space(REPO / "configs/space_digits.yaml")
+    search = OptunaSearch(space=distributions(space), metric="eval/acc", mode="max",
+                          sampler=make_sampler(space, 0))
+    budget = TrialBudget(search, trials=3, max_consecutive_failures=3)
+    for tid in ("a", "b", "c"):
+        assert isinstance(budget.suggest(tid), dict)
+        budget.on_trial_result(tid, {"eval/acc": 0.1, "training_iteration": 1, "step": 20})
+    budget.on_trial_complete("a", {"eval/acc": 0.1, "step": 20})  # stopped by ASHA
+    budget.on_trial_complete("b", {"eval/acc": 0.97, "step": 264, "final": True})
+    budget.on_trial_complete("c", None, error=True)
+    trials = search._ot_study.get_trials(deepcopy=False)
+    assert [t.state.name for t in trials] == ["PRUNED", "COMPLETE", "FAIL"]
+    assert trials[1].value == 0.97 and trials[0].intermediate_values == {1: 0.1}
+
+
 def test_storage_is_the_optuna_backends(tmp_path: Path, capsys) -> None:
     space = tmp_path / "space.yaml"
     space.write_text("params:\n  optimizer.lr: {type: float, low: 1.0e-3, high: 1.0e-1}\n")
