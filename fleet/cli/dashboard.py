@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import threading
 from pathlib import Path
@@ -26,6 +27,12 @@ def cmd_dashboard(a: argparse.Namespace) -> int:
         raise UsageError(f"--host {a.listen_host}: give --origin http://NAME:PORT, the "
                          "address browsers reach the page at (writes from any other are "
                          "refused)")
+    if not 0 <= a.nice <= 19:
+        raise UsageError(f"--nice {a.nice}: 0 (the shell's priority) to 19 (the lowest)")
+    if a.nice:
+        # An observer on the controller's host: when the cores are busy (a 10,000-device
+        # rollout), the controller and the broker go first and the page waits a little.
+        os.nice(a.nice)
     token = None
     if a.operator_token_file is not None:
         try:
@@ -75,4 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "without it the page is read-only and every write is refused 403")
     p.add_argument("--max-live", type=int, default=32, metavar="N",
                    help="live pages (server-sent event streams) at once; one more gets 503")
+    p.add_argument("--nice", type=int, default=10, metavar="N",
+                   help="lower this process's CPU priority by N (0-19; default 10): on the "
+                        "controller's host the controller and the broker go first")
     p.set_defaults(fn=cmd_dashboard)

@@ -23,7 +23,7 @@ from fleet.learn.report import round_summary
 from fleet.learn.store import LearnStore
 from fleet.rollout import report as rollout_reports
 from fleet.rollout.run import summarize
-from fleet.rollout.store import ROLLOUT_ACTIVE, Execution, FleetStore
+from fleet.rollout.store import ROLLOUT_ACTIVE, FleetStore
 
 MAX_ROLLOUTS = 20
 """Finished rollouts shown beside the active ones (the latest first)."""
@@ -60,8 +60,8 @@ class FleetReader:
         self.store = FleetStore(db)
         self.learns = LearnStore(self.store)
         self._rollouts: dict[str, _Cached] = {}
-        self._rows: dict[str, dict[str, tuple[tuple[Any, ...], Execution]]] = {}
-        """Each shown rollout's executions as last read (see ``load_run``'s ``rows``)."""
+        self._runs: dict[str, rollout_reports.RunCache] = {}
+        """What each shown rollout's last read keeps for the next (``load_run``'s cache)."""
         self._learns_key: Any = None
         self._learns: list[dict[str, Any]] = []
 
@@ -102,7 +102,7 @@ class FleetReader:
             self._rollouts[rid] = self._read_rollout(rid, fp, now)
         for rid in set(self._rollouts) - set(ids):
             del self._rollouts[rid]
-            self._rows.pop(rid, None)
+            self._runs.pop(rid, None)
         running: dict[str, str] = {}
         failed: dict[str, str] = {}
         for rid in reversed(ids):  # the newest rollout's word last: it wins
@@ -119,7 +119,8 @@ class FleetReader:
 
     def _read_rollout(self, rid: str, fp: tuple[Any, ...], now: float) -> _Cached:
         t0 = time.thread_time()  # CPU, not wall: a busy host must not stretch the period
-        run = rollout_reports.load_run(self.store, rid, self._rows.setdefault(rid, {}))
+        run = rollout_reports.load_run(self.store, rid,
+                                       self._runs.setdefault(rid, rollout_reports.RunCache()))
         s = summarize(run)
         plan = run.plan
         waiting = (next((w["wave"] for w in s["waves"] if w["state"] == "pending"), None)

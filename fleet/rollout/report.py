@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,26 +17,41 @@ from fleet.rollout.store import Execution, FleetStore
 from registry.atomic import write_bytes_atomic
 
 
-def load_run(store: FleetStore, rid: str,
-             rows: dict[str, tuple[tuple[Any, ...], Execution]] | None = None) -> RolloutRun:
-    """Rollout ``rid`` from the store. ``rows``: a reader's cache of the rollout's executions
-    (id -> the raw row and what was built from it), kept current here: only the rows that
-    changed since the last read are built again (a 10,000-device rollout read every half
-    second by the dashboard)."""
+@dataclass
+class RunCache:
+    """What a reader that reads a rollout again and again (the dashboard) keeps of it between
+    reads: each execution's raw row and what was built from it, and the targets."""
+
+    rows: dict[str, tuple[tuple[Any, ...], Execution]] = field(default_factory=dict)
+    targets: list[tuple[str, int]] = field(default_factory=list)
+    targets_key: tuple[int, ...] | None = None
+    """The waves' cumulative targets the targets were read at (a device joining a dynamic
+    rollout moves them)."""
+
+
+def load_run(store: FleetStore, rid: str, cache: RunCache | None = None) -> RolloutRun:
+    """Rollout ``rid`` from the store. With ``cache`` (kept current here), only the executions
+    whose row changed since the last read are built again, and the targets are read again only
+    when the waves' sizes moved: a 10,000-device rollout read every half second by the
+    dashboard."""
     r = store.rollout(rid)
     if r is None:
         raise KeyError(f"no rollout {rid!r}; `fleetctl rollout list` shows them")
-    run = RolloutRun(r, store.waves(rid), store.targets(rid))
-    if rows is None:
+    waves = store.waves(rid)
+    if cache is None:
+        run = RolloutRun(r, waves, store.targets(rid))
         run.execs = {e.id: e for e in store.executions(rid)}
         return run
+    key = tuple(w.target for w in waves)
+    if key != cache.targets_key:
+        cache.targets, cache.targets_key = store.targets(rid), key
+    run = RolloutRun(r, waves, list(cache.targets))
     fresh: dict[str, tuple[tuple[Any, ...], Execution]] = {}
     for row in store.execution_rows(rid):
-        old = rows.get(row[0])
+        old = cache.rows.get(row[0])
         fresh[row[0]] = old if old is not None and old[0] == row else (row,
                                                                         Execution.from_row(row))
-    rows.clear()
-    rows.update(fresh)
+    cache.rows = fresh
     run.execs = {k: e for k, (_, e) in fresh.items()}
     return run
 

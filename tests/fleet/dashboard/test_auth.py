@@ -190,3 +190,22 @@ def test_token_file_must_be_private_and_long(tmp_path: Path) -> None:
         read_token(f)
     with pytest.raises(TokenFileError, match="No such file"):
         read_token(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--host", "0.0.0.0"], "--allow-remote"),
+    (["--host", "0.0.0.0", "--allow-remote"], "--origin"),
+    (["--nice", "20"], "--nice"),
+    (["--nice", "-1"], "--nice"),
+])
+def test_a_bad_dashboard_flag_is_a_usage_error_before_anything_opens(
+    argv: list[str], named: str, tmp_path: Path,
+) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "fleet.cli", "--db", str(tmp_path / "fleet.db"),
+                        "dashboard", "--port", "0", *argv], capture_output=True, text=True,
+                       timeout=60, cwd=Path(__file__).resolve().parents[3])
+    assert r.returncode == 2 and named in r.stderr, r.stdout + r.stderr
+    assert not (tmp_path / "fleet.db").exists()

@@ -70,6 +70,9 @@ def dashboard(broker: BrokerConfig, tmp_path: Path, subprocess_env: dict[str, st
         assert line, f"fleetctl dashboard printed nothing: {proc.stderr.read()}"  # type: ignore[union-attr]
         out = json.loads(line)
         assert out["writable"] is True
+        # An observer on the controller's host: it runs at a lower priority (--nice 10).
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == min(19, mine + 10)
         yield str(out["dashboard"])
     finally:
         proc.terminate()

@@ -9,7 +9,7 @@ import time
 
 from fleet.dashboard.snapshot import MAX_PERIOD_S, FleetReader
 from fleet.rollout.plan import RolloutPlan
-from fleet.rollout.report import load_run
+from fleet.rollout.report import RunCache, load_run
 from fleet.rollout.store import Execution, FleetStore
 from tests.fleet.conftest import BOTH_ENGINES
 
@@ -30,19 +30,24 @@ def test_a_rollout_read_again_rebuilds_only_what_changed(fleet_db: str) -> None:
                            result={"export": {"fallback": None}} if d == "d0" else None)
                  for d in devices]
         store.save_executions(execs)
-        rows: dict = {}
-        first = load_run(store, r.id, rows)
+        cache = RunCache()
+        first = load_run(store, r.id, cache)
         assert _as_dicts(first.execs) == _as_dicts(load_run(store, r.id).execs)
         assert first.execs["r.d0.1"].result == {"export": {"fallback": None}}
         done = dataclasses.replace(execs[1], status="SUCCEEDED", finished_at=now + 1,
                                    outcome="committed")
         store.save_executions([done])
-        second = load_run(store, r.id, rows)
+        second = load_run(store, r.id, cache)
         assert _as_dicts(second.execs) == _as_dicts(load_run(store, r.id).execs)
         assert second.execs["r.d1.1"].status == "SUCCEEDED"
         assert second.execs["r.d1.1"] is not first.execs["r.d1.1"]  # built again
         for k in ("r.d0.1", "r.d2.1", "r.d3.1", "r.d4.1"):
             assert second.execs[k] is first.execs[k]  # as read before: kept
+        assert second.targets == first.targets == [(d, 0) for d in devices]
+        store.add_target(r.id, "d5", 0)  # a device joined the group (--follow-group)
+        third = load_run(store, r.id, cache)
+        assert third.targets == load_run(store, r.id).targets == [(d, 0) for d in
+                                                                   [*devices, "d5"]]
 
         reader = FleetReader(fleet_db)
         try:
