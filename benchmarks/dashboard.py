@@ -221,7 +221,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--devices", type=int, default=10_000)
     ap.add_argument("--job-duration-s", type=float, default=0.05)
-    ap.add_argument("--pairs", type=int, default=4,
+    ap.add_argument("--pairs", type=int, default=6,
                     help="rollouts with the dashboard and without, in ABBA order")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per rollout")
     a = parse_args(ap, {"devices": 20, "pairs": 1})
