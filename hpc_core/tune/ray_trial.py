@@ -22,7 +22,7 @@ from ray import tune
 
 from hpc_core.config import config_from_dict
 from hpc_core.tracking import TrialTracking, current_trial, trial_tracking
-from hpc_core.tune.trial import MetricNotReported, check_metric_reported, trial_config
+from hpc_core.tune.trial import check_metric_reported, trial_config, trial_value
 
 # Not imported: hpc_core.trainer (torch) until a trial runs.
 
@@ -125,7 +125,7 @@ def ray_trial(
     """Ray Tune's trainable: one trial, ``trial_config`` trained by ``Trainer`` as the Optuna
     backend's, resumed from the last checkpoint it reported when Ray restores it; its tracking
     runs belong to ``study`` (nested under the MLflow run ``parent_run_id``)."""
-    from hpc_core.trainer import Trainer, TrainingDiverged
+    from hpc_core.trainer import Trainer
 
     params = dict(config)
     number = int(params.pop(TRIAL_KEY))
@@ -158,13 +158,8 @@ def ray_trial(
             # to take that result, which a stopped trial's Ray never does. That wait kept the
             # thread alive, so an actor reused for the next trial never became free.
             raise SystemExit(0)
-        if metric not in result.metrics:
-            raise MetricNotReported(
-                f"the run reported no {metric!r}: set study.metric to an eval/* key"
-            )
-        value = result.metrics[metric]
-        if not math.isfinite(value):
-            raise TrainingDiverged(f"{metric} is {value} at step {result.final_step}")
+        # No value (metric missing or not finite) raises here: the trial fails.
+        trial_value(result.metrics, metric, result.final_step)
         # Still holding the trial's lock: Ray copies the final checkpoint from its folder.
         _report(trainer, result.metrics, result.checkpoint_dir, info, final=True)
 

@@ -47,6 +47,21 @@ def check_metric_reported(metric: str, step: int, metrics: dict[str, float]) -> 
         )
 
 
+def trial_value(metrics: dict[str, float], metric: str, step: int) -> float:
+    """The trial's value: ``metric`` of its final evaluation. MetricNotReported when the run
+    reported none, ``TrainingDiverged`` when it is not finite (both backends fail the trial)."""
+    from hpc_core.trainer import TrainingDiverged
+
+    if metric not in metrics:
+        raise MetricNotReported(
+            f"the run reported no {metric!r}: set study.metric to an eval/* key"
+        )
+    value = metrics[metric]
+    if not math.isfinite(value):
+        raise TrainingDiverged(f"{metric} is {value} at step {step}")
+    return value
+
+
 class PruningHook:
     """Reports each evaluation of ``metric`` to the trial; asks the trainer to stop if pruned."""
 
@@ -95,7 +110,7 @@ def _run_trial(
     that failed it."""
     import optuna
 
-    from hpc_core.trainer import Trainer, TrainingDiverged
+    from hpc_core.trainer import Trainer
 
     metric = space.study.metric
     trial.set_user_attr("worker", worker)
@@ -120,14 +135,7 @@ def _run_trial(
         raise WorkerStopping(f"{result.stopped_reason} at step {result.final_step}")
     if hook.pruned_at is not None:
         raise optuna.TrialPruned(f"pruned at step {hook.pruned_at}")
-    if metric not in result.metrics:
-        raise MetricNotReported(
-            f"the run reported no {metric!r}: set study.metric to an eval/* key"
-        )
-    value = result.metrics[metric]
-    if not math.isfinite(value):
-        raise TrainingDiverged(f"{metric} is {value} at step {result.final_step}")
-    return value
+    return trial_value(result.metrics, metric, result.final_step)
 
 
 @contextlib.contextmanager
