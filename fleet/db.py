@@ -111,7 +111,7 @@ class Database:
         cur = raw.cursor()
         try:
             cur.execute(sql if self.dialect == "sqlite" else _pyformat(sql), dict(params or {}))
-            return [tuple(r) for r in cur.fetchall()]
+            return cur.fetchall()  # tuples already, from both drivers
         finally:
             cur.close()
 
