@@ -67,7 +67,7 @@ def extra_args(script: str, tmp_path: Path) -> list[str]:
     """Where a script writes files of its own: under the test's tmp_path."""
     if script in ("governor.py", "finetune.py"):
         return ["--plot", str(tmp_path / "governor.png")]
-    if script == "federated_protocol.py":
+    if script in ("federated_protocol.py", "fleet_pays.py"):
         return ["--plot", str(tmp_path / "curves.png"), "--json", str(tmp_path / "fp.json")]
     return []
 
