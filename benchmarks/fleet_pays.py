@@ -50,7 +50,7 @@ import itertools
 import json
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,7 +66,7 @@ from benchmarks.harness import cpu_line, parse_args, verdict  # noqa: E402
 from hpc_core.aggregation.in_memory import Rule, combine_updates  # noqa: E402
 from hpc_core.data import load_digits_tensors  # noqa: E402
 from hpc_core.models import build_model  # noqa: E402
-from hpc_core.partitions import device_data, split  # noqa: E402
+from hpc_core.partitions import PartitionError, device_data, parse_spec, split  # noqa: E402
 
 IMAGE_SIZE = 16  # the demo's (configs/digits.yaml)
 BATCH = 16
@@ -300,6 +300,28 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _at_least(low: int) -> Callable[[str], int]:
+    def value(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: a whole number") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"{n}: at least {low}")
+        return n
+    return value
+
+
+def _share(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number") from None
+    if not 0.0 < v < 1.0:
+        raise argparse.ArgumentTypeError(f"{v}: a share between 0 and 1")
+    return v
+
+
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=type(
@@ -310,19 +332,28 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="labelled training samples a device holds")
     ap.add_argument("--labels", default="dirichlet:2", help="label partition")
     ap.add_argument("--cameras", default="invert,invert/blur", help="the devices' cameras")
-    ap.add_argument("--rounds", type=int, default=10, help="fleet rounds")
-    ap.add_argument("--local-epochs", type=int, default=5, help="device epochs a round")
-    ap.add_argument("--epochs", type=int, default=40,
+    ap.add_argument("--rounds", type=_at_least(1), default=10, help="fleet rounds")
+    ap.add_argument("--local-epochs", type=_at_least(1), default=5,
+                    help="device epochs a round")
+    ap.add_argument("--epochs", type=_at_least(1), default=40,
                     help="epochs of a device alone and of the release's own fine-tune")
     ap.add_argument("--lr", type=float, default=0.005, help="the devices' AdamW learning rate")
-    ap.add_argument("--test", type=int, default=100, help="test samples a device at most")
-    ap.add_argument("--upstream-share", type=float, default=0.3,
+    ap.add_argument("--test", type=_at_least(10), default=100,
+                    help="test samples a device at most")
+    ap.add_argument("--upstream-share", type=_share, default=0.3,
                     help="share of the digits upstream trains the base on")
-    ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
+    ap.add_argument("--seeds", type=_at_least(1), default=3, help="seeds 0..N-1")
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--plot", type=Path, help="write the curves here (PNG)")
-    return parse_args(ap, {"devices": [2], "samples": [10], "rounds": 2, "local_epochs": 1,
+    args = parse_args(ap, {"devices": [2], "samples": [10], "rounds": 2, "local_epochs": 1,
                            "epochs": 2, "test": 20, "seeds": 1}, argv)
+    if not args.lr > 0:
+        ap.error(f"--lr {args.lr}: above 0")
+    try:
+        parse_spec(f"{args.labels}+cameras:{args.cameras}")
+    except PartitionError as e:
+        ap.error(f"--labels {args.labels!r} --cameras {args.cameras!r}: {e}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
