@@ -152,9 +152,9 @@ def fedavg(release: Model, updates: list[Model], samples: list[int]) -> Model:
     BatchNorm statistics by their sample-weighted mean."""
     names = [n for n, _ in release.named_parameters()]
     base = release.state_dict()
-    deltas = np.stack([
-        torch.cat([(m.state_dict()[n] - base[n]).reshape(-1) for n in names]).numpy()
-        for m in updates])
+    states = [m.state_dict() for m in updates]
+    deltas = np.stack([torch.cat([(st[n] - base[n]).reshape(-1) for n in names]).numpy()
+                       for st in states])
     step = torch.from_numpy(combine_updates(deltas, samples, Rule("fedavg"))).float()
     state, at = {}, 0
     for n in names:
@@ -166,8 +166,7 @@ def fedavg(release: Model, updates: list[Model], samples: list[int]) -> Model:
         if n in state:
             continue
         if v.dtype.is_floating_point:  # running mean and variance
-            mean = sum(wi * m.state_dict()[n].double()
-                       for wi, m in zip(w, updates, strict=True))
+            mean = sum(wi * st[n].double() for wi, st in zip(w, states, strict=True))
             state[n] = torch.as_tensor(mean).to(v.dtype)
         else:  # num_batches_tracked
             state[n] = v
