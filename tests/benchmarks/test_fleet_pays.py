@@ -91,3 +91,20 @@ def test_a_devices_training_keeps_its_best_epoch_on_validation(
     same = fit(model, dev, n_epochs=0, lr=0.005, seed=0)
     assert all(torch.equal(a, b) for a, b in zip(same.state_dict().values(),
                                                   model.state_dict().values(), strict=True))
+
+
+@pytest.mark.parametrize(("argv", "why"), [
+    (["--rounds", "0"], "at least 1"),
+    (["--test", "3"], "at least 10"),
+    (["--upstream-share", "1.5"], "a share between 0 and 1"),
+    (["--samples", "10,x"], "comma-separated whole numbers"),
+    (["--lr", "0"], "--lr 0.0: above 0"),
+    (["--cameras", "invert,fisheye"], "unknown camera 'fisheye'"),
+])
+def test_bad_flags_are_refused_naming_the_flag_before_anything_trains(
+    argv: list[str], why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        fleet_pays.parse(argv)
+    assert e.value.code == 2
+    assert why in capsys.readouterr().err
