@@ -38,12 +38,15 @@ rec = s.transition(jid, JobState.IN_PROGRESS)
 how = rec.spec["data"]
 if how.endswith("crash"):
     sys.exit(3)
+# Each throttled step lasts 1.2 s: the telemetry test needs one 0.25 s telemetry tick to carry
+# a throttled step, and a suite run on a loaded 2-core host once had none carry it while the
+# two steps lasted 0.45 s each (0.9 s).
 for step, gov, duty in [(1, "NORMAL", 1.0), (2, "THROTTLED", 0.4), (3, "THROTTLED", 0.3),
                         (4, "NORMAL", 1.0)]:
     s.set_progress(jid, {"id": jid, "stage": "finetune", "step": step, "total": 4,
                          "pct": 25.0 * step, "detail": {"loss": 1.0, "governor": gov,
                          "duty": duty, "temp_c": 71.5, "limit": "thermal"}})
-    time.sleep(0.45)
+    time.sleep(1.2 if gov == "THROTTLED" else 0.45)
 model = {"name": "digits", "version": "1+ft", "slot": "b"}
 prev = {"name": "digits", "version": "1"}
 if how.endswith("commit"):
