@@ -20,7 +20,7 @@ from contract.times import Timestamp
 class Message(BaseModel):
     """The base of every message: unknown fields refused, JSON bytes in and out."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     def to_payload(self) -> bytes:
         return self.model_dump_json(exclude_none=True).encode()

@@ -112,7 +112,7 @@ def parse_prune_text(text: str) -> dict[str, Any]:
 
 
 class RecoveryConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     steps: int = Field(default=120, ge=0)
     """Optimizer steps of the fine-tune after pruning (0 = no fine-tune)."""
@@ -129,7 +129,7 @@ class RecoveryConfig(BaseModel):
 
 
 class CalibrationConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     samples: int = Field(default=512, ge=1, json_schema_extra=flag("calib"))
     """Training samples drawn (without replacement) to set the activation ranges."""
@@ -145,7 +145,7 @@ class CalibrationConfig(BaseModel):
 
 
 class OnnxExportConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     opset: int = Field(default=18, ge=17, json_schema_extra=flag("opset"))
     """ONNX opset; >= 13 is needed for per-channel Q/DQ, 17 is the floor here."""
@@ -170,7 +170,7 @@ class OnnxExportConfig(BaseModel):
 
 
 class GateConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     max_top1_drop_pts: float | None = Field(
         default=1.0, ge=0.0, json_schema_extra=flag("max-top1-drop")
@@ -220,7 +220,7 @@ class GateConfig(BaseModel):
 
 
 class TensorRTConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     workspace_mb: int = Field(default=1024, ge=16, json_schema_extra=flag("trt-workspace-mb"))
     """Builder scratch memory limit; take it from the device profile (Orin Nano: a few
@@ -237,7 +237,7 @@ class TensorRTConfig(BaseModel):
 
 
 class FallbackConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(default=True, json_schema_extra=flag("fallback"))
     """On a failed gate, retry at the next step instead of failing the job."""
@@ -255,7 +255,7 @@ class FallbackConfig(BaseModel):
 
 
 class QatConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     steps: int = Field(default=300, ge=1, json_schema_extra=flag("qat-steps"))
     """Optimizer steps of the fake-quant fine-tune."""
@@ -271,7 +271,7 @@ class ExportJob(BaseModel):
     """Everything one export needs; ``agentctl export`` and ``python -m exporters`` build it
     from their flags (or a YAML file), the agent from a job message."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     checkpoint: Path
     """A checkpoint directory (with COMPLETE) or a run directory (its final/ or latest)."""

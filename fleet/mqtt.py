@@ -46,7 +46,7 @@ SESSION_TAKEN_OVER = 0x8E
 
 
 class BrokerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     host: str = "127.0.0.1"
     port: int = Field(default=1883, gt=0, lt=65536)

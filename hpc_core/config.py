@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from hpc_core.tasks import TASKS, TaskName, task_spec
 from hpc_core.tasks.detection.synthetic_config import SyntheticDetectionConfig
 from registry.model_config import ModelConfig
-from registry.validation import StrictModel, format_errors
+from registry.validation import StrictModel, field_docs, format_errors
 
 
 class RunConfig(StrictModel):
@@ -415,8 +415,9 @@ def reference_markdown(root: type[BaseModel] = TrainConfig) -> str:
            if not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel))}
     if top:
         out += ["### top level", "", "| key | default | meaning |", "|---|---|---|"]
-        for name, f in top.items():
-            desc = (f.description or "").replace("\n", " ").replace("|", "\\|")
+        docs = field_docs(root)
+        for name in top:
+            desc = docs[name].replace("\n", " ").replace("|", "\\|")
             out.append(f"| `{name}` | `{json.dumps(defaults[name])}` | {' '.join(desc.split())} |")
         out.append("")
     for section, field in root.model_fields.items():
@@ -425,9 +426,10 @@ def reference_markdown(root: type[BaseModel] = TrainConfig) -> str:
         model = field.annotation
         assert isinstance(model, type) and issubclass(model, BaseModel)
         out += [f"### `{section}`", "", "| key | default | meaning |", "|---|---|---|"]
-        for name, f in model.model_fields.items():
+        docs = field_docs(model)
+        for name in model.model_fields:
             default = defaults[section][name]
-            desc = (f.description or "").replace("\n", " ").replace("|", "\\|")
+            desc = docs[name].replace("\n", " ").replace("|", "\\|")
             out.append(f"| `{name}` | `{json.dumps(default)}` | {' '.join(desc.split())} |")
         out.append("")
     return "\n".join(out)

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from hpc_core.config import ConfigError, apply_overrides, read_yaml
-from registry.validation import format_errors
+from registry.validation import field_docs, format_errors
 
 DEST_PREFIX = "job:"
 OFF = ("off", "none", "null")
@@ -53,20 +53,22 @@ def _strip_optional(ann: Any) -> tuple[Any, bool]:
 
 
 def _leaves(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> Iterator[
-    tuple[tuple[str, ...], FieldInfo, Any, bool]
+    tuple[tuple[str, ...], FieldInfo, Any, bool, str]
 ]:
-    """(path, field, bare annotation, optional) of every scalar field, depth first."""
+    """(path, field, bare annotation, optional, what it means) of every scalar field, depth
+    first."""
+    docs = field_docs(model)
     for name, field in model.model_fields.items():
         ann, optional = _strip_optional(field.annotation)
         if _cli(field).get("text"):
-            yield (*prefix, name), field, str, optional
+            yield (*prefix, name), field, str, optional, docs[name]
             continue
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             if not optional:
                 yield from _leaves(ann, (*prefix, name))
             continue  # an optional section (e.g. data: DataConfig | None) is --config/--set only
         if ann in (int, float, str, bool, Path) or typing.get_origin(ann) is Literal:
-            yield (*prefix, name), field, ann, optional
+            yield (*prefix, name), field, ann, optional, docs[name]
 
 
 def _cli(field: FieldInfo) -> dict[str, Any]:
@@ -96,8 +98,8 @@ def _converter(ann: Any, optional: bool) -> Any:
     return convert
 
 
-def _help(field: FieldInfo, optional: bool) -> str:
-    text = " ".join((field.description or "").split())
+def _help(field: FieldInfo, doc: str, optional: bool) -> str:
+    text = " ".join(doc.split())
     default = field.get_default(call_default_factory=False)
     if default is not None and not field.is_required() and not isinstance(default, bool):
         text += f" (default {default})"
@@ -126,7 +128,7 @@ def add_job_arguments(
         help="override one field, e.g. --set gates.batch_size=8 (repeatable; YAML values)",
     )
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for path, field, ann, optional in _leaves(model):
+    for path, field, ann, optional, doc in _leaves(model):
         cli = _cli(field)
         if cli.get("skip"):
             continue
@@ -144,11 +146,12 @@ def add_job_arguments(
             on = field.get_default() is not True
             flag_name = name if on else "--no-" + name.removeprefix("--")
             # A --no-X flag turns off what the field's text describes: say so first.
-            what = _help(field, False)
+            what = _help(field, doc, False)
             g.add_argument(flag_name, dest=dest, action="store_const", const=on, default=None,
                            help=what if on else f"skip this (done by default): {what}")
             continue
-        kwargs: dict[str, Any] = {"dest": dest, "default": None, "help": _help(field, optional)}
+        kwargs: dict[str, Any] = {"dest": dest, "default": None,
+                                  "help": _help(field, doc, optional)}
         if typing.get_origin(ann) is Literal:
             kwargs["choices"] = list(typing.get_args(ann))
         else:
@@ -173,7 +176,7 @@ def job_tree(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def flag_of_path(model: type[BaseModel], loc: tuple[Any, ...]) -> str | None:
-    for path, field, _ann, _opt in _leaves(model):
+    for path, field, _ann, _opt, _doc in _leaves(model):
         if path == tuple(str(x) for x in loc):
             return flag_of(path, field)
     return None

@@ -64,7 +64,7 @@ def mint_token() -> str:
 
 
 class Principal(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
     """Who this is, as logs and errors name it: 'upstream', a device id."""
@@ -104,7 +104,7 @@ class Principal(BaseModel):
 
 
 class PrincipalsFile(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     principals: list[Principal] = Field(default_factory=list)
     """Everyone who may write; anyone else is refused with 401."""

@@ -25,6 +25,7 @@ from registry.errors import KeyFileError
 from registry.http_server import HttpServer
 from registry.principals import AuthoritySource, add_principal
 from registry.serve_app import RegistryApp, ServerLimits
+from registry.validation import field_docs
 from registry.write_rules import RegistryFolder
 
 log = logging.getLogger("registry.serve")
@@ -78,11 +79,11 @@ def _serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--private-reads", action="store_true",
                     help="GET and HEAD need a principal's token too (default: anyone may read; "
                     "every object is signed or content-addressed)")
-    defaults = ServerLimits()
-    for name, field in ServerLimits.model_fields.items():
+    defaults, docs = ServerLimits(), field_docs(ServerLimits)
+    for name in ServerLimits.model_fields:
         ap.add_argument(f"--{name.replace('_', '-')}", type=type(getattr(defaults, name)),
                         default=getattr(defaults, name), metavar="N",
-                        help=f"{field.description} (default: %(default)s)")
+                        help=f"{docs[name]} (default: %(default)s)")
     return ap
 
 

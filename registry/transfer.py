@@ -35,7 +35,7 @@ T = TypeVar("T")
 class TransferConfig(BaseModel):
     """Network behaviour of pulls, uploads and publishes."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     connect_timeout_s: float = Field(default=10.0, gt=0)
     """TCP (+TLS) connect timeout per attempt."""

@@ -33,7 +33,7 @@ DEFAULT_CONFIG = Path("/etc/edge-agent/agent.yaml")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
 
 class TlsConfig(_Strict):

@@ -54,7 +54,7 @@ ProfileName = Annotated[str, AfterValidator(_profile_name)]
 class FinetuneJob(BaseModel):
     """What `agentctl finetune` and the daemon's fine-tune command accept."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     checkpoint: Path
     """The upstream model: an hpc_core checkpoint or run directory, or an installed slot."""
@@ -166,7 +166,7 @@ class FinetuneResult:
 class FinetuneSetup(BaseModel):
     """Everything the trainer is built from, JSON-safe so it crosses the job's processes."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     profile: str
     """The board profile's name (``auto`` already detected)."""

@@ -20,7 +20,7 @@ from agent.jobs.names import ModelName, Name, Version
 
 
 class EvaluateOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     baseline: Version | None = None
     """A version to score beside it on the same samples (e.g. the base the candidate was
@@ -38,7 +38,7 @@ class EvaluateOptions(BaseModel):
 class EvaluateJob(BaseModel):
     """The resolved job the worker runs."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     version: str
@@ -57,7 +57,7 @@ class EvaluateJob(BaseModel):
 class EvaluateArgs(BaseModel):
     """The ``evaluate`` command's args: names only; the device decides every path."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     model: ModelName
     version: Version

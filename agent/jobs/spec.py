@@ -38,6 +38,7 @@ from agent.jobs.evaluate_spec import EvaluateArgs, EvaluateJob
 from agent.jobs.names import ModelName, Name, Version
 from exporters.job import ExportJob, Precision, TensorRTConfig
 from hpc_core.job_args import flag
+from registry.validation import field_docs
 
 JOB_STEPS = ("pull", "finetune", "export", "stage", "health", "commit", "rollback", "upload")
 
@@ -50,17 +51,19 @@ def _without(
     ``short_flags`` names each field's flag after the field alone (``--steps``, not
     ``--finetune-steps``) unless it already has a name; ``override`` replaces fields."""
     fields: dict[str, Any] = {}
+    docs = field_docs(model)  # a model made here has no source to read them from
     for k, f in model.model_fields.items():
         if k in drop:
             continue
+        f = copy.copy(f)
+        f.description = docs[k] or None
         if short_flags and not (isinstance(f.json_schema_extra, dict)
                                 and f.json_schema_extra.get("cli")):
-            f = copy.copy(f)
             f.json_schema_extra = flag(k.replace("_", "-"))
         fields[k] = (f.annotation, f)
     fields.update(override or {})
     return create_model(  # type: ignore[call-overload, no-any-return]
-        name, __config__=ConfigDict(extra="forbid", use_attribute_docstrings=True), **fields
+        name, __config__=ConfigDict(extra="forbid"), **fields
     )
 
 
@@ -92,7 +95,7 @@ ExportArgs = _without(ExportOptions, "ExportArgs", set(), override={
 class HealthOptions(BaseModel):
     """The staged model against the active one, on the same held-out device data."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     max_accuracy_drop_pts: float = Field(default=0.0, ge=0)
     """Largest allowed drop of the staged model's held-out accuracy below the active model's,
@@ -113,7 +116,7 @@ class HealthOptions(BaseModel):
 
 
 class UploadOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     registry: str | None = Field(default=None, json_schema_extra=flag("upload-to"))
     """Registry to publish the committed model to (null: the job's --registry). The daemon
@@ -125,7 +128,7 @@ class UploadOptions(BaseModel):
 class UploadArgs(BaseModel):
     """The upload section a command may carry: where to publish is the device's to say."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     version: Version | None = None
     """Version name (null: PARENT+DEVICE.UTCSTAMP)."""
@@ -134,7 +137,7 @@ class UploadArgs(BaseModel):
 class StepSwitches(BaseModel):
     """Which optional steps run; pull, stage, health and commit/rollback always do."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     export: bool = Field(default=True, json_schema_extra=flag("export"))
     """Export (and gate) an ONNX artefact; without it the staged model carries none and the
@@ -148,7 +151,7 @@ class DeviceJob(BaseModel):
     resolved job the worker runs (from a command: :func:`resolve`; from ``agentctl
     finetune`` in the foreground: its flags)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     model: str = Field(json_schema_extra=flag("model"))
     """Installed model name to fine-tune (its active version is the upstream)."""
@@ -215,7 +218,7 @@ class DeployJob(BaseModel):
     the daemon's ``deploy`` command. The active model changes only once the staged one passed
     its check."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     """Model name."""
@@ -246,7 +249,7 @@ class DeployJob(BaseModel):
 class RollbackJob(BaseModel):
     """Make the verified standby version active again (the contract's rollback args)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     name: str | None = None
     """Model name (null: the only installed model)."""
@@ -269,7 +272,7 @@ class FinetuneArgs(BaseModel):
     """The ``finetune`` command's args: a :class:`DeviceJob` without the device's own
     settings (registry, trusted keys, signing key, upload target) and with names for paths."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     model: ModelName
     """Installed model name to fine-tune (its active version is the upstream)."""
@@ -292,7 +295,7 @@ class DeployArgs(BaseModel):
     """The ``deploy`` command's args: a version of the device's registry, checked on a data
     set of its own."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     model: ModelName
     version: Version
@@ -308,7 +311,7 @@ class DeployArgs(BaseModel):
 class RollbackArgs(BaseModel):
     """The ``rollback`` command's args."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     name: ModelName | None = None
     """Model name (null: the only installed model)."""

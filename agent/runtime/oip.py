@@ -66,7 +66,7 @@ Answer = tuple[int, bytes, dict[str, str]]
 class OipLimits(BaseModel):
     """What one request and the server as a whole may take."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_body_bytes: int = Field(default=16 << 20, ge=1024)
     """Largest request body (bytes); a larger Content-Length is answered 413 unread."""

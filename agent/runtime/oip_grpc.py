@@ -78,7 +78,7 @@ first: for it, the fields of numbers are simply another datatype's)."""
 class GrpcLimits(BaseModel):
     """What one gRPC message and the gRPC server as a whole may take."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_message_bytes: int = Field(default=16 << 20, ge=1024)
     """Largest request message (bytes), refused RESOURCE_EXHAUSTED unread; also the largest

@@ -21,7 +21,7 @@ FORMAT = "edgetrain.spool/1"
 class SpoolConfig(BaseModel):
     """What a model's spool keeps and what it gives up first."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     quota_mb: float = Field(default=256.0, gt=0)
     """Most disk the spool's sample files may take, in MB (2^20 bytes; each file counted

@@ -121,7 +121,7 @@ def check_disjoint(inv: FleetInventory, accounts: dict[str, str],
 
 
 class InventoryDevice(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     groups: list[str] = Field(default_factory=list)
     """The groups whose commands this device may read (``send --group``)."""
@@ -146,7 +146,7 @@ class FleetInventory(BaseModel):
     ``devices: {jetson-001: {groups: [line-3, canary]}, jetson-002: {groups: [line-3]}}``
     """
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     devices: dict[str, InventoryDevice] = Field(min_length=1)
     """Device id (its broker account and topic level) -> its groups."""

@@ -33,6 +33,7 @@ from fleet.learn.upstream import HPC_TRAIN_ENV, hpc_train_command
 from fleet.rollout.controller import Controller
 from fleet.rollout.progress import Progress
 from fleet.rollout.store import FleetStore
+from registry.validation import field_docs
 
 _PATHS = ("trusted_keys", "sign_key", "base_checkpoint", "eval_config", "work_dir")
 
@@ -214,11 +215,12 @@ def cmd_learn_resume(a: argparse.Namespace) -> int:
 
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     """One flag per plan field, from the model itself (the name is the positional NAME)."""
+    docs = field_docs(LearnPlan)
     for name, f in LearnPlan.model_fields.items():
         if name == "name":
             continue
         flag = "--" + name.replace("_", "-")
-        h = field_help(f)
+        h = field_help(docs[name])
         if f.annotation is bool:
             p.add_argument(flag, dest=f"plan_{name}", action="store_const", const=True, help=h)
         else:

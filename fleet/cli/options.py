@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
-from pydantic.fields import FieldInfo
 
 from fleet.broker.config import BrokerConfigError, load_inventory
 from fleet.mqtt import BrokerConfig, FleetConnection
@@ -29,10 +28,11 @@ class UsageError(Exception):
     """Bad arguments: printed and exit 2."""
 
 
-def field_help(f: FieldInfo) -> str:
-    """A plan field's whole description as its flag's help: argparse re-wraps it, so the
-    description's own line breaks go (its first line alone stops mid-sentence)."""
-    return " ".join((f.description or "").split()).replace("%", "%%")
+def field_help(doc: str) -> str:
+    """A plan field's whole description (``registry.validation.field_docs``) as its flag's
+    help: argparse re-wraps it, so the description's own line breaks go (its first line alone
+    stops mid-sentence)."""
+    return " ".join(doc.split()).replace("%", "%%")
 
 
 def _env(name: str, default: str | None = None) -> str | None:

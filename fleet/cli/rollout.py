@@ -34,6 +34,7 @@ from fleet.rollout.run import RolloutRun, summarize
 from fleet.rollout.store import ROLLOUT_ACTIVE, FleetStore
 from fleet.rollout.verdict import ended_as_asked
 from registry.credentials import is_loopback
+from registry.validation import field_docs
 
 if TYPE_CHECKING:
     from fleet.rollout.metrics import FleetMetrics
@@ -214,10 +215,11 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     """One flag per plan field, from the model itself: the flags cannot drift from it. A
     yes/no field's flag alone says yes (``--approve-waves``; ``--approve-waves false`` no);
     ``--rate`` is the other name of ``--max-per-minute`` (one field, one rate)."""
+    docs = field_docs(RolloutPlan)
     for name, f in RolloutPlan.model_fields.items():
         flags = ["--" + name.replace("_", "-")] + (["--rate"] if name == "max_per_minute" else [])
         extra: dict[str, Any] = {"nargs": "?", "const": "true"} if f.annotation is bool else {}
-        p.add_argument(*flags, dest=f"plan_{name}", metavar="VALUE", help=field_help(f),
+        p.add_argument(*flags, dest=f"plan_{name}", metavar="VALUE", help=field_help(docs[name]),
                        **extra)
 
 

@@ -37,7 +37,7 @@ RESERVED_FINETUNE_ARGS = ("model", "version", "data", "upload")
 
 
 class LearnPlan(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     name: str
     """The learn's name: its rollouts are ``NAME-rK-ft`` (fine-tune), ``-ev`` (evaluate) and
@@ -105,6 +105,8 @@ class LearnPlan(BaseModel):
     noise std this x clip_norm / dp_expected_weight; each aggregate's (epsilon, dp_delta) is
     accounted over the learn's rounds (every round releases one)."""
     dp_delta: float | None = Field(default=None, gt=0, lt=1)
+    """DP: the delta of each aggregate's (epsilon, delta) guarantee, e.g. 1e-5 (below one over
+    the number of devices); needed with dp_noise_multiplier."""
     dp_expected_weight: float | None = Field(default=None, gt=0)
     """DP: the total weight a round is expected to bring, each update weighing at most 1
     (null: the number of devices the learn targets, all of them at full weight; a round with
@@ -151,17 +153,22 @@ class LearnPlan(BaseModel):
     waves: list[int | str] = Field(default_factory=lambda: ["100%"])
     """Waves of the fine-tune and deploy rollouts (the evaluation goes to all at once)."""
     bake_s: float = Field(default=0.0, ge=0)
+    """Seconds the fine-tune and deploy rollouts wait after a healthy wave before the next."""
     max_per_minute: int | None = Field(default=None, gt=0)
+    """Most commands each rollout of the round sends per minute (null: as fast as the broker
+    takes them)."""
     abort_failure_rate: float = Field(default=0.5, ge=0, le=1)
     """Of the fine-tune and deploy rollouts (an evaluation never aborts: missing evaluations
     are the min_devices gate's business)."""
     min_completed: int = Field(default=5, ge=1)
+    """Completed executions a rollout of the round needs before its failure rate is judged."""
     max_metric_drop: float | None = Field(default=None, ge=0)
     """Deploy rollout: abort when a wave's median drop of the devices' gate metric (eval/acc
     of a classifier) exceeds this."""
     timeout_s: float = Field(default=3600.0, gt=0)
     """Per device job (fine-tune, evaluate, deploy), from send to its result."""
     retries: int = Field(default=0, ge=0, le=10)
+    """Extra attempts of a device's job after FAILED, TIMED_OUT or EXPIRED (REJECTED never)."""
 
     @field_validator("name")
     @classmethod

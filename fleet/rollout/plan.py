@@ -39,7 +39,7 @@ def abort_metric_of(plan_metric: str, outcome_gate_metric: str | None) -> str:
 
 
 class RolloutPlan(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     name: str
     """Rollout name; becomes part of every execution id, so it is topic-safe and short."""

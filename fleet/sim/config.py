@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class Behavior(BaseModel):
     """How one simulated device's jobs go."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     job_duration_s: float = Field(default=0.5, ge=0)
     fail: bool = False
@@ -34,7 +34,7 @@ class Behavior(BaseModel):
 
 
 class SimConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     devices: int = Field(default=10, ge=1, le=100_000)
     id_prefix: str = "sim"

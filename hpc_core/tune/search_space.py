@@ -27,7 +27,7 @@ from registry.validation import format_errors
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
 
 class FloatParam(_Strict):

@@ -4,10 +4,8 @@
 
 from __future__ import annotations
 
-import ast
 import inspect
 import json
-import textwrap
 import types
 import typing
 from pathlib import Path
@@ -18,27 +16,7 @@ from pydantic.fields import FieldInfo
 
 from refgen import GENERATED_NOTE
 from refgen.text import code, md_text, toc_slug
-
-
-def _attribute_docstrings(model: type[BaseModel]) -> dict[str, str]:
-    """The string under each annotated attribute of ``model`` and its bases (for models
-    without ``use_attribute_docstrings``)."""
-    docs: dict[str, str] = {}
-    for cls in reversed(model.__mro__):
-        if cls in (BaseModel, object) or not issubclass(cls, BaseModel):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-        except (OSError, TypeError, SyntaxError):
-            continue
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for stmt, nxt in zip(body, [*body[1:], None], strict=True):
-            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                    and isinstance(nxt.value.value, str)):
-                docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
-    return docs
-
+from registry.validation import field_docs
 
 _SCALARS = {str: "string", int: "int", float: "float", bool: "bool", Path: "path",
             type(None): "null", Any: "any"}
@@ -103,7 +81,7 @@ def model_section(model: type[BaseModel], title: str, level: int = 2,
     (which tells apart tables of one page with the same path)."""
     seen = set() if seen is None else seen
     seen.add(model)
-    docs = _attribute_docstrings(model)
+    docs = field_docs(model)
     heading = title if path or " " in title else f"`{title}`"
     out = [f"{'#' * min(level, 6)} {heading}", ""]
     if model.__doc__ and model.__doc__ is not BaseModel.__doc__:
@@ -123,7 +101,7 @@ def model_section(model: type[BaseModel], title: str, level: int = 2,
     out += ["| key | type | default | meaning |", "|---|---|---|---|"]
     for name, field in model.model_fields.items():
         key = field.alias or name
-        meaning = field.description or docs.get(name, "")
+        meaning = docs[name]
         default = _field_default(field)
         below = [titles[m][1] for m in _models_in(field.annotation) if m in titles]
         if default == "see below" and below:

@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from fleet.cli import main
 from fleet.learn.plan import LearnPlan
 from fleet.rollout.plan import PlanError, RolloutPlan, validate_plan
+from registry.validation import field_docs
 
 
 def plan(**kw: object) -> RolloutPlan:
@@ -93,7 +94,8 @@ def test_every_plan_flag_help_says_the_whole_description(
         return re.sub(r"-\s+", "-", " ".join(s.split()))
 
     text = flat(capsys.readouterr().out)
-    for name, f in model.model_fields.items():
-        if name == "name" or not f.description:
+    for name, doc in field_docs(model).items():
+        if name == "name":
             continue
-        assert flat(f.description) in text, name
+        assert doc, f"{model.__name__}.{name} has no string under it"
+        assert flat(doc) in text, name
