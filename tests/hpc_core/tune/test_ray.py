@@ -326,13 +326,18 @@ def test_a_killed_driver_is_restored_without_rerunning_finished_trials(
     )
     try:
         # Kill it once the saved state holds a finished trial and a running one that has
-        # reported a checkpoint.
+        # reported two checkpoints. Ray records a reported checkpoint as the trial's only
+        # when the trial's "save" task comes back, after the result itself: a state saved in
+        # between has the result's checkpoint_dir_name but no checkpoint to restore from (a
+        # clean-clone run killed it there and the trial restarted at step 0). That save
+        # comes back before the next result, so with a second one the first is recorded.
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             _just_after_a_save(out, deadline)
             trials = _experiment_trials(out)
             done = [r for s, r in trials if s == "TERMINATED"]
-            running = [r for s, r in trials if s == "RUNNING" and r.get("checkpoint_dir_name")]
+            running = [r for s, r in trials if s == "RUNNING" and r.get("checkpoint_dir_name")
+                       and r.get("step", 0) >= 20]
             if done and running:
                 break
             assert driver.poll() is None, "the search ended before it could be interrupted"
