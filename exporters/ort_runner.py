@@ -29,6 +29,11 @@ import onnxruntime as ort
 from exporters.detection.outputs import OUTPUT_NAMES, pack
 
 PRECISE_INT8 = ("session.x64quantprecision", "1")
+NO_SPINNING = ("session.intra_op.allow_spinning", "0")
+"""ONNX Runtime's intra-op threads spin between runs by default, waiting for the next one:
+a session serving 20 requests/s kept a core 80 % busy doing nothing (python
+benchmarks/ort_spin.py). The serving runtime turns it off (:class:`agent.runtime.ActiveModel`):
+on a device that core belongs to the fine-tune and the board's heat budget."""
 
 
 def ort_session(
@@ -37,11 +42,15 @@ def ort_session(
     threads: int = 0,
     providers: Sequence[str | tuple[str, dict[str, str]]] | None = None,
     optimize: bool = True,
+    spin: bool = True,
 ) -> ort.InferenceSession:
     """A session on ``path``; ``threads`` 0 = ONNX Runtime's default (all cores).
 
     ``optimize=False`` turns graph optimization off: Q/DQ then stays unfused and every
     operator runs in float, the reference the fused INT8 kernels are checked against.
+    ``spin=False`` lets the intra-op threads sleep between runs (:data:`NO_SPINNING`): for
+    sessions that wait on requests; work that runs back to back (gates, evaluation) keeps
+    ONNX Runtime's default. One thread has no pool, so nothing to spin either way.
     """
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
@@ -51,6 +60,8 @@ def ort_session(
         else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     )
     opts.add_session_config_entry(*PRECISE_INT8)
+    if not spin:
+        opts.add_session_config_entry(*NO_SPINNING)
     return ort.InferenceSession(str(path), opts,
                                 providers=list(providers or ["CPUExecutionProvider"]))
 

@@ -134,7 +134,8 @@ def run_serve(args: argparse.Namespace) -> int:
             return fail(2, f"serve: spool: {' '.join(str(e).split())[:300]}")
         spool = Spool(spool_dir(args.spool_data_root, args.model), cfg)
     with ActiveModel(state_dir_of(args), args.model, providers=providers,
-                     threads=args.threads, slo_ms=args.slo_ms, spool=spool) as model:
+                     threads=args.threads, spin=args.spin, slo_ms=args.slo_ms,
+                     spool=spool) as model:
         if model.version is None:
             log.info("no committed version of %s yet: serving it once one is committed%s",
                      args.model, f" ({model.last_error})" if model.last_error else "",
@@ -188,6 +189,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the application's p99 latency objective, reported to the governor")
     p.add_argument("--threads", type=int, default=0,
                    help="ONNX Runtime intra-op threads (default 0: all cores)")
+    p.add_argument("--spin", action="store_true",
+                   help="let ONNX Runtime's threads spin between requests: a little lower "
+                   "latency with more than one thread, for a core kept busy while idle (by "
+                   "default they sleep: on a device that core is the fine-tune's)")
     p.add_argument("--providers", metavar="LIST",
                    help="ONNX Runtime providers, comma-separated (default: the best available, "
                    "TensorRT > CUDA > CPU)")

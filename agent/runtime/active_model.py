@@ -109,20 +109,23 @@ class ActiveModel:
     """``name``'s committed version in ``state_dir``, served from this process.
 
     ``providers``/``threads`` go to ONNX Runtime (None: the best provider it has; 0 threads:
-    its default). ``slo_ms`` is the application's p99 objective, written into its stats for
-    the governor. ``spool`` (any object with ``record(x, *, label, logits) -> int``) takes
-    the samples :meth:`record` is given. With no committed model yet, :meth:`predict` raises
-    NoActiveModelError; :meth:`wait_ready` waits for the first commit.
+    its default); its threads sleep between requests unless ``spin`` (the lowest latency on
+    cores nothing else needs, for a core kept busy). ``slo_ms`` is the application's p99
+    objective, written into its stats for the governor. ``spool`` (any object with
+    ``record(x, *, label, logits) -> int``) takes the samples :meth:`record` is given. With no
+    committed model yet, :meth:`predict` raises NoActiveModelError; :meth:`wait_ready` waits
+    for the first commit.
     """
 
     def __init__(self, state_dir: Path, name: str, *, providers: list[str] | None = None,
-                 threads: int = 0, slo_ms: float | None = None, poll_s: float = 0.2,
+                 threads: int = 0, spin: bool = False, slo_ms: float | None = None,
+                 poll_s: float = 0.2,
                  spool: SampleSpool | None = None, stats_interval_s: float = 1.0,
                  stats_window_s: float = 10.0) -> None:
         if slo_ms is not None and slo_ms <= 0:
             raise ValueError(f"slo_ms={slo_ms}: a latency objective is a positive number of ms")
         self.state_dir, self.name = Path(state_dir), name
-        self.providers, self.threads, self.slo_ms = providers, threads, slo_ms
+        self.providers, self.threads, self.spin, self.slo_ms = providers, threads, spin, slo_ms
         self.poll_s, self.spool = poll_s, spool
         self.stats_interval_s, self.stats_window_s = stats_interval_s, stats_window_s
         self._slots = ModelSlots(self.state_dir, name)
@@ -346,7 +349,7 @@ class ActiveModel:
         t0 = time.perf_counter()
         engine = None
         try:
-            engine = engine_for(slot_path, self.providers, threads=self.threads)
+            engine = engine_for(slot_path, self.providers, threads=self.threads, spin=self.spin)
             _warm(engine)
         except Exception as e:
             if engine is not None:

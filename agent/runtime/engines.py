@@ -102,10 +102,10 @@ class OnnxEngine:
     platform = "onnxruntime_onnx"
 
     def __init__(self, path: Path, *, providers: list[ProviderSpec] | None = None, threads: int = 0,
-                 notes: tuple[str, ...] = ()) -> None:
+                 spin: bool = True, notes: tuple[str, ...] = ()) -> None:
         self.path = Path(path)
         self.session: ort.InferenceSession | None = ort_session(
-            self.path, threads=threads, providers=providers or onnx_providers())
+            self.path, threads=threads, providers=providers or onnx_providers(), spin=spin)
         inp = self.session.get_inputs()[0]
         self.input_name, self.input_shape = inp.name, _dims(inp.shape)
         self.outputs = tuple(TensorSpec(o.name, onnx_datatype(o.type, o.name), _dims(o.shape))
@@ -173,10 +173,11 @@ def _tensorrt_engine(engine: Path) -> tuple[ServingEngine | None, str | None]:
 
 
 def engine_for(slot_path: Path, providers: list[str] | None = None, *,
-               threads: int = 0) -> ServingEngine:
+               threads: int = 0, spin: bool = True) -> ServingEngine:
     """The runtime for the version in ``slot_path`` (a slot folder, or any folder laid out
     like one): its TensorRT engine where usable, else its ONNX file in ONNX Runtime.
-    ``providers`` overrides the ONNX Runtime provider choice; ``threads`` 0 = its default."""
+    ``providers`` overrides the ONNX Runtime provider choice; ``threads`` 0 = its default;
+    ``spin=False``: its threads sleep between runs (``exporters.ort_runner.ort_session``)."""
     artefacts = Path(slot_path) / ARTEFACTS
     notes: list[str] = []
     engine = artefacts / ENGINE_FILE
@@ -199,4 +200,4 @@ def engine_for(slot_path: Path, providers: list[str] | None = None, *,
         notes.append(f"ONNX Runtime here offers {', '.join(ort.get_available_providers())}: "
                      f"running on {wanted[0]}")
     return OnnxEngine(onnx, providers=with_engine_cache(wanted, slot_path, onnx),
-                      threads=threads, notes=tuple(notes))
+                      threads=threads, spin=spin, notes=tuple(notes))

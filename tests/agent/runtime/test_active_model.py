@@ -18,6 +18,7 @@ from agent.runtime.active_model import ActiveModel, NoSpoolError
 from agent.runtime.engine_outputs import EngineOutputs, TensorSpec
 from agent.runtime.latency import LatencyWindow, percentiles
 from agent.runtime.stats import read_stats
+from exporters.ort_runner import NO_SPINNING
 from registry.errors import NoActiveModelError
 from tests.agent.runtime.conftest import MODEL, Device, served_version
 
@@ -109,7 +110,8 @@ def test_requests_in_flight_finish_on_the_old_engine_which_is_then_released(
         device: Device, monkeypatch: pytest.MonkeyPatch) -> None:
     engines: dict[int, GatedEngine] = {}
 
-    def fake_engine_for(slot: Path, providers: Any, *, threads: int = 0) -> GatedEngine:
+    def fake_engine_for(slot: Path, providers: Any, *, threads: int = 0,
+                        spin: bool = True) -> GatedEngine:
         version = int((slot / "COMPLETE").read_text().split('"version": "')[1].split('"')[0])
         engines[version] = GatedEngine(version)
         return engines[version]
@@ -191,6 +193,29 @@ def test_bad_input_is_refused_with_the_reason_and_serving_goes_on(device: Device
             model.predict(np.zeros((2, 1, 8, 8)))
         assert served_version(model.predict(ZERO)) == 1
         assert model.stats().failed == 2
+
+
+def _spinning(model: ActiveModel) -> bool:
+    """Whether the served session's intra-op threads spin between runs (ONNX Runtime's
+    default: no ``allow_spinning`` entry, or "1")."""
+    assert model._current is not None
+    options = model._current.engine.session.get_session_options()  # type: ignore[attr-defined]
+    try:
+        return options.get_session_config_entry(NO_SPINNING[0]) != "0"
+    except RuntimeError:  # no such entry
+        return True
+
+
+def test_served_sessions_sleep_between_requests_unless_asked_to_spin(device: Device) -> None:
+    """A spinning ONNX Runtime pool kept a core ~80 % busy serving 20 requests/s (python
+    benchmarks/ort_spin.py): the runtime's threads sleep unless ``spin``. Both answer alike."""
+    device.install(1)
+    with ActiveModel(device.state, MODEL, threads=2) as model:
+        assert served_version(model.predict(ZERO)) == 1
+        assert not _spinning(model)
+    with ActiveModel(device.state, MODEL, threads=2, spin=True) as model:
+        assert served_version(model.predict(ZERO)) == 1
+        assert _spinning(model)
 
 
 class ListSpool:
