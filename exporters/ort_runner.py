@@ -31,7 +31,7 @@ from exporters.detection.outputs import OUTPUT_NAMES, pack
 PRECISE_INT8 = ("session.x64quantprecision", "1")
 NO_SPINNING = ("session.intra_op.allow_spinning", "0")
 """ONNX Runtime's intra-op threads spin between runs by default, waiting for the next one:
-a session serving 20 requests/s kept a core 80 % busy doing nothing (python
+a session serving 20 requests/s kept a core 79 % busy doing nothing (python
 benchmarks/ort_spin.py). The serving runtime turns it off (:class:`agent.runtime.ActiveModel`):
 on a device that core belongs to the fine-tune and the board's heat budget."""
 
