@@ -20,6 +20,7 @@ from hpc_core.checkpoint import load_model
 from hpc_core.config import DataConfig, config_from_dict
 from hpc_core.data import build_datasets, held_out
 from hpc_core.trainer import Trainer
+from tests.support.built_once import built_once
 
 
 @dataclass
@@ -109,16 +110,23 @@ class TrainedDetector:
 
 @pytest.fixture(scope="session")
 def detector(tmp_path_factory: pytest.TempPathFactory) -> TrainedDetector:
+    """Trained once per run, shared by the test processes (read only)."""
     from hpc_core.config import load_config
 
-    out = tmp_path_factory.mktemp("detector")
     repo = Path(__file__).resolve().parents[2]
-    cfg = load_config(repo / "configs/detection_cpu.yaml", [
-        f"run.output_dir={out}", "data.synthetic={images: 32, size: 64, classes: [square, "
-        "circle], objects: [1, 1], object_size: [0.4, 0.6]}", f"data.image_size={DETECTOR_SIZE}",
-        "data.val_fraction=0.25", "training.max_steps=100", "training.eval_every_steps=null",
-        "checkpoint.every_steps=null", "schedule.warmup_steps=3", "optimizer.lr=0.003",
-        "logging.progress=off", "training.device=cpu", "training.channels_last=false"])
-    result = Trainer(cfg).train()
-    assert result.checkpoint_dir is not None
-    return TrainedDetector(result.checkpoint_dir, cfg)
+
+    def config(out: Path) -> Any:
+        return load_config(repo / "configs/detection_cpu.yaml", [
+            f"run.output_dir={out}", "data.synthetic={images: 32, size: 64, classes: [square, "
+            "circle], objects: [1, 1], object_size: [0.4, 0.6]}",
+            f"data.image_size={DETECTOR_SIZE}", "data.val_fraction=0.25",
+            "training.max_steps=100", "training.eval_every_steps=null",
+            "checkpoint.every_steps=null", "schedule.warmup_steps=3", "optimizer.lr=0.003",
+            "logging.progress=off", "training.device=cpu", "training.channels_last=false"])
+
+    def train(out: Path) -> None:
+        result = Trainer(config(out)).train()
+        assert result.checkpoint_dir == out / "checkpoints" / "final", result.checkpoint_dir
+
+    out = built_once(tmp_path_factory, "exporters-detector", train)
+    return TrainedDetector(out / "checkpoints" / "final", config(out))

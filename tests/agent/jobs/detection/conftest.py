@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import pytest
 
 from tests.agent.jobs.conftest import REPO, Device, make_keys, publish_v1
+from tests.support.built_once import built_once
 from tests.support.registry_server import RegistryServer
 
 SIZE = 64
@@ -86,7 +87,8 @@ class DetectorDevice(Device):
 
 @pytest.fixture(scope="session")
 def detector_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_detector_template(tmp_path_factory.mktemp("detector"))
+    """Trained once per run (~30 s of CPU), shared by the test processes: read only."""
+    return built_once(tmp_path_factory, "detector-template", build_detector_template)
 
 
 @pytest.fixture(scope="session")
