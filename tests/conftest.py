@@ -22,6 +22,9 @@ torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The CPU by test file after --durations (make test is CPU-bound: where the CPU goes).
+pytest_plugins = ["tests.support.cpu_report"]
+
 # The files that take longest, longest first (`make test`'s --durations, summed per file). With
 # `--dist loadfile --no-loadscope-reorder` xdist hands files out in collection order, one at a
 # time as a process frees up: starting the long scenarios first keeps both processes busy to

@@ -1,0 +1,68 @@
+"""The suite's CPU by test file, printed at the end of every run beside ``--durations``.
+
+``make test`` is CPU-bound on a 2-core host (its two test processes and the processes they
+start keep both cores busy ~90 % of the run), so wall time per test says less than where the
+CPU goes: a test that waits on a broker holds a process but leaves the core to the other. Each
+test's CPU is what its test process used (all its threads) plus every process it started and
+waited for (``RUSAGE_CHILDREN``: agents, device jobs, probes, the demo's whole tree), over
+setup, call and teardown; a process still running when the test ends is not counted. The
+summary sums it per file, with the run's total against the cores the wall time offered.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections import defaultdict
+from collections.abc import Generator
+
+import pytest
+
+KEY = "cpu_s"
+"""The user property a test's report carries its CPU seconds in (it crosses to the xdist
+controller with the report)."""
+TOP = 15
+_start: pytest.StashKey[float] = pytest.StashKey()
+_by_file: defaultdict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+_began = time.monotonic()
+
+
+def _cpu_s() -> float:
+    me, children = (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
+                                                   resource.RUSAGE_CHILDREN))
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_start] = _cpu_s()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, pytest.TestReport, None]:
+    outcome = yield
+    if call.when == "teardown" and _start in item.stash:
+        outcome.get_result().user_properties.append((KEY, _cpu_s() - item.stash[_start]))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    entry = _by_file[report.nodeid.split("::")[0]]
+    entry[0] += sum(float(v) for k, v in report.user_properties if k == KEY)
+    entry[1] += report.duration  # setup, call and teardown
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _by_file or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    total = sum(cpu for cpu, _ in _by_file.values())
+    wall = time.monotonic() - _began
+    cores = os.cpu_count() or 1
+    tr = terminalreporter
+    tr.section(f"CPU by test file (top {TOP})")
+    tr.write_line(f"{'CPU s':>8} {'wall s':>8}  file")
+    for path, (cpu, spent) in sorted(_by_file.items(), key=lambda kv: -kv[1][0])[:TOP]:
+        tr.write_line(f"{cpu:8.0f} {spent:8.0f}  {path}")
+    tr.write_line(f"all {len(_by_file)} files: {total:.0f} CPU-s in {wall:.0f} s wall, "
+                  f"{total / wall:.2f} of {cores} cores busy on average")
