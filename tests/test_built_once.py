@@ -55,7 +55,7 @@ print(built_once(Factory(), "shared", build))
 
 
 def test_two_workers_of_one_run_share_one_build(tmp_path: Path) -> None:
-    env = {"PYTEST_XDIST_WORKER": "gw0", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
     workers = [subprocess.Popen([sys.executable, "-c", _WORKER, str(tmp_path), w], cwd=REPO,
                                 env={**env, "PYTEST_XDIST_WORKER": w}, text=True,
                                 stdout=subprocess.PIPE) for w in ("gw0", "gw1")]

@@ -1,5 +1,5 @@
-"""tests/support/cpu_report.py: the CPU by test file counts the test's own process and the
-processes it waited for, and stays out of the way in an xdist worker."""
+"""tests/support/cpu_report.py: the CPU by test file counts the processes a test started and
+waited for, and not the time it slept."""
 
 from __future__ import annotations
 

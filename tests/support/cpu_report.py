@@ -1,7 +1,7 @@
 """The suite's CPU by test file, printed at the end of every run beside ``--durations``.
 
 ``make test`` is CPU-bound on a 2-core host (its two test processes and the processes they
-start keep both cores busy ~90 % of the run), so wall time per test says less than where the
+start keep both cores 80-90 % busy over the run), so wall time per test says less than where the
 CPU goes: a test that waits on a broker holds a process but leaves the core to the other. Each
 test's CPU is what its test process used (all its threads) plus every process it started and
 waited for (``RUSAGE_CHILDREN``: agents, device jobs, probes, the demo's whole tree), over
