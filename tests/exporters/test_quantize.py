@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -173,3 +174,53 @@ def test_group_norm_affine_parameters_stay_in_float(tmp_path: Path) -> None:
     assert all(r.array.dtype == np.int8 for r in refs)
     ref = model(torch.from_numpy(calib)).detach().numpy()
     assert np.mean(predict(OrtRunner(out.path), calib).argmax(1) == ref.argmax(1)) > 0.9
+
+
+QUANTIZE_IN_A_FRESH_PROCESS = """
+import json, sys
+from pathlib import Path
+import numpy as np
+import onnx
+from benchmarks.ort_spin import small_convnet
+from exporters.int8_recipe import TENSORRT_RECIPE
+from exporters.job import CalibrationConfig
+from exporters.qdq_check import check_qdq
+from exporters.quantize import prepare_for_quantization, quantize_int8
+out = Path(sys.argv[1])
+small_convnet(out / "fp32.onnx", 16)
+prepared = prepare_for_quantization(out / "fp32.onnx", out / "prep.onnx")
+shapes = len(onnx.load(str(prepared)).graph.value_info)
+calib = np.random.default_rng(0).random((1, 3, 16, 16), dtype=np.float32)
+int8 = quantize_int8(prepared, out / "int8.onnx", calib_inputs=calib, input_name="image",
+                     cfg=CalibrationConfig(samples=1, batch_size=1), recipe=TENSORRT_RECIPE)
+print(json.dumps({"torch": "torch" in sys.modules, "shapes": shapes,
+                  "qdq": check_qdq(int8.path)}))
+"""
+
+
+def test_quantizing_loads_no_torch(tmp_path: Path, subprocess_env: dict[str, str]) -> None:
+    """The export's ONNX Runtime half (its own process, within the job's budget) prepares and
+    quantizes without importing torch: ``onnxruntime.tools``' ``__init__`` would import it
+    (1.4 s and 187 MB of that process's peak RSS on the demo's model) for helpers nothing uses. The
+    symbolic shape inference still runs: the prepared graph carries its inferred shapes."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", QUANTIZE_IN_A_FRESH_PROCESS, str(tmp_path)],
+                       capture_output=True, text=True, env=subprocess_env, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out == {"torch": False, "shapes": out["shapes"], "qdq": []}, out
+    assert out["shapes"] >= 8  # every conv and relu output between the input and the logits
+
+
+def test_an_imported_onnxruntime_tools_is_left_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    from exporters.quantize import ort_tools_without_torch
+
+    mine = types.ModuleType("onnxruntime.tools")
+    monkeypatch.setitem(sys.modules, "onnxruntime.tools", mine)
+    ort_tools_without_torch()
+    assert sys.modules["onnxruntime.tools"] is mine
