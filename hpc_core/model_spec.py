@@ -79,8 +79,13 @@ def check_against_spec(manifest: Manifest, *, allow_custom: bool = False) -> Non
     compare_tensors(manifest, want)
 
 
-def read_checkpoint(source: Path) -> VersionContent:
-    """Resolve a run or checkpoint dir and read its weights' layout, spec and metrics."""
+def read_checkpoint(source: Path, *, layout: LayoutRecord | None = None) -> VersionContent:
+    """Resolve a run or checkpoint dir and read its weights' layout, spec and metrics.
+
+    ``layout``: one already recorded for this checkpoint's spec (a version staged from it):
+    an ecosystem model's layout is then taken from it instead of building the module, which
+    imports torch and its model library (~300 MB in a process that had neither). The tensors
+    are checked against it either way; a layout of another spec is not used."""
     from hpc_core.checkpoint_layout import CheckpointError, read_trainer_state, resolve_checkpoint
     from hpc_core.config import ConfigError, config_from_dict
 
@@ -110,7 +115,10 @@ def read_checkpoint(source: Path) -> VersionContent:
                             epoch=state.get("epoch"), metrics=metrics, pretrained=pretrained)
     tensors = read_safetensors_index(ckpt / "model.safetensors")
     spec = m.model_copy(update={"weights": None})
-    layout = record_layout(spec) if is_ecosystem(spec.name) else None
+    if not is_ecosystem(spec.name):
+        layout = None
+    elif layout is None or layout.built_from != spec:
+        layout = record_layout(spec)
     if layout is not None:
         compare_tensors_to_layout(layout, {t.name: (t.dtype, tuple(t.shape)) for t in tensors},
                                   source=str(ckpt / "model.safetensors"))

@@ -36,7 +36,8 @@ def run(ctx: JobContext) -> dict[str, Any]:
     key = load_signing_key(signing_key_path(ctx))
     version = ctx.spec.upload.version or ctx.outputs["stage"]["version"]
     artefacts = [Path(a) for a in export_artefacts(ctx.outputs)]
-    content = with_training_data(read_checkpoint(Path(ctx.outputs["finetune"]["checkpoint"])),
+    checkpoint = Path(ctx.outputs["finetune"]["checkpoint"])
+    content = with_training_data(read_checkpoint(checkpoint, layout=_staged_layout(ctx)),
                                  ctx.job_dir)
     try:
         report = publish(
@@ -49,6 +50,21 @@ def run(ctx: JobContext) -> dict[str, Any]:
         m, uri = _uploaded_before(ctx, target, version, parent.version, key), target
     return {"version": m.version, "parent": m.parent, "sequence": m.sequence, "uri": str(uri),
             "signer": m.signer.name}
+
+
+def _staged_layout(ctx: JobContext) -> Any:
+    """The layout the stage step's child recorded for these very weights (an ecosystem
+    model's, torchvision's or timm's, built there on meta tensors), read from the version this
+    job committed: the worker uses it rather than import torch and the model's library to
+    build it again. None where the active version is no longer the one this job staged."""
+    from agent.storage.slots import ModelSlots
+
+    stage = ctx.outputs["stage"]
+    active = ModelSlots(ctx.state_dir, ctx.spec.model).active()
+    if active is None or active.version != stage["version"] or (
+            stage.get("manifest_sha256", active.manifest_sha256) != active.manifest_sha256):
+        return None
+    return active.manifest.layout
 
 
 def update_metrics(outputs: dict[str, Any]) -> dict[str, float]:

@@ -88,3 +88,20 @@ def test_tampered_layout_refused(trained: Path) -> None:
     del doc["layout"]
     with pytest.raises(SpecMismatchError, match="records no layout"):
         check_model_spec(Manifest.model_validate(doc), b"")
+
+
+def test_a_recorded_layout_is_reused_only_for_its_own_spec(trained: Path) -> None:
+    """A version staged from this checkpoint already holds its layout: reading the checkpoint
+    with it builds no module (the device job's torch-free worker uploads this way), the
+    tensors are still checked against it, and a layout recorded for another spec is ignored
+    and built afresh."""
+    built = read_checkpoint(trained).layout
+    assert built is not None
+    recorded = built.model_copy(update={"built_with": "the stage step's child"})
+    assert read_checkpoint(trained, layout=recorded).layout == recorded
+    wrong = recorded.model_copy(update={"tensors": {"fc.weight": ("F32", (10, 512))}})
+    with pytest.raises(SpecMismatchError):
+        read_checkpoint(trained, layout=wrong)
+    other = recorded.model_copy(update={
+        "built_from": recorded.built_from.model_copy(update={"num_classes": 12})})
+    assert read_checkpoint(trained, layout=other).layout == built
