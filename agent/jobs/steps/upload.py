@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.jobs.protocol import (
     JobContext,
@@ -18,6 +18,9 @@ from agent.jobs.protocol import (
     signing_key_path,
     trusted_keys,
 )
+
+if TYPE_CHECKING:
+    from registry.manifest import LayoutRecord
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
@@ -52,7 +55,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
             "signer": m.signer.name}
 
 
-def _staged_layout(ctx: JobContext) -> Any:
+def _staged_layout(ctx: JobContext) -> LayoutRecord | None:
     """The layout the stage step's child recorded for these very weights (an ecosystem
     model's, torchvision's or timm's, built there on meta tensors), read from the version this
     job committed: the worker uses it rather than import torch and the model's library to
