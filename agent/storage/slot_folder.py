@@ -53,6 +53,12 @@ class InstalledSlot:
     def version(self) -> str:
         return self.manifest.version
 
+    def holds(self, version: str | None, manifest_sha256: str | None = None) -> bool:
+        """The slot holds ``version`` and, where given, the very manifest of that digest (what
+        a job's stage step recorded; a job recorded before the digest gives none): not another
+        version, nor the same name staged again by another job or a pull."""
+        return self.version == version and manifest_sha256 in (None, self.manifest_sha256)
+
 
 def _read_marker(path: Path) -> dict[str, object] | None:
     try:

@@ -76,8 +76,8 @@ def rollback(ctx: JobContext) -> dict[str, Any]:
     mine = ctx.outputs.get("stage", {})
     # Only this job's own staged version (never one another job or a pull put there since,
     # and never a committed one: the rollback target).
-    if staged is not None and staged.version == mine.get("version") and not staged.committed \
-            and mine.get("manifest_sha256", staged.manifest_sha256) == staged.manifest_sha256:
+    if staged is not None and not staged.committed \
+            and staged.holds(mine.get("version"), mine.get("manifest_sha256")):
         slots.discard_staged()
     active = slots.active()
     return {"why": "; ".join(ctx.outputs.get("health", {}).get("failures", [])) or "job ended",

@@ -42,8 +42,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
     slots = ModelSlots(ctx.state_dir, ctx.spec.model)
     active, staged = slots.active(), slots.standby()
     mine = ctx.outputs["stage"]
-    if staged is None or staged.version != mine["version"] or (
-            mine.get("manifest_sha256", staged.manifest_sha256) != staged.manifest_sha256):
+    if staged is None or not staged.holds(mine["version"], mine.get("manifest_sha256")):
         raise StepFailed("health", f"the version this job staged, {mine['version']}, is no "
                          "longer in the standby slot: another job or a pull replaced it")
     # A device with no active model yet compares against the upstream it started from.

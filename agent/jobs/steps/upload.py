@@ -64,8 +64,7 @@ def _staged_layout(ctx: JobContext) -> LayoutRecord | None:
 
     stage = ctx.outputs["stage"]
     active = ModelSlots(ctx.state_dir, ctx.spec.model).active()
-    if active is None or active.version != stage["version"] or (
-            stage.get("manifest_sha256", active.manifest_sha256) != active.manifest_sha256):
+    if active is None or not active.holds(stage["version"], stage.get("manifest_sha256")):
         return None
     return active.manifest.layout
 
