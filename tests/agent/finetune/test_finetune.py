@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -140,13 +141,14 @@ def test_the_plan_is_probed_at_the_size_it_picks(
     def peak(m: int) -> float:
         return 270.0 + 0.9 * m + 0.005 * m * m
 
-    calls: list[int] = []
+    calls: list[tuple[tuple[int, ...], bool]] = []
 
-    def fake_probe(cfg: object, init: Path, trainable: str, micro: int) -> Probe:
-        calls.append(micro)
-        return Probe(peak(micro), 250.0)
+    def fake_probes(cfg: object, init: Path, trainable: str, sizes: Sequence[int], *,
+                    fork: bool) -> dict[int, Probe]:
+        calls.append((tuple(sizes), fork))
+        return {m: Probe(peak(m), 250.0) for m in sizes}
 
-    monkeypatch.setattr(memory_plan, "probe_subprocess", fake_probe)
+    monkeypatch.setattr(memory_plan, "run_probes", fake_probes)
     cfg = config_from_dict({
         "run": {"name": "plan", "output_dir": str(tmp_path / "job")},
         "data": {"source": "digits"}, "model": {"name": "small_cnn"},
@@ -160,6 +162,12 @@ def test_the_plan_is_probed_at_the_size_it_picks(
     plan = plan_micro_batch(cfg, tmp_path, "all", budget, cache=cache)
     assert plan.micro_batch_size in plan.probes and plan.micro_batch_size > 16
     assert peak(plan.micro_batch_size) <= budget, plan
+    # Each repeat probes the small sizes forked from one start-up; the size the plan picks,
+    # near the budget, in fresh processes (no copy-on-write pages beside it).
+    assert calls[:2] == [((4, 8, 16), True)] * 2, calls
+    verified = calls[2:]
+    assert verified and all(len(sizes) == 1 and not fork for sizes, fork in verified), calls
+    assert ((plan.micro_batch_size,), False) in verified, calls
     assert plan.accumulation_steps * plan.micro_batch_size >= 256
     # The verification probes are cached with the rest: planning again probes nothing.
     calls.clear()
@@ -167,12 +175,13 @@ def test_the_plan_is_probed_at_the_size_it_picks(
     assert calls == [] and again.probes_reused and again.micro_batch_size == plan.micro_batch_size
 
     # A probe the kernel kills (its size out of the line's reach): the plan stays below it.
-    def killed_past_100(cfg: object, init: Path, trainable: str, micro: int) -> Probe:
-        if micro > 100:
-            raise RuntimeError(f"memory probe at micro-batch {micro} failed: killed")
-        return Probe(peak(micro), 250.0)
+    def killed_past_100(cfg: object, init: Path, trainable: str, sizes: Sequence[int], *,
+                        fork: bool) -> dict[int, Probe]:
+        if max(sizes) > 100:
+            raise RuntimeError(f"memory probe at micro-batch {max(sizes)} failed: killed")
+        return {m: Probe(peak(m), 250.0) for m in sizes}
 
-    monkeypatch.setattr(memory_plan, "probe_subprocess", killed_past_100)
+    monkeypatch.setattr(memory_plan, "run_probes", killed_past_100)
     low = plan_micro_batch(cfg, tmp_path, "all", 10_000.0, cache=tmp_path / "other.json")
     assert low.micro_batch_size <= 100 and low.micro_batch_size in low.probes, low
 
@@ -186,8 +195,9 @@ def test_a_start_up_peak_above_the_small_probes_does_not_flatten_the_line(
     def step(m: int) -> float:
         return 254.0 + 3.3 * m
 
-    monkeypatch.setattr(memory_plan, "probe_subprocess",
-                        lambda cfg, init, trainable, m: Probe(step(m), 309.0))
+    monkeypatch.setattr(memory_plan, "run_probes",
+                        lambda cfg, init, trainable, sizes, fork: {
+                            m: Probe(step(m), 309.0) for m in sizes})
     cfg = config_from_dict({
         "run": {"name": "plan", "output_dir": str(tmp_path / "job")},
         "data": {"source": "digits"}, "model": {"name": "resnet"},

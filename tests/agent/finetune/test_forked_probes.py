@@ -1,0 +1,92 @@
+"""The memory plan's forked probes (``agent.finetune.memory_plan --forked``): one fresh process
+starts up as a probe does, then forks a child per micro-batch size. They must measure what a
+fresh probe measures, name the size whose child failed, and never fork where forking is unsafe."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.finetune import memory_plan
+from agent.finetune.memory_plan import Probe, probe_forked, probe_subprocess
+from hpc_core.config import TrainConfig, load_config
+from hpc_core.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainConfig, Path]:
+    """A digits small_cnn checkpoint (two real steps) and the fine-tune config that probes it."""
+    root = tmp_path_factory.mktemp("forked")
+    sets = ["data.image_size=16", "logging.progress=off", "model.kwargs={width: 16}"]
+    Trainer(load_config(REPO / "configs/digits.yaml",
+                        [f"run.output_dir={root / 'up'}", "training.max_steps=2", *sets])).train()
+    cfg = load_config(REPO / "configs/digits.yaml",
+                      [f"run.output_dir={root / 'job'}", "training.global_batch_size=16", *sets])
+    return cfg, root / "up" / "checkpoints" / "final"
+
+
+def test_forked_probes_measure_what_a_fresh_probe_does(job: tuple[TrainConfig, Path]) -> None:
+    cfg, start = job
+    forked = probe_forked(cfg, start, "all", [4, 16])
+    assert forked is not None and sorted(forked) == [4, 16]
+    fresh = probe_subprocess(cfg, start, "all", 16)
+    # Fresh probes of one size differ by a few MB between processes; a forked child that
+    # missed the start-up's pages (or counted the server's twice) would be tens of MB off.
+    assert abs(forked[16].step_mb - fresh.step_mb) <= 12.0, (forked, fresh)
+    assert abs(forked[16].startup_mb - fresh.startup_mb) <= 12.0, (forked, fresh)
+    assert forked[4].step_mb <= forked[16].step_mb + 3.0, forked
+    # One start-up, one child per size: each answer came from its own child of the server.
+    spec = cfg.run.output_dir / "probes" / "forked.json"
+    p = subprocess.run([sys.executable, "-m", "agent.finetune.memory_plan", "--forked",
+                        str(spec)], capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    answers = [json.loads(line) for line in p.stdout.splitlines()]
+    assert [a["micro"] for a in answers] == [4, 16]
+    server = {a["server"] for a in answers}
+    assert len(server) == 1 and server != {a["pid"] for a in answers}, answers
+    assert len({a["pid"] for a in answers}) == 2 and all(a["startup_mb"] > 0 for a in answers)
+
+
+def test_a_failing_child_is_named_by_its_size(job: tuple[TrainConfig, Path]) -> None:
+    cfg, start = job
+    broken = cfg.model_copy(update={
+        "data": cfg.data.model_copy(update={"source": "npz", "path": Path("/nonexistent.npz")}),
+        "run": cfg.run.model_copy(update={"output_dir": cfg.run.output_dir.parent / "broken"})})
+    with pytest.raises(RuntimeError, match=r"memory probe at micro-batch 4 failed") as e:
+        probe_forked(broken, start, "all", [4, 16])
+    assert "nonexistent.npz" in str(e.value)  # the child's own error, from the server's stderr
+
+
+def test_fork_is_refused_beside_a_running_thread() -> None:
+    code = ("import threading, time; from agent.finetune.memory_plan import fork_blocker; "
+            "print(fork_blocker()); t = threading.Thread(target=time.sleep, args=(5,), "
+            "daemon=True); t.start(); print(fork_blocker())")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    alone, beside = p.stdout.splitlines()
+    assert alone == "None"
+    assert beside == "2 threads are running in the probe process"
+
+
+def test_a_thread_list_it_cannot_hand_a_child_probes_each_size_fresh(
+    job: tuple[TrainConfig, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OMP_NUM_THREADS as a nested list ("4,2"): the server starts with one thread and gives
+    each child the job's count, which a list is not; each size gets a fresh process."""
+    cfg, start = job
+    fresh: list[int] = []
+    monkeypatch.setenv("OMP_NUM_THREADS", "4,2")
+    monkeypatch.setattr(memory_plan, "probe_subprocess",
+                        lambda cfg, init, trainable, m: fresh.append(m) or Probe(1.0, 1.0))
+    assert probe_forked(cfg, start, "all", [4, 16]) is None
+    assert memory_plan.run_probes(cfg, start, "all", [4, 16], fork=True) == {
+        4: Probe(1.0, 1.0), 16: Probe(1.0, 1.0)}
+    assert fresh == [4, 16]
