@@ -4,11 +4,13 @@ Before a device fine-tune trains, ``agent.finetune.memory_plan`` probes its trai
 three small micro-batches, twice each, to fit the largest micro-batch its budget holds. Each
 probe was a fresh process, and starting up (torch, the ``torch._dynamo`` every optimizer
 imports, the model) is most of a small probe's cost. Now each repeat is one fresh process that
-starts up once and forks a child per size (``--forked``). Measured here, alternating, on a real
-checkpoint (two steps of a digits model, trained first): both ways of one plan's probes (the
-three sizes, twice), their CPU (user + system of every process, from ``getrusage``) and wall
-time, and the step and start-up peaks each way reports, which must agree within the probes'
-noise. Verdict: the forked probes' CPU / the fresh probes' (target <= 0.5).
+starts up once and forks a child per size (``agent.finetune.memory_probes``, ``--forked``).
+Measured here, alternating, on a real checkpoint (two steps of a digits model, trained
+first) and a device's data set (``scripts/make_device_data.py``): both ways of one plan's
+probes (the three sizes, twice), their CPU (user + system of every process, from
+``getrusage``) and wall time, and the step and start-up peaks each way reports, which must
+agree within the probes' noise. Verdict: the forked probes' CPU / the fresh probes' (target
+<= 0.5).
 
     python benchmarks/probes.py [--rounds 3] [--model small_cnn] [--image-size 16]
 """
@@ -47,7 +49,8 @@ def main() -> int:
     a = parse_args(ap, {"rounds": 1, "image_size": 8})
     if a.rounds < 1:
         ap.error("--rounds must be at least 1")
-    from agent.finetune.memory_plan import REPEATS, probe_points, run_probes
+    from agent.finetune.memory_plan import REPEATS, probe_points
+    from agent.finetune.memory_probes import run_probes
     from hpc_core.config import load_config
     from hpc_core.trainer import Trainer
 
@@ -62,6 +65,11 @@ def main() -> int:
         Trainer(load_config(REPO / "configs/digits.yaml", [
             f"run.output_dir={root / 'up'}", "training.max_steps=2", *sets])).train()
         start = root / "up" / "checkpoints" / "final"
+        # The device's own data set, as a device job reads it (an .npz of its camera's images).
+        sys.path.insert(0, str(REPO / "scripts"))
+        from make_device_data import make_device_data
+
+        data = make_device_data(root / "device.npz", ["invert", "noise"], a.image_size)
         sizes = probe_points(16)
         cpu: dict[bool, list[float]] = {False: [], True: []}
         wall: dict[bool, list[float]] = {False: [], True: []}
@@ -71,7 +79,8 @@ def main() -> int:
             for fork in (False, True):
                 cfg = load_config(REPO / "configs/digits.yaml", [
                     f"run.output_dir={root / f'job-{r}-{fork}'}",
-                    "training.global_batch_size=16", *sets])
+                    "training.global_batch_size=16", "data.source=npz", f"data.path={data}",
+                    *sets])
                 c0, t0 = children_cpu(), time.perf_counter()
                 runs = [run_probes(cfg, start, "all", sizes, fork=fork) for _ in range(REPEATS)]
                 wall[fork].append(time.perf_counter() - t0)

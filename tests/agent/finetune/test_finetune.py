@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from agent.finetune import memory_plan
 from agent.finetune.job import FinetuneJob
-from agent.finetune.memory_plan import BudgetTooSmall, Probe, fit_plan, plan_micro_batch
+from agent.finetune.memory_plan import BudgetTooSmall, fit_plan, plan_micro_batch
+from agent.finetune.memory_probes import Probe
 from agent.finetune.model import apply_trainable, enable_activation_checkpointing
 from agent.finetune.recipe import run_finetune
 from hpc_core.config import config_from_dict, load_config

@@ -1,4 +1,4 @@
-"""The memory plan's forked probes (``agent.finetune.memory_plan --forked``): one fresh process
+"""The memory plan's forked probes (``agent.finetune.memory_probes --forked``): one fresh process
 starts up as a probe does, then forks a child per micro-batch size. They must measure what a
 fresh probe measures, name the size whose child failed, and never fork where forking is unsafe."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.finetune import memory_plan
-from agent.finetune.memory_plan import Probe, probe_forked, probe_subprocess
+from agent.finetune import memory_probes
+from agent.finetune.memory_probes import Probe, probe_forked, probe_subprocess
 from hpc_core.config import TrainConfig, load_config
 from hpc_core.trainer import Trainer
 
@@ -43,7 +43,7 @@ def test_forked_probes_measure_what_a_fresh_probe_does(job: tuple[TrainConfig, P
     assert forked[4].step_mb <= forked[16].step_mb + 3.0, forked
     # One start-up, one child per size: each answer came from its own child of the server.
     spec = cfg.run.output_dir / "probes" / "forked.json"
-    p = subprocess.run([sys.executable, "-m", "agent.finetune.memory_plan", "--forked",
+    p = subprocess.run([sys.executable, "-m", "agent.finetune.memory_probes", "--forked",
                         str(spec)], capture_output=True, text=True, timeout=300, cwd=REPO,
                        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert p.returncode == 0, p.stderr[-2000:]
@@ -65,7 +65,7 @@ def test_a_failing_child_is_named_by_its_size(job: tuple[TrainConfig, Path]) -> 
 
 
 def test_fork_is_refused_beside_a_running_thread() -> None:
-    code = ("import threading, time; from agent.finetune.memory_plan import fork_blocker; "
+    code = ("import threading, time; from agent.finetune.memory_probes import fork_blocker; "
             "print(fork_blocker()); t = threading.Thread(target=time.sleep, args=(5,), "
             "daemon=True); t.start(); print(fork_blocker())")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -84,9 +84,9 @@ def test_a_thread_list_it_cannot_hand_a_child_probes_each_size_fresh(
     cfg, start = job
     fresh: list[int] = []
     monkeypatch.setenv("OMP_NUM_THREADS", "4,2")
-    monkeypatch.setattr(memory_plan, "probe_subprocess",
+    monkeypatch.setattr(memory_probes, "probe_subprocess",
                         lambda cfg, init, trainable, m: fresh.append(m) or Probe(1.0, 1.0))
     assert probe_forked(cfg, start, "all", [4, 16]) is None
-    assert memory_plan.run_probes(cfg, start, "all", [4, 16], fork=True) == {
+    assert memory_probes.run_probes(cfg, start, "all", [4, 16], fork=True) == {
         4: Probe(1.0, 1.0), 16: Probe(1.0, 1.0)}
     assert fresh == [4, 16]
