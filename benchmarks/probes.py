@@ -79,7 +79,8 @@ def main() -> int:
             for fork in (False, True):
                 cfg = load_config(REPO / "configs/digits.yaml", [
                     f"run.output_dir={root / f'job-{r}-{fork}'}",
-                    "training.global_batch_size=16", "data.source=npz", f"data.path={data}",
+                    "training.global_batch_size=16", "training.device=cpu", "data.source=npz",
+                    f"data.path={data}",
                     *sets])
                 c0, t0 = children_cpu(), time.perf_counter()
                 runs = [run_probes(cfg, start, "all", sizes, fork=fork) for _ in range(REPEATS)]

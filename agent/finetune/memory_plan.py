@@ -213,7 +213,10 @@ def plan_micro_batch(
     method = ("probe subprocess peak RSS" + (" + CUDA reserved" if device == "cuda" else "")
               + f", {len(sizes)} sizes x {REPEATS}"
               + (", whole-tree budget" if job_process_mb else ""))
-    points = measure(sizes, fork=True)
+    # Forked only on CPU: a process that once touched CUDA (even cuInit, which torch's default
+    # availability check runs) poisons its forked children's CUDA, and no GPU host has run the
+    # forked server yet.
+    points = measure(sizes, fork=device == "cpu")
     plan = fit_plan(budget_mb, effective, points, method, job_process_mb=job_process_mb,
                     startup_mb=startup())
     failed: list[int] = []

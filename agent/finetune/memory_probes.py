@@ -7,8 +7,8 @@ on CUDA the step's includes the most the caching allocator reserved. The planner
 (:mod:`agent.finetune.memory_plan`) fits its line through them.
 
 Forked probes: starting up (torch imported, with the ``torch._dynamo`` its optimizers pull
-in, and the model loaded) is most of a small probe's cost: ~2.7 of its ~3.5 CPU-s on x86 here,
-more on a Jetson's cores. So the small sizes of one repeat share one start-up (``--forked``): a
+in, and the model loaded) is most of a small probe's cost: ~2.7 of its ~3.5 CPU-s on x86
+here. So the small sizes of one repeat share one start-up (``--forked``): a
 fresh process starts up as a probe does, in the same order (so its start-up peak is a probe's),
 frees its model and forks a child per size, which loads the weights, builds the trainer and
 trains; the server only waits. The children's peaks matched fresh probes' within their noise
@@ -18,7 +18,10 @@ the pages a child writes twice (the server keeps the originals): +5-30 MB of PSS
 probe here, so the size the plan picks, near the budget, is verified in fresh processes as
 before. The server starts with one OpenMP thread (a team of more is running threads at the
 fork, which a child could deadlock on) and each child takes the job's count; where a thread
-runs anyway, or CUDA is initialized, the server refuses and every size is probed fresh.
+runs anyway, or a size trains on CUDA, the server refuses and every size is probed fresh. The
+planner forks CPU probes only: a process that touched CUDA (even the ``cuInit`` of torch's
+default availability check) poisons its forked children's CUDA, and no GPU host has run the
+server yet.
 """
 
 from __future__ import annotations
@@ -68,8 +71,8 @@ planner probes each size in a fresh process instead."""
 def run_probes(cfg: TrainConfig, init_checkpoint: Path, trainable: str, sizes: Sequence[int], *,
                fork: bool) -> dict[int, Probe]:
     """One repeat's probes at ``sizes``: with ``fork`` (and more than one size) children of one
-    fresh process that imported the libraries once (:func:`probe_forked`), else a fresh
-    process per size (:func:`probe_subprocess`)."""
+    fresh process that started up once (:func:`probe_forked`), else, or where that process
+    found forking unsafe, a fresh process per size (:func:`probe_subprocess`)."""
     if fork and len(sizes) > 1:
         found = probe_forked(cfg, init_checkpoint, trainable, sizes)
         if found is not None:
@@ -209,7 +212,8 @@ def _forked_main(spec_path: str) -> int:
     del model  # each child loads its own, as the fine-tune will
     gc.collect()
     gc.freeze()  # the collector never touches (so never copies) what the children share
-    why = fork_blocker()
+    why = fork_blocker() or next((f"micro-batch {m} trains on CUDA" for m, c in configs.items()
+                                  if c.training.device == "cuda"), None)
     if why is not None:
         print(why, file=sys.stderr)
         return FORK_UNSAFE

@@ -56,7 +56,7 @@ def _plan(ctx: JobContext, setup: FinetuneSetup) -> MemoryPlan:
     key = fit_key(ctx.spec.model, start, Path(ctx.spec.data), ft.model_dump())
     try:
         plan = plan_micro_batch(
-            probe_cfg, start, ft.trainable, setup.budget_mb,
+            probe_cfg, start, ft.trainable, setup.budget_mb, device=setup.device,
             job_process_mb=rss_mb(os.getpid()),
             cache=ctx.state_dir / "cache" / "memory_probes.json")
     except BudgetTooSmall as e:  # the job's answer, not a crash to retry

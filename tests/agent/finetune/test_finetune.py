@@ -169,6 +169,10 @@ def test_the_plan_is_probed_at_the_size_it_picks(
     verified = calls[2:]
     assert verified and all(len(sizes) == 1 and not fork for sizes, fork in verified), calls
     assert ((plan.micro_batch_size,), False) in verified, calls
+    # On CUDA nothing is forked: a parent that touched CUDA poisons its children's.
+    calls.clear()
+    plan_micro_batch(cfg, tmp_path, "all", budget, device="cuda")
+    assert calls[:2] == [((4, 8, 16), False)] * 2 and not any(fork for _, fork in calls), calls
     assert plan.accumulation_steps * plan.micro_batch_size >= 256
     # The verification probes are cached with the rest: planning again probes nothing.
     calls.clear()

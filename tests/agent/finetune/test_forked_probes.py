@@ -64,6 +64,22 @@ def test_a_failing_child_is_named_by_its_size(job: tuple[TrainConfig, Path]) -> 
     assert "nonexistent.npz" in str(e.value)  # the child's own error, from the server's stderr
 
 
+def test_a_probe_on_cuda_is_never_forked(job: tuple[TrainConfig, Path]) -> None:
+    """The server refuses (before any child) where a size trains on CUDA; the planner then
+    probes each size fresh. A CPU host can still check the refusal."""
+    cfg, start = job
+    cuda = cfg.model_copy(update={
+        "training": cfg.training.model_copy(update={"device": "cuda"}),
+        "run": cfg.run.model_copy(update={"output_dir": cfg.run.output_dir.parent / "cuda"})})
+    assert probe_forked(cuda, start, "all", [4, 16]) is None  # refused: the planner goes fresh
+    spec = cuda.run.output_dir / "probes" / "forked.json"
+    p = subprocess.run([sys.executable, "-m", "agent.finetune.memory_probes", "--forked",
+                        str(spec)], capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert p.returncode == memory_probes.FORK_UNSAFE, p.stderr[-2000:]
+    assert "micro-batch 4 trains on CUDA" in p.stderr and p.stdout == ""
+
+
 def test_fork_is_refused_beside_a_running_thread() -> None:
     code = ("import threading, time; from agent.finetune.memory_probes import fork_blocker; "
             "print(fork_blocker()); t = threading.Thread(target=time.sleep, args=(5,), "
