@@ -46,17 +46,20 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="plans probed each way (median)")
     ap.add_argument("--model", default="small_cnn", help="hpc_core model name (digits data)")
     ap.add_argument("--image-size", type=int, default=16, help="input side, pixels")
-    a = parse_args(ap, {"rounds": 1, "image_size": 8})
-    if a.rounds < 1:
-        ap.error("--rounds must be at least 1")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="repeats of each size, each way (default: the planner's, 2)")
+    a = parse_args(ap, {"rounds": 1, "image_size": 8, "repeats": 1})
+    if a.rounds < 1 or (a.repeats is not None and a.repeats < 1):
+        ap.error("--rounds and --repeats must be at least 1")
     from agent.finetune.memory_plan import REPEATS, probe_points
     from agent.finetune.memory_probes import run_probes
     from hpc_core.config import load_config
     from hpc_core.trainer import Trainer
 
+    repeats = a.repeats or REPEATS
     print(f"host: {cpu_line()}")
     print(f"python {sys.version.split()[0]}; command: python benchmarks/probes.py --rounds "
-          f"{a.rounds} --model {a.model} --image-size {a.image_size}"
+          f"{a.rounds} --model {a.model} --image-size {a.image_size} --repeats {repeats}"
           f"{' --quick' if a.quick else ''}\n")
     with tempfile.TemporaryDirectory(prefix="probes-bench-") as tmp:
         root = Path(tmp)
@@ -83,14 +86,14 @@ def main() -> int:
                     f"data.path={data}",
                     *sets])
                 c0, t0 = children_cpu(), time.perf_counter()
-                runs = [run_probes(cfg, start, "all", sizes, fork=fork) for _ in range(REPEATS)]
+                runs = [run_probes(cfg, start, "all", sizes, fork=fork) for _ in range(repeats)]
                 wall[fork].append(time.perf_counter() - t0)
                 cpu[fork].append(children_cpu() - c0)
                 for run in runs:
                     for m, probe in run.items():
                         peaks[fork].setdefault(m, []).append(probe.step_mb)
                         startup[fork].append(probe.startup_mb)
-        print(f"one plan's probes: sizes {sizes}, {REPEATS} repeats; median of {a.rounds}")
+        print(f"one plan's probes: sizes {sizes}, {repeats} repeats; median of {a.rounds}")
         print(f"{'way':<34} {'CPU s':>7} {'wall s':>7} "
               + " ".join(f"{f'step@{m} MB':>11}" for m in sizes) + f" {'start-up MB':>12}")
         for fork, name in ((False, "fresh process per size (before)"),

@@ -136,6 +136,8 @@ def probe_forked(cfg: TrainConfig, init_checkpoint: Path, trainable: str,
         if line.startswith("{"):
             out = json.loads(line)
             found[int(out["micro"])] = Probe(float(out["peak_mb"]), float(out["startup_mb"]))
+            log.debug("memory probe at micro-batch %s: child %s of server %s: %s", out["micro"],
+                      out["pid"], out["server"], found[int(out["micro"])])
     missing = [m for m in sizes if m not in found]
     if p.returncode != 0 or missing:
         micro = missing[0] if missing else sizes[-1]
@@ -201,6 +203,10 @@ def _forked_main(spec_path: str) -> int:
     die_with_parent()
     spec = json.loads(Path(spec_path).read_text())
     configs = {int(m): config_from_dict(c) for m, c in spec["configs"].items()}
+    cuda = [m for m, c in configs.items() if c.training.device == "cuda"]
+    if cuda:  # before torch is imported: nothing to start up for
+        print(f"micro-batch {cuda[0]} trains on CUDA", file=sys.stderr)
+        return FORK_UNSAFE
     # A fresh probe's start-up, in its order, so that its peak is this process's: the model
     # loaded, the cold library pages dropped, the optimizer's torch._dynamo, dropped again.
     model, _ = prepare_model(Path(spec["checkpoint"]), spec["trainable"])
@@ -212,8 +218,7 @@ def _forked_main(spec_path: str) -> int:
     del model  # each child loads its own, as the fine-tune will
     gc.collect()
     gc.freeze()  # the collector never touches (so never copies) what the children share
-    why = fork_blocker() or next((f"micro-batch {m} trains on CUDA" for m, c in configs.items()
-                                  if c.training.device == "cuda"), None)
+    why = fork_blocker()
     if why is not None:
         print(why, file=sys.stderr)
         return FORK_UNSAFE
