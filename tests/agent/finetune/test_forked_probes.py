@@ -65,7 +65,7 @@ def test_a_failing_child_is_named_by_its_size(job: tuple[TrainConfig, Path]) -> 
 
 
 def test_a_probe_on_cuda_is_never_forked(job: tuple[TrainConfig, Path]) -> None:
-    """The server refuses (before any child) where a size trains on CUDA; the planner then
+    """The server refuses (before it starts up) where a size trains on CUDA; the planner then
     probes each size fresh. A CPU host can still check the refusal."""
     cfg, start = job
     cuda = cfg.model_copy(update={
