@@ -14,7 +14,7 @@ frees its model and forks a child per size, which loads the weights, builds the 
 trains; the server only waits. The children's peaks matched fresh probes' within their noise
 (``tests/agent/finetune/test_forked_probes.py``). Each repeat is its own fresh process, so the
 spread between repeats is still the noise between processes. Copy-on-write costs the tree
-the pages a child writes twice (the server keeps the originals): +5-30 MB of PSS beside a
+the pages a child writes twice (the server keeps the originals): +5-36 MB of PSS beside a
 probe here, so the size the plan picks, near the budget, is verified in fresh processes as
 before. The server starts with one OpenMP thread (a team of more is running threads at the
 fork, which a child could deadlock on) and each child takes the job's count; where a thread
