@@ -163,20 +163,22 @@ def fork_blocker() -> str | None:
     return None
 
 
-def _probe_main(spec_path: str) -> None:
+def _measure(cfg: TrainConfig, checkpoint: Path, trainable: str,
+             started: float = 0.0) -> dict[str, float]:
+    """The probe itself, in this process: load, build, train at ``cfg``'s micro-batch; its
+    start-up peak (at least ``started``: a forked child's server started up for it) and its
+    training step's peak."""
     from agent.finetune.cold_pages import drop_cold_pages
     from agent.finetune.model import prepare_model
     from hpc_core.metrics import peak_rss_mb, reset_peak_rss
     from hpc_core.trainer import Trainer
 
-    spec = json.loads(Path(spec_path).read_text())
-    cfg = config_from_dict(spec["config"])
     # The fine-tune (agent.finetune.recipe) drops torch's cold pages at the same two points.
-    model, _ = prepare_model(Path(spec["checkpoint"]), spec["trainable"])
+    model, _ = prepare_model(checkpoint, trainable)
     drop_cold_pages()
     trainer = Trainer(cfg, model=model)
     drop_cold_pages()
-    startup = peak_rss_mb()
+    startup = max(started, peak_rss_mb())
     reset_peak_rss()  # where it cannot be reset, the step's peak includes the start-up's
     trainer.train()
     peak = peak_rss_mb()
@@ -184,7 +186,13 @@ def _probe_main(spec_path: str) -> None:
         import torch
 
         peak += torch.cuda.max_memory_reserved(trainer.device) / 2**20
-    print(json.dumps({"peak_mb": peak, "startup_mb": startup}))
+    return {"peak_mb": peak, "startup_mb": startup}
+
+
+def _probe_main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    print(json.dumps(_measure(config_from_dict(spec["config"]), Path(spec["checkpoint"]),
+                              spec["trainable"])))
 
 
 def _forked_main(spec_path: str) -> int:
@@ -244,34 +252,21 @@ def _forked_main(spec_path: str) -> int:
 
 
 def _forked_probe(cfg: TrainConfig, spec: dict[str, Any], started: float, answer: int) -> None:
-    """One forked child: load, build, train at ``cfg``'s micro-batch; its peaks to ``answer``."""
+    """One forked child: :func:`_measure` at ``cfg``'s micro-batch; its peaks to ``answer``."""
     code = 1
     try:
         import torch
 
-        from agent.finetune.cold_pages import drop_cold_pages
-        from agent.finetune.model import prepare_model
-        from hpc_core.metrics import peak_rss_mb, reset_peak_rss
-        from hpc_core.trainer import Trainer
         from registry.lifetime import die_with_parent
 
         die_with_parent()  # a server killed at its timeout takes its child along
         os.dup2(2, 1)  # the server's stdout carries the answers alone
         torch.set_num_threads(spec["threads"])
-        model, _ = prepare_model(Path(spec["checkpoint"]), spec["trainable"])
-        drop_cold_pages()
-        trainer = Trainer(cfg, model=model)
-        drop_cold_pages()
         # The high-water mark restarted at the fork: the server's start-up peak is this
         # child's too, as a fresh probe's imports are part of its own.
-        startup = max(started, peak_rss_mb())
-        reset_peak_rss()
-        trainer.train()
-        peak = peak_rss_mb()
-        if trainer.device.type == "cuda":
-            peak += torch.cuda.max_memory_reserved(trainer.device) / 2**20
-        os.write(answer, json.dumps({"peak_mb": peak, "startup_mb": startup,
-                                     "pid": os.getpid(), "server": os.getppid()}).encode())
+        peaks = _measure(cfg, Path(spec["checkpoint"]), spec["trainable"], started)
+        os.write(answer, json.dumps({**peaks, "pid": os.getpid(),
+                                     "server": os.getppid()}).encode())
         code = 0
     except BaseException:  # reported on stderr; the server names the size
         import traceback
