@@ -160,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m exporters.qdq_check MODEL.onnx ...``: exit 1 when any file has violations."""
     import argparse
 
+    from registry.lifetime import freeze_at_exit
+
+    freeze_at_exit()
+
     ap = argparse.ArgumentParser(
         prog="python -m exporters.qdq_check",
         description="Check ONNX files for TensorRT-compatible symmetric int8 Q/DQ: zero-points "

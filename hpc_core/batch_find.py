@@ -51,6 +51,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from hpc_core.config import ConfigError, TrainConfig, config_from_dict, load_config
+from registry.lifetime import freeze_at_exit
 
 # Not imported here: torch and the trainer. The parent only starts probes; each child imports
 # them itself, so the parent's own memory never enters a measurement.
@@ -162,6 +163,7 @@ def run_probe(request: ProbeRequest) -> Probe:
 
 
 def _child_main() -> int:
+    freeze_at_exit()
     request = ProbeRequest.model_validate_json(sys.stdin.read())
     print(run_probe(request).model_dump_json())
     return 0

@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from registry.atomic import private_umask
+from registry.lifetime import freeze_at_exit
 
 # Command modules, in the order they appear in --help.
 COMMAND_MODULES = (
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @private_umask()
 def main(argv: list[str] | None = None) -> int:
+    freeze_at_exit()
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -149,26 +149,26 @@ def follow_job(args: argparse.Namespace, cmd: dict[str, Any], progress: str) -> 
     from agent.jobs.store import JobStore
 
     state_dir = state_dir_of(args)
-    store = JobStore(state_dir)
-    mode = None if progress == "auto" else progress
-    stage = {"name": ""}
-    with ProgressDisplay(store, cmd["id"], mode) as display:  # type: ignore[arg-type]
-        def on_result(r: dict[str, Any]) -> None:
-            st = (r.get("progress") or {}).get("stage")
-            if st and st != stage["name"]:
-                stage["name"] = st
-                display.on_event(st, {"status": "started"})
-            if r["status"] in ("REJECTED", "EXPIRED", "DUPLICATE"):
-                _print_result(args)(r)
+    with JobStore(state_dir) as store:
+        mode = None if progress == "auto" else progress
+        stage = {"name": ""}
+        with ProgressDisplay(store, cmd["id"], mode) as display:  # type: ignore[arg-type]
+            def on_result(r: dict[str, Any]) -> None:
+                st = (r.get("progress") or {}).get("stage")
+                if st and st != stage["name"]:
+                    stage["name"] = st
+                    display.on_event(st, {"status": "started"})
+                if r["status"] in ("REJECTED", "EXPIRED", "DUPLICATE"):
+                    _print_result(args)(r)
 
-        code = send_command(args, cmd, follow=True, on_result=on_result)
-    rec = store.get(cmd["id"])
-    if rec is None or code in (2, 3):
-        return code
-    print_rows(summary_rows(rec, store.steps(cmd["id"])))
-    print(json.dumps({"job": rec.id, "state": rec.state.value, "result": rec.result,
-                      "error": rec.error}, sort_keys=True))
-    return 0 if rec.state.value == "SUCCEEDED" else 1
+            code = send_command(args, cmd, follow=True, on_result=on_result)
+        rec = store.get(cmd["id"])
+        if rec is None or code in (2, 3):
+            return code
+        print_rows(summary_rows(rec, store.steps(cmd["id"])))
+        print(json.dumps({"job": rec.id, "state": rec.state.value, "result": rec.result,
+                          "error": rec.error}, sort_keys=True))
+        return 0 if rec.state.value == "SUCCEEDED" else 1
 
 
 # -- commands ----------------------------------------------------------------------------------
@@ -204,12 +204,15 @@ def run_cancel(args: argparse.Namespace) -> int:
     from agent.jobs.store import JobStore
 
     state_dir = state_dir_of(args)
-    rec = JobStore(state_dir).get(args.job_id) if (state_dir / "jobs.db").is_file() else None
-    if rec is None:
+    if not (state_dir / "jobs.db").is_file():
         return fail(1, f"cancel: no job {args.job_id!r} in {state_dir / 'jobs.db'}")
-    if rec.terminal:
-        return fail(1, f"cancel: job {args.job_id!r} already ended {rec.state.value}")
-    JobStore(state_dir).request_cancel(args.job_id)
+    with JobStore(state_dir) as store:
+        rec = store.get(args.job_id)
+        if rec is None:
+            return fail(1, f"cancel: no job {args.job_id!r} in {state_dir / 'jobs.db'}")
+        if rec.terminal:
+            return fail(1, f"cancel: job {args.job_id!r} already ended {rec.state.value}")
+        store.request_cancel(args.job_id)
     print(f"{args.job_id}: cancel requested (no daemon: the process running the job stops "
           "at its next step)")
     return 0

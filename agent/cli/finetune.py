@@ -142,7 +142,10 @@ def _check_job(args: argparse.Namespace, state_dir: Path, job_id: str) -> int | 
     from agent.jobs.store import JobStore
 
     db = state_dir / "jobs.db"
-    existing = JobStore(state_dir).get(job_id) if db.is_file() else None
+    existing = None
+    if db.is_file():
+        with JobStore(state_dir) as store:
+            existing = store.get(job_id)
     folder = state_dir / "jobs" / job_id
     if args.resume:
         if existing is None:
@@ -182,8 +185,9 @@ def _submit_and_execute(args: argparse.Namespace, state_dir: Path, job_id: str,
     from agent.jobs.store import JobStore
 
     if spec is not None:
-        _, created = JobStore(state_dir).submit(job_id, "finetune", spec.model_dump(mode="json"),
-                                                timeout_s=args.timeout_s, source="cli")
+        with JobStore(state_dir) as store:
+            _, created = store.submit(job_id, "finetune", spec.model_dump(mode="json"),
+                                      timeout_s=args.timeout_s, source="cli")
         if not created:  # stored by the daemon meanwhile: never run one job twice
             return fail(2, f"finetune: job {job_id!r} exists: pass --resume to continue it or "
                         "another --job-id")
@@ -203,23 +207,23 @@ def _execute(state_dir: Path, job_id: str, progress: str, term: dict[str, bool])
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     if term["seen"]:
         stop.set()
-    store = JobStore(state_dir)
-    mode = None if progress == "auto" else progress
-    with ProgressDisplay(store, job_id, mode) as display:  # type: ignore[arg-type]
-        code = run_job(state_dir, job_id, on_event=display.on_event, stop=stop)
-    rec = store.get(job_id)
-    assert rec is not None
-    if code == EX_TEMPFAIL:
-        return fail(EX_TEMPFAIL, f"finetune: suspended by SIGTERM; continue with --job-id "
-                    f"{job_id} --resume")
-    print_rows(summary_rows(rec, store.steps(job_id)))
-    print(json.dumps({"job": job_id, "state": rec.state.value, "result": rec.result,
-                      "error": rec.error}, sort_keys=True))
-    if rec.state is JobState.SUCCEEDED:
-        return 0
-    # A step found the arguments impossible here before anything trained (a forced
-    # micro-batch over the budget, a spool too small): bad input, as at submission.
-    return 2 if (rec.error or {}).get("code") == "BAD_ARGS" else 1
+    with JobStore(state_dir) as store:
+        mode = None if progress == "auto" else progress
+        with ProgressDisplay(store, job_id, mode) as display:  # type: ignore[arg-type]
+            code = run_job(state_dir, job_id, on_event=display.on_event, stop=stop)
+        rec = store.get(job_id)
+        assert rec is not None
+        if code == EX_TEMPFAIL:
+            return fail(EX_TEMPFAIL, f"finetune: suspended by SIGTERM; continue with --job-id "
+                        f"{job_id} --resume")
+        print_rows(summary_rows(rec, store.steps(job_id)))
+        print(json.dumps({"job": job_id, "state": rec.state.value, "result": rec.result,
+                          "error": rec.error}, sort_keys=True))
+        if rec.state is JobState.SUCCEEDED:
+            return 0
+        # A step found the arguments impossible here before anything trained (a forced
+        # micro-batch over the budget, a spool too small): bad input, as at submission.
+        return 2 if (rec.error or {}).get("code") == "BAD_ARGS" else 1
 
 
 def _one_line(e: ConfigError) -> str:

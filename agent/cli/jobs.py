@@ -41,8 +41,11 @@ def _when(ts: float | None) -> str:
 
 
 def run_jobs(args: argparse.Namespace) -> int:
+    recs = []
     store = _store(args)
-    recs = store.list(limit=args.limit) if store is not None else []
+    if store is not None:
+        with store:
+            recs = store.list(limit=args.limit)
     for r in recs:
         if args.json:
             print(json.dumps({"id": r.id, "type": r.type, "state": r.state.value,
@@ -62,11 +65,14 @@ def run_jobs(args: argparse.Namespace) -> int:
 def run_job_cmd(args: argparse.Namespace) -> int:
     from agent.jobs.display import print_rows, summary_rows
 
+    rec, steps = None, []
     store = _store(args)
-    rec = store.get(args.id) if store is not None else None
+    if store is not None:
+        with store:
+            rec = store.get(args.id)
+            steps = store.steps(args.id)
     if rec is None:
         return fail(2, f"job: no job {args.id!r} in {state_dir_of(args) / 'jobs.db'}")
-    steps = store.steps(args.id)
     if args.json:
         print(json.dumps({"job": {**rec.__dict__, "state": rec.state.value},
                           "steps": [s.__dict__ for s in steps]}, sort_keys=True, default=str))

@@ -9,9 +9,11 @@ import sys
 from agent.finetune.job import FinetuneJob
 from agent.finetune.recipe import run_finetune
 from hpc_core.metrics import peak_rss_mb
+from registry.lifetime import freeze_at_exit
 
 
 def main(job_json: str) -> None:
+    freeze_at_exit()
     result = run_finetune(FinetuneJob.model_validate_json(job_json))
     print(json.dumps({**result.report, "rss_mb": peak_rss_mb()}))
 

@@ -197,10 +197,18 @@ class JobStore:
         return conn
 
     def close(self) -> None:
+        """Close this thread's connection (``with JobStore(...)``): left open, it would outlive
+        the exit's skipped collection (registry.lifetime) and leave the -wal and -shm files."""
         conn = getattr(self._local, "conn", None)
         if conn is not None and getattr(self._local, "pid", None) == os.getpid():
             conn.close()
         self._local.conn = None
+
+    def __enter__(self) -> JobStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:

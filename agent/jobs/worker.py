@@ -40,7 +40,7 @@ from agent.jobs.spec import SPECS
 from agent.jobs.store import JobState, JobStore
 from contract import check_command_id
 from registry.atomic import remove_stale_temps
-from registry.lifetime import die_with_parent
+from registry.lifetime import die_with_parent, freeze_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,14 @@ def _run_locked(
     state_dir: Path, job_id: str, on_event: Callable[[str, dict[str, Any]], None] | None,
     stop: StopFlag | None,
 ) -> int:
-    store = JobStore(state_dir)
+    with JobStore(state_dir) as store:
+        return _run_stored(store, state_dir, job_id, on_event, stop)
+
+
+def _run_stored(
+    store: JobStore, state_dir: Path, job_id: str,
+    on_event: Callable[[str, dict[str, Any]], None] | None, stop: StopFlag | None,
+) -> int:
     rec = store.get(job_id)
     if rec is None:
         print(f"worker: no job {job_id!r} in {store.path}", file=sys.stderr)
@@ -98,6 +105,7 @@ def _run_locked(
 
 
 def main(argv: list[str] | None = None) -> int:
+    freeze_at_exit()
     p = argparse.ArgumentParser(prog="python -m agent.jobs.worker", description=__doc__)
     p.add_argument("--state-dir", type=Path, required=True)
     p.add_argument("--job-id", required=True)

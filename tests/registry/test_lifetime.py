@@ -1,8 +1,10 @@
-"""registry.lifetime: a helper process dies with its parent, kill -9 included."""
+"""registry.lifetime: a helper process dies with its parent, kill -9 included; every process
+this repository starts skips the interpreter's last collections at exit."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,3 +49,86 @@ def test_the_child_dies_when_its_parent_is_killed() -> None:
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(child), "the child outlived its parent"
+
+
+# Handlers registered before and after freeze_at_exit (called twice: one registration) print
+# whether the collector's objects were frozen when they ran: atexit runs them last-in
+# first-out, so the later one runs before the freeze and the earlier one after it.
+FROZEN = f"""
+import atexit, gc, sys
+sys.path.insert(0, {str(REPO)!r})
+atexit.register(lambda: print("earlier handler: frozen", gc.get_freeze_count() > 0))
+from registry.lifetime import freeze_at_exit
+n = atexit._ncallbacks()
+freeze_at_exit()
+freeze_at_exit()
+print("registrations", atexit._ncallbacks() - n)
+atexit.register(lambda: print("later handler: frozen", gc.get_freeze_count() > 0))
+sys.exit(3)
+"""
+
+
+def test_freeze_at_exit_freezes_once_at_the_end_and_every_handler_still_runs() -> None:
+    done = subprocess.run([sys.executable, "-c", FROZEN], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 3, done.stderr  # the exit code is the process's own
+    assert done.stdout.splitlines() == [
+        "registrations 1", "later handler: frozen False", "earlier handler: frozen True"]
+
+
+# Every product module that runs as a program (``if __name__ == "__main__":``) and every
+# console script, run in one process with freeze_at_exit replaced by a recorder, each with
+# ``--help`` (or arguments it refuses): each must have called it by the time it exits.
+ARGV = {"hpc_core.batch_find": ["--probe"]}  # its one mode: a probe reading its request
+NOT_ENTRY_POINTS = {
+    "fleet/learn/child.py": "execs its command at once (the command is the process)",
+    "agent/daemon/main.py": "edge-agent, a service: it ends once a boot, and its threads' job "
+                            "store connections are left to the collector at its exit",
+}
+ENTRY = f"""
+import runpy, sys, importlib
+sys.path.insert(0, {str(REPO)!r})
+import registry.lifetime
+argv = {ARGV!r}
+calls = []
+registry.lifetime.freeze_at_exit = lambda: calls.append(1)
+for name in sys.argv[1:]:
+    del calls[:]
+    module, _, func = name.partition(":")
+    sys.argv = [module, *argv.get(module, ["--help"])]
+    try:
+        if func:
+            getattr(importlib.import_module(module), func)(["--help"])
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except BaseException:  # --help exits; a job step's child refuses a missing job folder
+        pass
+    print("@@", name, bool(calls), flush=True)
+"""
+
+
+def _entry_points() -> list[str]:
+    found = []
+    for package in ("agent", "hpc_core", "exporters", "fleet", "registry", "contract",
+                    "device_profiles"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if rel in NOT_ENTRY_POINTS or 'if __name__ == "__main__":' not in path.read_text():
+                continue
+            if path.name == "__init__.py":
+                continue  # a package's main is a console script, below
+            found.append(rel[:-3].replace("/", ".").removesuffix(".__main__"))
+    scripts = (REPO / "pyproject.toml").read_text().split("[project.scripts]")[1].split("[")[0]
+    found += re.findall(r'^[a-z-]+ = "([a-z_.]+:[a-z_]+)"$', scripts, re.M)
+    return [e for e in found if f"{e.split(':')[0].replace('.', '/')}.py" not in NOT_ENTRY_POINTS]
+
+
+def test_every_program_freezes_at_exit() -> None:
+    entries = _entry_points()
+    assert "agent.jobs.steps.finetune" in entries and "agent.cli:main" in entries, entries
+    done = subprocess.run([sys.executable, "-c", ENTRY, *entries], capture_output=True,
+                          text=True, timeout=300, cwd=REPO, stdin=subprocess.DEVNULL)
+    seen = dict(line[3:].rsplit(" ", 1) for line in done.stdout.splitlines()
+                if line.startswith("@@ "))
+    assert set(seen) == set(entries), (done.stdout, done.stderr[-3000:])
+    assert [e for e in entries if seen[e] != "True"] == []

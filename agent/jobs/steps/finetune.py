@@ -215,8 +215,11 @@ def child(c: StepContext) -> dict[str, Any]:
     else:
         setup = resolve_setup(job, plan=False)
         write_json_atomic(c.job_dir / SETUP, setup.model_dump(mode="json"))
-    result = run_paced(job, resume=True, hooks=[StoreHook(c.state_dir, c.job_id)], setup=setup,
-                       state_dir=c.state_dir)
+    hook = StoreHook(c.state_dir, c.job_id)
+    try:
+        result = run_paced(job, resume=True, hooks=[hook], setup=setup, state_dir=c.state_dir)
+    finally:
+        hook.store.close()
     r = result.report
     gov = r.get("governor") or {}
     png = job.out / "report.png"  # written only when a governor paced the run
