@@ -46,6 +46,7 @@ from hpc_core.tasks.detection.synthetic import (
     write_synthetic,
 )
 from registry.atomic import private_umask
+from registry.lifetime import freeze_at_exit
 
 
 def _list(text: str) -> list[str]:
@@ -61,6 +62,7 @@ def _pair(text: str) -> tuple[str, str]:
 
 @private_umask()
 def main() -> None:
+    freeze_at_exit()
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
