@@ -6,12 +6,12 @@ import sys
 
 from exporters.cli import build_parser, run_from_args
 from registry.atomic import private_umask
-from registry.lifetime import freeze_at_exit
+from registry.lifetime import skip_startup_and_exit_collections
 
 
 @private_umask()
 def main(argv: list[str] | None = None) -> int:
-    freeze_at_exit()
+    skip_startup_and_exit_collections()
     return run_from_args(build_parser("python -m exporters").parse_args(argv))
 
 

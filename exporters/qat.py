@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from registry.atomic import write_json_atomic
-from registry.lifetime import die_with_parent, freeze_at_exit
+from registry.lifetime import die_with_parent, skip_startup_and_exit_collections
 
 QMAX = 127
 """Symmetric int8 as ONNX Runtime quantizes it: [-127, 127], zero-point 0."""
@@ -170,7 +170,7 @@ def qat_finetune(job_path: Path, out: Path) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    freeze_at_exit()
+    skip_startup_and_exit_collections()
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
         print("usage: python -m exporters.qat JOB_JSON OUT_DIR", file=sys.stderr)

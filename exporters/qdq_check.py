@@ -160,9 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m exporters.qdq_check MODEL.onnx ...``: exit 1 when any file has violations."""
     import argparse
 
-    from registry.lifetime import freeze_at_exit
+    from registry.lifetime import skip_startup_and_exit_collections
 
-    freeze_at_exit()
+    skip_startup_and_exit_collections()
 
     ap = argparse.ArgumentParser(
         prog="python -m exporters.qdq_check",

@@ -51,7 +51,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from hpc_core.config import ConfigError, TrainConfig, config_from_dict, load_config
-from registry.lifetime import freeze_at_exit
+from registry.lifetime import skip_startup_and_exit_collections
 
 # Not imported here: torch and the trainer. The parent only starts probes; each child imports
 # them itself, so the parent's own memory never enters a measurement.
@@ -163,7 +163,7 @@ def run_probe(request: ProbeRequest) -> Probe:
 
 
 def _child_main() -> int:
-    freeze_at_exit()
+    skip_startup_and_exit_collections()
     request = ProbeRequest.model_validate_json(sys.stdin.read())
     print(run_probe(request).model_dump_json())
     return 0

@@ -17,7 +17,7 @@ from hpc_core.lr_find import add_lr_find_args, run_lr_find
 from hpc_core.train import add_train_args, run
 from hpc_core.tune.command import add_tune_args, run_tune
 from registry.atomic import private_umask
-from registry.lifetime import freeze_at_exit
+from registry.lifetime import skip_startup_and_exit_collections
 
 EPILOG = """\
 examples:
@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @private_umask()
 def main(argv: list[str] | None = None) -> int:
-    freeze_at_exit()
+    skip_startup_and_exit_collections()
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

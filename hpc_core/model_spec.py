@@ -32,7 +32,7 @@ from hpc_core.model_layout import (
     is_ecosystem,
 )
 from registry.errors import PublishError, RegistryError, SpecMismatchError
-from registry.lifetime import freeze_at_exit
+from registry.lifetime import skip_startup_and_exit_collections
 from registry.manifest import LayoutRecord, Manifest, PretrainedWeights, TrainingInfo
 from registry.model_config import ModelConfig
 from registry.publish import VersionContent
@@ -151,7 +151,7 @@ def _peak_rss_mb() -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    freeze_at_exit()
+    skip_startup_and_exit_collections()
     ap = argparse.ArgumentParser(
         prog="python -m hpc_core.model_spec",
         description="Check a verified manifest's tensors against the module its spec builds.",

@@ -14,7 +14,7 @@ import sys
 from hpc_core.config import ConfigError, load_config
 from hpc_core.logs import setup_logging
 from registry.atomic import private_umask
-from registry.lifetime import freeze_at_exit
+from registry.lifetime import skip_startup_and_exit_collections
 
 log = logging.getLogger("hpc_core.train")
 
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
 @private_umask()
 def main(argv: list[str] | None = None) -> int:
-    freeze_at_exit()
+    skip_startup_and_exit_collections()
     p = argparse.ArgumentParser(
         prog="python -m hpc_core.train",
         description=__doc__,

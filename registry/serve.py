@@ -23,7 +23,7 @@ from registry.atomic import private_umask
 from registry.credentials import is_loopback
 from registry.errors import KeyFileError
 from registry.http_server import HttpServer
-from registry.lifetime import freeze_at_exit
+from registry.lifetime import skip_startup_and_exit_collections
 from registry.principals import AuthoritySource, add_principal
 from registry.serve_app import RegistryApp, ServerLimits
 from registry.validation import field_docs
@@ -134,7 +134,7 @@ def _add_principal(argv: list[str]) -> int:
 
 @private_umask()
 def main(argv: list[str] | None = None) -> int:
-    freeze_at_exit()
+    skip_startup_and_exit_collections()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["add-principal"]:
         return _add_principal(argv[1:])

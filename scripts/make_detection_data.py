@@ -46,7 +46,7 @@ from hpc_core.tasks.detection.synthetic import (
     write_synthetic,
 )
 from registry.atomic import private_umask
-from registry.lifetime import freeze_at_exit
+from registry.lifetime import skip_startup_and_exit_collections
 
 
 def _list(text: str) -> list[str]:
@@ -62,7 +62,7 @@ def _pair(text: str) -> tuple[str, str]:
 
 @private_umask()
 def main() -> None:
-    freeze_at_exit()
+    skip_startup_and_exit_collections()
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -20,7 +20,7 @@ import numpy as np
 from hpc_core.cameras import KINDS, distort
 from hpc_core.data import load_digits_tensors
 from registry.atomic import private_umask
-from registry.lifetime import freeze_at_exit
+from registry.lifetime import skip_startup_and_exit_collections
 
 
 def make_device_data(out: Path, kinds: list[str], image_size: int = 16, seed: int = 0) -> Path:
@@ -33,7 +33,7 @@ def make_device_data(out: Path, kinds: list[str], image_size: int = 16, seed: in
 
 @private_umask()
 def main() -> None:
-    freeze_at_exit()
+    skip_startup_and_exit_collections()
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

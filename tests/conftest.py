@@ -64,7 +64,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Freeze what the imports and the collection made (torch, every test module): the
     collector's full passes in these long-lived processes then skip it (in-process tests ~3 %
-    less CPU), as each program's exit does (registry.lifetime.freeze_at_exit)."""
+    less CPU; each program does the like: registry.lifetime)."""
     gc.collect()
     gc.freeze()
 

@@ -11,7 +11,7 @@ import importlib
 import sys
 
 from registry.atomic import private_umask
-from registry.lifetime import freeze_at_exit
+from registry.lifetime import skip_startup_and_exit_collections
 
 # Command modules, in the order they appear in --help.
 COMMAND_MODULES = (
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @private_umask()
 def main(argv: list[str] | None = None) -> int:
-    freeze_at_exit()
+    skip_startup_and_exit_collections()
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -9,11 +9,11 @@ import sys
 from agent.finetune.job import FinetuneJob
 from agent.finetune.recipe import run_finetune
 from hpc_core.metrics import peak_rss_mb
-from registry.lifetime import freeze_at_exit
+from registry.lifetime import skip_startup_and_exit_collections
 
 
 def main(job_json: str) -> None:
-    freeze_at_exit()
+    skip_startup_and_exit_collections()
     result = run_finetune(FinetuneJob.model_validate_json(job_json))
     print(json.dumps({**result.report, "rss_mb": peak_rss_mb()}))
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from hpc_core.config import TrainConfig, config_from_dict
-from registry.lifetime import freeze_at_exit
+from registry.lifetime import skip_startup_and_exit_collections
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def _measure(cfg: TrainConfig, checkpoint: Path, trainable: str,
 
 
 def _probe_main(spec_path: str) -> None:
-    freeze_at_exit()
+    skip_startup_and_exit_collections()
     spec = json.loads(Path(spec_path).read_text())
     print(json.dumps(_measure(config_from_dict(spec["config"]), Path(spec["checkpoint"]),
                               spec["trainable"])))

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict
 from agent.jobs.store import JobStore
 from agent.storage.trust import default_trusted_keys, load_trusted
 from registry.atomic import write_json_atomic
-from registry.lifetime import die_with_parent, freeze_at_exit
+from registry.lifetime import die_with_parent, skip_startup_and_exit_collections
 
 EX_TEMPFAIL = 75
 """Suspended by SIGTERM (sysexits' EX_TEMPFAIL: try again later): the job checkpointed (or had
@@ -357,7 +357,7 @@ def child_main(children: dict[str, Callable[[StepContext], dict[str, Any]]]) -> 
     The child reads its typed context (JOB_DIR/context.json), runs ``children[CHILD]`` (the
     step module's own table: argv names an entry, never a function) and writes
     JOB_DIR/CHILD.json atomically when it is done; the worker records that in the store."""
-    freeze_at_exit()
+    skip_startup_and_exit_collections()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before the step imports torch
     step, job_dir = sys.argv[1], Path(sys.argv[2])
     die_with_parent()

@@ -40,7 +40,7 @@ from agent.jobs.spec import SPECS
 from agent.jobs.store import JobState, JobStore
 from contract import check_command_id
 from registry.atomic import remove_stale_temps
-from registry.lifetime import die_with_parent, freeze_at_exit
+from registry.lifetime import die_with_parent, skip_startup_and_exit_collections
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def _run_stored(
 
 
 def main(argv: list[str] | None = None) -> int:
-    freeze_at_exit()
+    skip_startup_and_exit_collections()
     p = argparse.ArgumentParser(prog="python -m agent.jobs.worker", description=__doc__)
     p.add_argument("--state-dir", type=Path, required=True)
     p.add_argument("--job-id", required=True)

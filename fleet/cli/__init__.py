@@ -36,7 +36,7 @@ from fleet.cli.options import (
 )
 from fleet.rollout.plan import PlanError
 from registry.atomic import private_umask
-from registry.lifetime import freeze_at_exit
+from registry.lifetime import skip_startup_and_exit_collections
 
 log = logging.getLogger("fleetctl")
 
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @private_umask()
 def main(argv: list[str] | None = None) -> int:
-    freeze_at_exit()
+    skip_startup_and_exit_collections()
     a = build_parser().parse_args(argv)
     setup_logging(a)
     try:

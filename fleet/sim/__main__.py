@@ -36,12 +36,12 @@ from fleet.mqtt import BrokerConfig
 from fleet.sim.config import SimConfig
 from fleet.sim.fleet import SimFleet
 from registry.atomic import private_umask
-from registry.lifetime import freeze_at_exit
+from registry.lifetime import skip_startup_and_exit_collections
 
 
 @private_umask()
 def main(argv: list[str] | None = None) -> int:
-    freeze_at_exit()
+    skip_startup_and_exit_collections()
     ap = argparse.ArgumentParser(prog="python -m fleet.sim", description=__doc__.split("\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=1883)

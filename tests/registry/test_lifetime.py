@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from registry.lifetime import FULL_COLLECTION_EVERY
+
 REPO = Path(__file__).resolve().parents[2]
 
 # The parent starts a child that ties itself to it and prints its pid, then sleeps; the test
@@ -51,33 +53,38 @@ def test_the_child_dies_when_its_parent_is_killed() -> None:
     assert not _alive(child), "the child outlived its parent"
 
 
-# Handlers registered before and after freeze_at_exit (called twice: one registration) print
-# whether the collector's objects were frozen when they ran: atexit runs them last-in
-# first-out, so the later one runs before the freeze and the earlier one after it.
+# Handlers registered before and after skip_startup_and_exit_collections (called twice: one
+# registration) print whether the collector's objects were frozen when they ran: atexit runs
+# them last-in first-out, so the later one runs before the freeze and the earlier one after.
+# Before that, the collector's thresholds: the young generations' as they were, full passes
+# waiting FULL_COLLECTION_EVERY middle-generation passes.
 FROZEN = f"""
 import atexit, gc, sys
 sys.path.insert(0, {str(REPO)!r})
 atexit.register(lambda: print("earlier handler: frozen", gc.get_freeze_count() > 0))
-from registry.lifetime import freeze_at_exit
-n = atexit._ncallbacks()
-freeze_at_exit()
-freeze_at_exit()
+from registry.lifetime import skip_startup_and_exit_collections
+n, before = atexit._ncallbacks(), gc.get_threshold()
+skip_startup_and_exit_collections()
+skip_startup_and_exit_collections()
 print("registrations", atexit._ncallbacks() - n)
+print("thresholds", before[:2] == gc.get_threshold()[:2], gc.get_threshold()[2])
 atexit.register(lambda: print("later handler: frozen", gc.get_freeze_count() > 0))
 sys.exit(3)
 """
 
 
-def test_freeze_at_exit_freezes_once_at_the_end_and_every_handler_still_runs() -> None:
+def test_full_collections_wait_and_the_exit_freezes_once_and_every_handler_still_runs() -> None:
     done = subprocess.run([sys.executable, "-c", FROZEN], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 3, done.stderr  # the exit code is the process's own
     assert done.stdout.splitlines() == [
-        "registrations 1", "later handler: frozen False", "earlier handler: frozen True"]
+        "registrations 1", f"thresholds True {FULL_COLLECTION_EVERY}",
+        "later handler: frozen False", "earlier handler: frozen True"]
 
 
 # Every product module and script that runs as a program (``if __name__ == "__main__":``) and
-# every console script, run in one process with freeze_at_exit replaced by a recorder, each with
+# every console script, run in one process with skip_startup_and_exit_collections replaced by
+# a recorder, each with
 # ``--help`` (or arguments it refuses): each must have called it by the time it exits.
 ARGV = {"hpc_core.batch_find": ["--probe"]}  # its one mode: a probe reading its request
 NOT_ENTRY_POINTS = {
@@ -94,7 +101,7 @@ sys.path.insert(0, {str(REPO)!r})
 import registry.lifetime
 argv = {ARGV!r}
 calls = []
-registry.lifetime.freeze_at_exit = lambda: calls.append(1)
+registry.lifetime.skip_startup_and_exit_collections = lambda: calls.append(1)
 for name in sys.argv[1:]:
     del calls[:]
     module, _, func = name.partition(":")
