@@ -61,7 +61,7 @@ def skip_startup_and_exit_collections() -> None:
     :mod:`registry.atomic`; a SQLite connection, whose last close removes the -wal and -shm
     files), never left to the collector, as at ``os._exit``.
 
-    Together, a process that trained: 3.0 -> 1.9 CPU s on x86 (``python
+    Together, a process that trained: 2.8 -> 1.8 CPU s on x86 (``python
     benchmarks/process_start.py``); a torch-free one (``fleetctl``, the job's worker) 0.05-0.1 s
     less; at every step of every job, and more on a Jetson's slower cores. Once per process,
     however often called.
