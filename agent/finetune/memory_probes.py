@@ -211,6 +211,7 @@ def _forked_main(spec_path: str) -> int:
     from registry.lifetime import die_with_parent
 
     die_with_parent()
+    skip_startup_and_exit_collections()  # as a fresh probe starts up (its peak is theirs)
     spec = json.loads(Path(spec_path).read_text())
     configs = {int(m): config_from_dict(c) for m, c in spec["configs"].items()}
     cuda = [m for m, c in configs.items() if c.training.device == "cuda"]
