@@ -28,7 +28,7 @@ pytest_plugins = ["tests.support.cpu_report"]
 
 # The files that take longest, longest first (`make test`'s --durations, summed per file). With
 # `--dist loadfile --no-loadscope-reorder` xdist hands files out in collection order, one at a
-# time as a process frees up: starting the long scenarios first keeps both processes busy to
+# time as a process frees up: starting the long scenarios first keeps every process busy to
 # the end instead of leaving one running the demo alone for its last five minutes.
 LONGEST_FIRST = (
     "tests/agent/jobs/test_budget_runs.py",

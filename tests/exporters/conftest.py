@@ -1,4 +1,5 @@
-"""Trained models for the exporter tests: real Trainer runs on the digits data, once a session.
+"""Trained models for the exporter tests: real Trainer runs on the digits data, once a run
+(:func:`tests.support.built_once.built_once`: however many test processes ask).
 
 small_cnn (width 32) on digits upsampled to 16 px, and resnet (width 32) on the native 8 px
 images; each trains in a few seconds on one thread and reaches ~98-99% validation accuracy.
@@ -6,7 +7,8 @@ images; each trains in a few seconds on one thread and reaches ~98-99% validatio
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from torch.utils.data import Dataset
 
 from exporters.onnx_export import OnnxExport, export_onnx
 from hpc_core.checkpoint import load_model
-from hpc_core.config import DataConfig, config_from_dict
+from hpc_core.config import DataConfig, TrainConfig, config_from_dict
 from hpc_core.data import build_datasets, held_out
 from hpc_core.trainer import Trainer
 from tests.support.built_once import built_once
@@ -42,11 +44,9 @@ class Trained:
         return held_out(self.splits()[1], None)
 
 
-def _train(
-    out: Path, model: dict[str, Any], image_size: int | None, epochs: int, lr: float = 0.003,
-    batch: int = 64,
-) -> Trained:
-    cfg = config_from_dict({
+def _config(out: Path, model: dict[str, Any], image_size: int | None, epochs: int,
+            lr: float = 0.003, batch: int = 64) -> TrainConfig:
+    return config_from_dict({
         "run": {"name": "exporters-fixture", "output_dir": str(out), "seed": 0},
         "data": {"source": "digits", "image_size": image_size},
         "model": model,
@@ -57,32 +57,69 @@ def _train(
         "logging": {"progress": "off", "log_every_steps": 50},
         "faults": {"handle_signals": False},
     })
+
+
+def _train(
+    out: Path, model: dict[str, Any], image_size: int | None, epochs: int, lr: float = 0.003,
+    batch: int = 64,
+) -> Trained:
+    cfg = _config(out, model, image_size, epochs, lr, batch)
     result = Trainer(cfg).train()
     assert result.checkpoint_dir is not None
     size = image_size or 8
     return Trained(result.checkpoint_dir, cfg.data, (1, size, size), result.metrics["eval/acc"])
 
 
+TRAINED = "trained.json"
+"""What a model built once records beside its run: its checkpoint and validation accuracy."""
+
+
+def _trained_once(tmp_path_factory: pytest.TempPathFactory, name: str, model: dict[str, Any],
+                  image_size: int | None, epochs: int) -> Trained:
+    """:func:`_train` once per run, whichever test process asks first (the others read it)."""
+
+    def build(out: Path) -> None:
+        t = _train(out, model, image_size, epochs)
+        (out / TRAINED).write_text(json.dumps({
+            "checkpoint": t.checkpoint.relative_to(out).as_posix(), "val_acc": t.val_acc}))
+
+    out = built_once(tmp_path_factory, name, build)
+    meta = json.loads((out / TRAINED).read_text())
+    size = image_size or 8
+    return Trained(out / meta["checkpoint"], _config(out, model, image_size, epochs).data,
+                   (1, size, size), meta["val_acc"])
+
+
 @pytest.fixture(scope="session")
 def cnn(tmp_path_factory: pytest.TempPathFactory) -> Trained:
-    trained = _train(tmp_path_factory.mktemp("cnn"), {"name": "small_cnn", "kwargs": {"width": 32}},
-                     16, 6)
+    trained = _trained_once(tmp_path_factory, "exporters-cnn",
+                            {"name": "small_cnn", "kwargs": {"width": 32}}, 16, 6)
     assert trained.val_acc > 0.95, "the fixture model did not train"
     return trained
 
 
 @pytest.fixture(scope="session")
 def resnet(tmp_path_factory: pytest.TempPathFactory) -> Trained:
-    trained = _train(tmp_path_factory.mktemp("resnet"), {"name": "resnet", "kwargs": {"width": 32}},
-                     None, 5)
+    trained = _trained_once(tmp_path_factory, "exporters-resnet",
+                            {"name": "resnet", "kwargs": {"width": 32}}, None, 5)
     assert trained.val_acc > 0.95, "the fixture model did not train"
     return trained
 
 
 @pytest.fixture(scope="session")
 def cnn_fp32(cnn: Trained, tmp_path_factory: pytest.TempPathFactory) -> OnnxExport:
-    return export_onnx(cnn.model(), tmp_path_factory.mktemp("cnn-onnx") / "fp32.onnx",
-                       cnn.input_shape)
+    """``cnn`` exported to ONNX once a run (read only: a test writes its own files)."""
+
+    def build(out: Path) -> None:
+        # In a folder of its own: what the export writes and nothing else (a test checks).
+        (out / "onnx").mkdir()
+        done = export_onnx(cnn.model(), out / "onnx" / "fp32.onnx", cnn.input_shape)
+        (out / "export.json").write_text(json.dumps({
+            **asdict(done), "path": done.path.relative_to(out).as_posix()}))
+
+    out = built_once(tmp_path_factory, "exporters-cnn-onnx", build)
+    meta = json.loads((out / "export.json").read_text())
+    return OnnxExport(**{**meta, "path": out / meta["path"]})
 
 
 DETECTOR_SIZE = 64

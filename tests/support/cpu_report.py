@@ -1,16 +1,20 @@
 """The suite's CPU by test file, printed at the end of every run beside ``--durations``.
 
-``make test`` is CPU-bound on a 2-core host (its two test processes and the processes they
+``make test`` is CPU-bound on a 2-core host (its test processes and the processes they
 start keep both cores 80-90 % busy over the run), so wall time per test says less than where the
-CPU goes: a test that waits on a broker holds a process but leaves the core to the other. Each
+CPU goes: a test that waits on a broker holds a process but leaves the core to the others. Each
 test's CPU is what its test process used (all its threads) plus every process it started and
 waited for (``RUSAGE_CHILDREN``: agents, device jobs, probes, the demo's whole tree), over
 setup, call and teardown; a process still running when the test ends is not counted. The
 summary sums it per file, with the run's total against the cores the wall time offered.
+With ``CPU_REPORT_JSON=FILE`` in the environment every test's and every file's figures are
+also written to FILE (``{"tests": {nodeid: [cpu_s, wall_s]}, "files": {...}}``), to sort and
+compare runs.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import time
@@ -25,6 +29,7 @@ controller with the report)."""
 TOP = 15
 _start: pytest.StashKey[float] = pytest.StashKey()
 _by_file: defaultdict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+_by_test: defaultdict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
 _began = time.monotonic()
 
 
@@ -48,9 +53,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    entry = _by_file[report.nodeid.split("::")[0]]
-    entry[0] += sum(float(v) for k, v in report.user_properties if k == KEY)
-    entry[1] += report.duration  # setup, call and teardown
+    cpu = sum(float(v) for k, v in report.user_properties if k == KEY)
+    for entry in (_by_file[report.nodeid.split("::")[0]], _by_test[report.nodeid]):
+        entry[0] += cpu
+        entry[1] += report.duration  # setup, call and teardown
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -66,3 +72,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         tr.write_line(f"{cpu:8.0f} {spent:8.0f}  {path}")
     tr.write_line(f"all {len(_by_file)} files: {total:.0f} CPU-s in {wall:.0f} s wall, "
                   f"{total / wall:.2f} of {cores} cores busy on average")
+    out = os.environ.get("CPU_REPORT_JSON")
+    if out:
+        figures = {"tests": _by_test, "files": _by_file, "wall_s": wall, "cores": cores}
+        with open(out, "w") as f:  # a report of this run, not state: no atomic write needed
+            json.dump(figures, f, indent=1, sort_keys=True)
+        tr.write_line(f"every test's and file's figures: {out}")

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from tests.support.built_once import built_once
 from tests.support.registry_server import RegistryServer
 
 REPO = Path(__file__).resolve().parents[3]
@@ -126,7 +127,9 @@ def publish_v1(template: Path, reg: Path, name: str = "digits") -> None:
 
 @pytest.fixture(scope="session")
 def device_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_template(tmp_path_factory.mktemp("device"))
+    """Built once a run, whichever test process asks first (read only: a device copies its
+    state, a test that publishes writes its own registry)."""
+    return built_once(tmp_path_factory, "jobs-device-template", build_template)
 
 
 @pytest.fixture(scope="session")
