@@ -15,8 +15,9 @@
    in agent.yaml);
 5. application: on each device ``agentctl serve`` serves the committed model over the Open
    Inference Protocol (loopback HTTP), and a client in this script sends it
-   ``POST /v2/models/MODEL/infer`` at a fixed rate (batch 1), counting answers, failures and
-   the model version that answered each request;
+   ``POST /v2/models/MODEL/infer`` at a fixed rate (batch 1, the frame as raw float32: the
+   protocol's binary tensor data extension), counting answers, failures and the model version
+   that answered each request;
 6. fleet: ``fleetctl rollout create`` runs a ``finetune`` job in two waves (a canary, then
    the rest): pull -> fine-tune under the memory budget and the governor -> INT8 export with
    gates -> stage -> health -> commit -> upload of each device's signed delta. The
@@ -62,6 +63,7 @@ import random
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -186,7 +188,7 @@ class AppLoad:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"app-{dev}", daemon=True)
         self._conn: http.client.HTTPConnection | None = None
-        self._body = b""
+        self._body, self._head_len = b"", 0
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Until the server says a version serves (GET /v2/health/ready answers 200)."""
@@ -210,9 +212,14 @@ class AppLoad:
         inp = meta["inputs"][0]
         shape = [1 if d < 0 else d for d in inp["shape"]]  # batch 1; the rest is fixed
         rng = random.Random(self.dev)  # one fixed frame per device: only the timing matters
-        self._body = json.dumps({"inputs": [{
-            "name": inp["name"], "shape": shape, "datatype": "FP32",
-            "data": [round(rng.random(), 3) for _ in range(math.prod(shape))]}]}).encode()
+        n = math.prod(shape)
+        frame = struct.pack(f"<{n}f", *(rng.random() for _ in range(n)))
+        # The frame as raw float32 after the JSON header (the protocol's binary tensor data
+        # extension), as a camera sends it: a 160 px RGB frame in JSON numbers is ~0.5 MB of
+        # text for the server to parse on every request.
+        head = json.dumps({"inputs": [{"name": inp["name"], "shape": shape, "datatype": "FP32",
+                                       "parameters": {"binary_data_size": len(frame)}}]}).encode()
+        self._body, self._head_len = head + frame, len(head)
         self._thread.start()
         outs = ", ".join(f"{o['name']} {o['shape']}" for o in meta["outputs"])
         return (f"{meta['name']}@{meta['versions'][0]} ({meta['platform']}, input {shape}; "
@@ -264,8 +271,9 @@ class AppLoad:
     def _call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
         if self._conn is None:
             self._conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-        self._conn.request(method, path, body,
-                           {"Content-Type": "application/json"} if body else {})
+        headers = ({"Content-Type": "application/octet-stream",
+                    "Inference-Header-Content-Length": str(self._head_len)} if body else {})
+        self._conn.request(method, path, body, headers)
         r = self._conn.getresponse()
         data = r.read()
         return r.status, json.loads(data) if data else None
