@@ -14,14 +14,16 @@ compare runs.
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import time
 from collections import defaultdict
 from collections.abc import Generator
+from pathlib import Path
 
 import pytest
+
+from registry.atomic import write_json_atomic
 
 KEY = "cpu_s"
 """The user property a test's report carries its CPU seconds in (it crosses to the xdist
@@ -74,7 +76,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                   f"{total / wall:.2f} of {cores} cores busy on average")
     out = os.environ.get("CPU_REPORT_JSON")
     if out:
-        figures = {"tests": _by_test, "files": _by_file, "wall_s": wall, "cores": cores}
-        with open(out, "w") as f:  # a report of this run, not state: no atomic write needed
-            json.dump(figures, f, indent=1, sort_keys=True)
+        write_json_atomic(Path(out), {"tests": _by_test, "files": _by_file, "wall_s": wall,
+                                      "cores": cores})
         tr.write_line(f"every test's and file's figures: {out}")
