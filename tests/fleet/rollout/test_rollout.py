@@ -120,8 +120,11 @@ def test_controller_sigkilled_mid_rollout_resumes_without_running_anything_twice
 ) -> None:
     # SQLite: the one controller's persistent session keeps the results sent while it is
     # down. PostgreSQL: the next replica waits out the dead one's lease, then re-sends what
-    # was open and the devices answer DUPLICATE with where they stand.
-    fleet = sim_fleet(devices=60, behavior={"job_duration_s": 1.0})
+    # was open and the devices answer DUPLICATE with where they stand. A job outlasts the
+    # controller's absence (the 0.6 s below and its next start-up, ~1-2 s on a busy 2-core
+    # host): with 1 s jobs a slow restart once found every job already answered, nothing open
+    # to re-send, and so no DUPLICATE to count.
+    fleet = sim_fleet(devices=60, behavior={"job_duration_s": 4.0})
     db = fleet_db
     base = [*fleetctl_argv(broker, tmp_path, fleet_db), "--lease-s", "2"]
     create = [*base, "rollout", "create", "--name", "kill", "--group", "sim", "--job",
