@@ -66,8 +66,12 @@ def _train(
     cfg = _config(out, model, image_size, epochs, lr, batch)
     result = Trainer(cfg).train()
     assert result.checkpoint_dir is not None
-    size = image_size or 8
-    return Trained(result.checkpoint_dir, cfg.data, (1, size, size), result.metrics["eval/acc"])
+    return _trained(cfg, result.checkpoint_dir, result.metrics["eval/acc"])
+
+
+def _trained(cfg: TrainConfig, checkpoint: Path, val_acc: float) -> Trained:
+    size = cfg.data.image_size or 8  # digits' own 8 px where no size is asked
+    return Trained(checkpoint, cfg.data, (1, size, size), val_acc)
 
 
 TRAINED = "trained.json"
@@ -85,9 +89,8 @@ def _trained_once(tmp_path_factory: pytest.TempPathFactory, name: str, model: di
 
     out = built_once(tmp_path_factory, name, build)
     meta = json.loads((out / TRAINED).read_text())
-    size = image_size or 8
-    return Trained(out / meta["checkpoint"], _config(out, model, image_size, epochs).data,
-                   (1, size, size), meta["val_acc"])
+    return _trained(_config(out, model, image_size, epochs), out / meta["checkpoint"],
+                    meta["val_acc"])
 
 
 @pytest.fixture(scope="session")
