@@ -3,12 +3,14 @@ flags, a job file or the daemon's fine-tune command), what it resolves to on thi
 (:class:`FinetuneSetup`: profile, device, precision, budget, the ``TrainConfig`` and the memory
 plan that fixes its micro-batch), and what it returns (:class:`FinetuneResult`).
 
-Torch-free, so the daemon and the CLI parser can import it. The one function that decides a
-set-up needs torch (the device, the checkpoint's spec), so it lives beside the training run:
-``agent.finetune.recipe.resolve_setup``, used by the standalone fine-tune (``python -m
-agent.finetune``, which plans in its own process) and the device job (whose ``setup`` child
-resolves it, whose torch-free worker plans against the whole process tree, and whose fine-tune
-child trains on exactly that set-up, never building another)."""
+Torch-free, so the daemon and the CLI parser can import it. A set-up is built in one place,
+``agent.finetune.setup.setup_on``, once the device and the checkpoint's spec are known: by
+``agent.finetune.recipe.resolve_setup`` (torch: asks about CUDA, reads any checkpoint), used by
+the standalone fine-tune (``python -m agent.finetune``, which plans in its own process) and the
+device job's ``setup`` child, and by ``agent.finetune.setup.setup_without_torch`` in the device
+job's worker where torch has nothing to decide (an installed slot, no GPU on the host). The
+worker plans against the whole process tree, and the fine-tune child trains on exactly that
+set-up, never building another."""
 
 from __future__ import annotations
 

@@ -24,16 +24,10 @@ from typing import Any
 import torch
 
 from agent.finetune.cold_pages import drop_cold_pages
-from agent.finetune.job import (
-    FinetuneJob,
-    FinetuneResult,
-    FinetuneSetup,
-    build_config,
-    pick_precision,
-    resolve_profile,
-)
+from agent.finetune.job import FinetuneJob, FinetuneResult, FinetuneSetup, resolve_profile
 from agent.finetune.memory_plan import plan_micro_batch
 from agent.finetune.model import enable_activation_checkpointing, load_upstream, prepare_model
+from agent.finetune.setup import setup_on
 from device_profiles.schema import DeviceProfile
 from hpc_core import checkpoint as ckpt
 from hpc_core.metrics import peak_device_mb, peak_rss_mb
@@ -50,7 +44,6 @@ def resolve_setup(job: FinetuneJob, upstream: ModelConfig | None = None, *,
     spec when the caller has loaded it (read from the checkpoint otherwise). ``plan``: probe
     for the micro-batch here, against this process's own budget (the standalone fine-tune);
     the device job passes False and plans in its worker against the whole process tree."""
-    profile = resolve_profile(job.profile)
     if job.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("finetune.device=cuda but no CUDA device is visible here: use auto "
                          "(CUDA where there is one) or cpu")
@@ -59,15 +52,9 @@ def resolve_setup(job: FinetuneJob, upstream: ModelConfig | None = None, *,
     init = job.checkpoint if slot else ckpt.resolve_checkpoint(job.checkpoint)
     if upstream is None:
         _, upstream = load_upstream(init)
-    precision = pick_precision(job, profile, device)
-    budget = (job.budget_mb if job.budget_mb is not None
-              else float(profile.memory.training_budget_mb))
-    setup = FinetuneSetup(
-        profile=profile.name, device=device, precision=precision, budget_mb=budget,
-        checkpoint=init,
-        config=build_config(job, upstream, precision, job.micro_batch).to_dict())
+    setup = setup_on(job, upstream, init, device)
     if plan and not setup.planned:
-        found = plan_micro_batch(setup.train_config(), init, job.trainable, budget,
+        found = plan_micro_batch(setup.train_config(), init, job.trainable, setup.budget_mb,
                                  device=device)
         setup = setup.with_plan(found.to_dict())
     return setup

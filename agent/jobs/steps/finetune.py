@@ -1,8 +1,10 @@
 """finetune: the upstream trained on the device's data inside the memory budget, paced by the
 thermal/power governor, resumed from its last checkpoint after any interruption.
 
-Worker half: the set-up is resolved once by a ``setup`` child (torch:
-``agent.finetune.recipe.resolve_setup``), the micro-batch planned here, torch-free, against
+Worker half: the set-up is resolved once, here where torch has nothing to decide
+(``agent.finetune.setup.setup_without_torch``: an installed slot on a host without a GPU),
+else by a ``setup`` child (``agent.finetune.recipe.resolve_setup``, which asks torch about
+CUDA); the micro-batch is planned here, torch-free, against
 the whole process tree's budget (this process, the probes, the child), and the result handed
 to the ``finetune`` child, which trains on exactly that set-up. With the micro-batch given
 there is nothing to plan: the fine-tune child resolves the set-up itself (one torch start
@@ -23,6 +25,7 @@ from agent.finetune.data_source import data_source
 from agent.finetune.job import FinetuneJob, FinetuneSetup, too_few_samples
 from agent.finetune.memory_fits import fit_key, forced_refusal, record_fit
 from agent.finetune.memory_plan import BudgetTooSmall, MemoryPlan, plan_micro_batch, probes_over
+from agent.finetune.setup import setup_without_torch
 from agent.jobs.proctree import rss_mb
 from agent.jobs.protocol import (
     SETUP,
@@ -106,6 +109,20 @@ def _training_data(ctx: JobContext) -> dict[str, Any]:
     return data.model_dump(mode="json")
 
 
+def _setup(ctx: JobContext) -> FinetuneSetup:
+    """The set-up, here where no GPU can change it (no torch start, no child), else from the
+    ``setup`` child. A job this side cannot read goes to the child, whose error the job
+    reports as it always did."""
+    from registry.errors import RegistryError
+
+    try:
+        setup = setup_without_torch(finetune_job(step_context(ctx)))
+    except (ValueError, RegistryError, OSError):  # pydantic's errors are ValueErrors too
+        setup = None
+    return setup or FinetuneSetup.model_validate(
+        run_child(ctx, __name__, "setup", step_context(ctx)))
+
+
 def run(ctx: JobContext) -> dict[str, Any]:
     ft = ctx.spec.finetune
     why = export.refusal(ctx)  # before any training: the job could never finish
@@ -122,7 +139,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
     # job never trains past the budget it was given.
     check_forced = ft.micro_batch is not None and ft.budget_mb is not None
     if setup is None and (ft.micro_batch is None or check_forced):
-        setup = FinetuneSetup.model_validate(run_child(ctx, __name__, "setup", step_context(ctx)))
+        setup = _setup(ctx)
         write_json_atomic(ctx.job_dir / SETUP, setup.model_dump(mode="json"))
     if setup is not None and check_forced:  # re-checked on a resume: the probes are cached
         ctx.event("finetune", status="planning", budget_mb=setup.budget_mb)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from agent.finetune.setup import gpu_device_nodes
 from agent.jobs.store import JobState, JobStore
 from tests.agent.jobs.conftest import REPO, Device
 from tests.agent.jobs.test_device_job import _agentctl, submit, tree_digest, worker
@@ -45,7 +46,8 @@ def _budget_runs(base: Device, budget: int, runs: int, work: Path) -> list[dict[
         store = JobStore(dev.state)
         found.append({"run": i, "rc": p.returncode, "err": err[-2000:], "peak": peak.peak_mb,
                       "record": store.get("m"), "steps": store.steps("m"), "before": before,
-                      "after": tree_digest(dev.state / "models")})
+                      "after": tree_digest(dev.state / "models"),
+                      "setup_child": (dev.state / "jobs/m/setup.log").exists()})
         store.close()
         if i == 0 and (dev.state / "cache").is_dir():
             shutil.copytree(dev.state / "cache", base.state / "cache")
@@ -95,6 +97,9 @@ def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
             assert {"pull", "finetune", "stage", "health"} <= set(mem["steps_peak_mb"]), mem
             assert max(mem["steps_peak_mb"].values()) <= 1.05 * budget, (what, mem)
             assert abs(mem["peak_tree_mb"] - r["peak"]) <= 0.05 * r["peak"], (what, mem, r)
+            # The set-up was resolved without torch (a slot, no GPU on this host): no child
+            # wrote a setup log (agent.finetune.setup).
+            assert r["setup_child"] is bool(gpu_device_nodes()), what
             names = [s.name for s in r["steps"]]
             if r["run"] == 0:  # the impossible gate
                 assert rec.state is JobState.FAILED, (what, rec.error)
