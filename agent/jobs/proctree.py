@@ -115,9 +115,16 @@ PSS_EVERY_S = 0.25
 """How often PSS is read when the tree's RSS is not at a new high: smaps_rollup walks every
 mapping (~5 ms for a torch process), VmRSS is one line (~0.05 ms)."""
 
+_CPUS = os.cpu_count() or 1
+STATM_SLACK_MB = 4.0 + _CPUS * max(32, 2 * _CPUS) * _PAGE_MB
+"""How far statm's resident count may trail the pages a process holds: the kernel keeps it in
+per-CPU counters read without summing them (up to max(32, 2 x CPUs) pages per CPU: 0.25 MB on
+2 cores, 1.5 MB on a 12-core Orin), or, on kernels before 6.2, in per-thread caches synced every
+64 faults; 4 MB on top covers the threads."""
+
 MEASURE = ("PSS of the job's process tree (/proc/PID/smaps_rollup), read at each new high of "
            "its RSS (sampled every 10 ms; the high restarts when a process joins or leaves "
-           "the tree) and every 0.25 s")
+           "the tree) and every 0.25 s, whenever that RSS could hold a new PSS peak")
 """How the job's reported peaks are measured (the report says so)."""
 
 
@@ -126,7 +133,12 @@ class TreePeak:
 
     The tree's RSS (cheap) is sampled every ``interval_s``; its PSS (the figure reported, but
     ~100x dearer to read) each time the RSS passes its previous high by 1 MB, and at least
-    every :data:`PSS_EVERY_S`. The high restarts whenever a process joins or leaves the tree:
+    every :data:`PSS_EVERY_S`; never while the tree's RSS is under the PSS peak already seen
+    (less :data:`STATM_SLACK_MB`): a process's PSS never exceeds its RSS, so such a read could
+    not raise the peak. That skips most of the reads of a job's later children, each of which
+    starts by importing torch (a rise of ~1 MB each 10 ms sample for a second or more, every
+    sample a new high) while the fine-tune's larger peak stands. The high restarts whenever a
+    process joins or leaves the tree:
     summed RSS counts the shared library pages once per process, so a high set while two
     torch processes overlapped hid the later PSS peak of one alone (a job's report 23 MB
     under an outside 10 ms sampler). Within one set of processes a new PSS peak comes with a
@@ -142,6 +154,8 @@ class TreePeak:
         self.interval_s = interval_s
         self.peak_mb = 0.0
         self.rss_peak_mb = 0.0
+        self.pss_reads = 0
+        """Reads of the whole tree's PSS so far (the sampler's dearest work)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tree-pss", daemon=True)
 
@@ -158,8 +172,9 @@ class TreePeak:
                 if frozenset(pids) != members:  # sharing changed: an old high means nothing
                     members, high = frozenset(pids), 0.0
             now = time.monotonic()
-            if rss > high + 1.0 or now >= next_pss:
+            if (rss > high + 1.0 or now >= next_pss) and rss + STATM_SLACK_MB > self.peak_mb:
                 self.peak_mb = max(self.peak_mb, sum(pss_mb(p) for p in pids))
+                self.pss_reads += 1
                 next_pss = now + PSS_EVERY_S
             high = max(high, rss)
             self.rss_peak_mb = max(self.rss_peak_mb, rss)

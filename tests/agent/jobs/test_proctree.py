@@ -72,3 +72,26 @@ def test_a_process_that_joins_late_is_counted() -> None:
     with TreePeak(root=p.pid) as peak:
         p.wait(30)
     assert peak.peak_mb >= 150, peak.peak_mb
+
+
+def test_no_pss_read_while_the_tree_holds_less_than_its_peak() -> None:
+    # A child holds 200 MB and leaves; the parent then idles at ~10 MB for 1.5 s. PSS never
+    # exceeds RSS, so no read of that idle tree could raise the 200 MB peak: none is made
+    # (the 0.25 s reads alone would have made five or six).
+    from agent.jobs.proctree import tree_pids
+
+    big = "b = bytearray(200 << 20); b[::4096] = bytes(len(range(0, 200 << 20, 4096)))"
+    script = (f"import subprocess, sys, time; subprocess.run([sys.executable, '-c', {big!r}]);"
+              " time.sleep(1.5)")
+    p = subprocess.Popen([sys.executable, "-c", script])
+    with TreePeak(root=p.pid) as peak:
+        deadline = time.monotonic() + 30
+        while len(tree_pids(p.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        while len(tree_pids(p.pid)) > 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.1)  # a read begun while the child was still there has ended
+        reads = peak.pss_reads
+        p.wait(30)
+        assert peak.pss_reads == reads, (reads, peak.pss_reads)
+    assert peak.peak_mb >= 200 and reads >= 1, (peak.peak_mb, reads)
