@@ -311,8 +311,13 @@ class Daemon:
                 except Exception as e:  # busy or full disk: the next turn tries again
                     log.warning("outbox checkpoint: %s", e)
                 next_ckpt = now + 2.0
-            wake = min(next_wd if wd else now + 1.0, next_tel, next_status, now + 1.0,
-                       next_metrics)
+            # Only the schedules that run: one that does not (no telemetry, no metrics, no
+            # watchdog) keeps its first deadline, which would soon lie in the past and turn
+            # every wait into the 10 ms floor (100 turns a second, ~2 % of a core idle).
+            wake = min(now + 1.0, next_status,
+                       *([next_wd] if wd is not None else []),
+                       *([next_tel] if self.cfg.telemetry_s > 0 else []),
+                       *([next_metrics] if self.metrics is not None else []))
             self.stop_event.wait(max(0.01, wake - time.monotonic()))
         return self.shutdown()
 

@@ -1,4 +1,5 @@
-"""The daemon's life: sd_notify (READY, WATCHDOG period, a hung loop stops the pings),
+"""The daemon's life: sd_notify (READY, WATCHDOG period, a hung loop stops the pings), an
+idle main loop that sleeps until its next deadline,
 kill -9 and restart (last will, higher conn_seq, commands sent while it was down), a broker
 outage (results wait in the on-disk outbox), SIGTERM (STOPPING=1, offline, exit 0)."""
 
@@ -60,6 +61,39 @@ def test_sd_notify_ready_watchdog_and_hung_loop(
         t.join(30)
     notify.wait_for("STOPPING=1", 1)
     notify.close()
+
+
+def _idle_turns(cfg: AgentConfig, settle_s: float, over_s: float) -> int:
+    """Turns of the daemon's main loop over ``over_s``, ``settle_s`` after it started."""
+    d = Daemon(cfg, notifier=Notifier({}))
+    turns: list[float] = []
+    d.loop_hook = lambda: turns.append(time.monotonic())
+    t = threading.Thread(target=d.run)
+    t.start()
+    try:
+        time.sleep(settle_s)
+        start = len(turns)
+        time.sleep(over_s)
+        return len(turns) - start
+    finally:
+        d.stop_event.set()
+        t.join(30)
+
+
+def test_an_idle_main_loop_waits_for_its_next_deadline(
+    tmp_path: Path, mosquitto: Callable[..., Broker]
+) -> None:
+    # Telemetry every 10 s (the default) or none, no metrics, no watchdog: a turn a second
+    # (the status line, the outbox checkpoint). A schedule that does not run must not pull the
+    # wait down: its stale deadline once made every wait the 10 ms floor, 100 turns a second.
+    broker = mosquitto()
+    for telemetry_s in (10.0, 0.0):
+        cfg = AgentConfig.model_validate({
+            "device_id": "dev-a", "state_dir": str(tmp_path / f"state-{telemetry_s:g}"),
+            "sensors": "none", "socket_group": None, "telemetry_s": telemetry_s,
+            "mqtt": broker.agent_mqtt()})
+        turns = _idle_turns(cfg, settle_s=1.2, over_s=2.0)  # settled: past every first deadline
+        assert turns <= 6, (telemetry_s, turns)
 
 
 def test_kill9_restart_last_will_conn_seq_and_offline_commands(
