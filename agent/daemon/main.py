@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import shutil
 import signal
@@ -276,12 +277,13 @@ class Daemon:
         if self.metrics is not None:
             self.metrics.start(cfg=self.cfg.metrics)
         self.notifier.ready(f"job store recovered ({owed} results re-queued); connecting")
-        log.info("edge-agent %s up as %s (state %s)", self.version, self.device,
-                 self.cfg.state_dir)
+        log.info("edge-agent %s up as %s (state %s)", self.version, self.device, self.cfg.state_dir)
         wd = self.notifier.watchdog_interval_s
         now = time.monotonic()
-        next_wd, next_tel, next_status, next_ckpt = now, now + 1.0, now, now + 2.0
-        next_metrics = now + 1.0  # the metrics' own schedule, where there are metrics
+        # A schedule that does not run is never due (a stale deadline made each wait 10 ms).
+        next_wd, next_status, next_ckpt = now if wd is not None else math.inf, now, now + 2.0
+        next_tel = now + 1.0 if self.cfg.telemetry_s > 0 else math.inf
+        next_metrics = now + 1.0 if self.metrics is not None else math.inf
         while not self.stop_event.is_set():
             if self.loop_hook is not None:
                 self.loop_hook()
@@ -311,13 +313,7 @@ class Daemon:
                 except Exception as e:  # busy or full disk: the next turn tries again
                     log.warning("outbox checkpoint: %s", e)
                 next_ckpt = now + 2.0
-            # Only the schedules that run: one that does not (no telemetry, no metrics, no
-            # watchdog) keeps its first deadline, which would soon lie in the past and turn
-            # every wait into the 10 ms floor (100 turns a second, ~2 % of a core idle).
-            wake = min(now + 1.0, next_status,
-                       *([next_wd] if wd is not None else []),
-                       *([next_tel] if self.cfg.telemetry_s > 0 else []),
-                       *([next_metrics] if self.metrics is not None else []))
+            wake = min(next_wd, next_tel, next_status, now + 1.0, next_metrics)
             self.stop_event.wait(max(0.01, wake - time.monotonic()))
         return self.shutdown()
 
