@@ -75,12 +75,13 @@ def test_a_process_that_joins_late_is_counted() -> None:
 
 
 def test_no_pss_read_while_the_tree_holds_less_than_its_peak() -> None:
-    # A child holds 200 MB and leaves; the parent then idles at ~10 MB for 1.5 s. PSS never
-    # exceeds RSS, so no read of that idle tree could raise the 200 MB peak: none is made
-    # (the 0.25 s reads alone would have made five or six).
+    # A child holds 200 MB for 0.5 s and leaves; the parent then idles at ~10 MB for 1.5 s.
+    # PSS never exceeds RSS, so no read of that idle tree could raise the 200 MB peak: none is
+    # made (the 0.25 s reads alone would have made five or six).
     from agent.jobs.proctree import tree_pids
 
-    big = "b = bytearray(200 << 20); b[::4096] = bytes(len(range(0, 200 << 20, 4096)))"
+    big = ("import time; b = bytearray(200 << 20); b[::4096] = bytes(len(range(0, 200 << 20,"
+           " 4096))); time.sleep(0.5)")  # held past a 0.25 s read however late the sampler is
     script = (f"import subprocess, sys, time; subprocess.run([sys.executable, '-c', {big!r}]);"
               " time.sleep(1.5)")
     p = subprocess.Popen([sys.executable, "-c", script])
