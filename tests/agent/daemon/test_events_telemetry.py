@@ -77,6 +77,11 @@ def daemon(tmp_path: Path, mosquitto: Callable[..., Broker]) -> Iterator[tuple[D
     t = threading.Thread(target=d.run)
     t.start()
     assert d.link.wait_connected(10)
+    # Connected is not yet subscribed: its retained online status follows the SUBSCRIBE on the
+    # daemon's connection, so once it is seen a command sent now is delivered.
+    online = Peer(broker).subscribe(T.status("dev-a"))
+    online.wait_for(lambda m: m.topic == T.status("dev-a") and m.json()["state"] == "online")
+    online.close()
     yield d, broker
     d.stop_event.set()
     t.join(30)
