@@ -115,12 +115,12 @@ def _setup(ctx: JobContext) -> FinetuneSetup:
     reports as it always did."""
     from registry.errors import RegistryError
 
+    context = step_context(ctx)
     try:
-        setup = setup_without_torch(finetune_job(step_context(ctx)))
+        setup = setup_without_torch(finetune_job(context))
     except (ValueError, RegistryError, OSError):  # pydantic's errors are ValueErrors too
         setup = None
-    return setup or FinetuneSetup.model_validate(
-        run_child(ctx, __name__, "setup", step_context(ctx)))
+    return setup or FinetuneSetup.model_validate(run_child(ctx, __name__, "setup", context))
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
