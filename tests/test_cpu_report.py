@@ -46,3 +46,6 @@ def test_the_summary_counts_a_waited_child_and_not_a_sleep(tmp_path: Path) -> No
     busy, idle = (figures["tests"][f"test_two.py::{t}"] for t in ("test_busy_child", "test_idle"))
     assert busy[0] >= 1 > idle[0] and idle[1] >= 0.5, figures["tests"]
     assert figures["files"]["test_two.py"][0] == pytest.approx(busy[0] + idle[0]), figures
+    # The file's span in the run: one process (no xdist here), over the child's 1 s and the sleep.
+    worker, start, end = figures["spans"]["test_two.py"]
+    assert worker == "main" and start >= 0 and end - start >= 1.5, figures["spans"]

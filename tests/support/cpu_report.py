@@ -9,7 +9,8 @@ setup, call and teardown; a process still running when the test ends is not coun
 summary sums it per file, with the run's total against the cores the wall time offered.
 With ``CPU_REPORT_JSON=FILE`` in the environment every test's and every file's figures are
 also written to FILE (``{"tests": {nodeid: [cpu_s, wall_s]}, "files": {...}}``), to sort and
-compare runs.
+compare runs; ``"spans"`` gives each file's test process and the run's seconds it started and
+ended at (the tests' reports as received; where the processes sat idle, and the run's tail).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ TOP = 15
 _start: pytest.StashKey[float] = pytest.StashKey()
 _by_file: defaultdict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
 _by_test: defaultdict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+_spans: dict[str, list[object]] = {}
 _began = time.monotonic()
 
 
@@ -56,9 +58,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     cpu = sum(float(v) for k, v in report.user_properties if k == KEY)
-    for entry in (_by_file[report.nodeid.split("::")[0]], _by_test[report.nodeid]):
+    path = report.nodeid.split("::")[0]
+    for entry in (_by_file[path], _by_test[report.nodeid]):
         entry[0] += cpu
         entry[1] += report.duration  # setup, call and teardown
+    now = time.monotonic() - _began
+    node = getattr(report, "node", None)  # xdist: the test process that ran it
+    span = _spans.setdefault(path, [str(getattr(getattr(node, "gateway", None), "id", "main")),
+                                    now - report.duration, now])
+    span[2] = now
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -76,6 +84,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                   f"{total / wall:.2f} of {cores} cores busy on average")
     out = os.environ.get("CPU_REPORT_JSON")
     if out:
-        write_json_atomic(Path(out), {"tests": _by_test, "files": _by_file, "wall_s": wall,
+        write_json_atomic(Path(out), {"tests": _by_test, "files": _by_file, "spans": _spans,
+                                      "wall_s": wall,
                                       "cores": cores})
         tr.write_line(f"every test's and file's figures: {out}")
