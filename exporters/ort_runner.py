@@ -79,8 +79,10 @@ class OrtRunner:
         providers: list[str] | None = None,
         optimize: bool = True,
         name: str = "onnxruntime",
+        spin: bool = True,
     ) -> None:
-        self.session = ort_session(path, threads=threads, providers=providers, optimize=optimize)
+        self.session = ort_session(path, threads=threads, providers=providers, optimize=optimize,
+                                   spin=spin)
         self.input_name = self.session.get_inputs()[0].name
         self.name = name
         names = {o.name for o in self.session.get_outputs()}

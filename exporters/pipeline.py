@@ -174,13 +174,22 @@ class _Run:
         if self.sensitivity is None:
             prepared = self.prepared_fp32()
             x = self.calibration_inputs()[: self.job.fallback.sensitivity_samples]
-            # Scored in the job's batch: a device job sets it inside its memory budget.
-            ref = predict(OrtRunner(prepared), x, batch=self.job.gates.batch_size)
+            # Scored as the gates score: in the job's batch (a device job sets it inside its
+            # memory budget) and threads (one by default: the device may be fine-tuning or
+            # serving). A session per layer, for one pass over ``x``: a pool's threads would
+            # spin after each session's start and while Python quantizes the next layer, so
+            # they sleep.
+            g = self.job.gates
+
+            def score(path: Path) -> np.ndarray:
+                return predict(OrtRunner(path, threads=g.threads, spin=False), x,
+                               batch=g.batch_size)
+
+            ref = score(prepared)
             scores = []
             for node in quantizable_nodes(prepared):
-                path = self.quantize(self.work / "sensitivity.onnx", self.exact_recipe,
-                                     only=[node])
-                out = predict(OrtRunner(path), x, batch=self.job.gates.batch_size)
+                out = score(self.quantize(self.work / "sensitivity.onnx", self.exact_recipe,
+                                          only=[node]))
                 scores.append((node, float(np.mean((out - ref) ** 2))))
             self.sensitivity = sorted(scores, key=lambda s: -s[1])
         return self.sensitivity

@@ -10,6 +10,7 @@ import onnx
 import pytest
 from pydantic import ValidationError
 
+from exporters import pipeline
 from exporters.cpu_isa import detect_isa
 from exporters.int8_recipe import choose_recipe
 from exporters.job import ExportJob
@@ -50,9 +51,18 @@ def test_2_4_with_recovery_and_int8_stays_within_two_points(cnn: Any, tmp_path: 
     assert not (out / "work").exists()
 
 
-def test_an_impossible_gate_walks_the_fallback_chain(cnn: Any, tmp_path: Path) -> None:
+def test_an_impossible_gate_walks_the_fallback_chain(cnn: Any, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The fast recipe first, then symmetric int8 (exact on every host), then layers left in
     float, FP16, FP32: the recipe is set so the chain is the same on every host."""
+    sessions: list[tuple[str, bool, int]] = []
+
+    class Recorded(pipeline.OrtRunner):
+        def __init__(self, path: Path, **kw: Any) -> None:
+            sessions.append((Path(path).name, kw.get("spin", True), kw.get("threads", 0)))
+            super().__init__(path, **kw)
+
+    monkeypatch.setattr(pipeline, "OrtRunner", Recorded)
     out = tmp_path / "out"
     report = run_export(_job(cnn, out, precision="int8", int8_recipe="u8s8-reduce-range",
                              gates={"max_abs_logit_delta": 1e-4}))
@@ -78,6 +88,14 @@ def test_an_impossible_gate_walks_the_fallback_chain(cnn: Any, tmp_path: Path) -
     ranked = [s["node"] for s in report.sensitivity]
     for k, attempt in enumerate(report.attempts[2:5], start=1):
         assert attempt.excluded == ranked[:k]
+    # The ranking (the float reference, then a session per layer for one pass each) scores
+    # in the gates' threads (one by default), a pool's threads asleep between runs; the gates
+    # time the model as ONNX Runtime runs it by default.
+    ranking = [(spin, threads) for name, spin, threads in sessions
+               if name in ("fp32.prep.onnx", "sensitivity.onnx")]
+    assert ranking == [(False, 1)] * (1 + 4), sessions
+    assert len(sessions) == len(ranking) + len(report.attempts) and all(
+        spin for name, spin, _ in sessions if name not in ("fp32.prep.onnx", "sensitivity.onnx"))
     deltas = [a.measurement.max_abs_logit_delta for a in report.attempts if a.measurement]
     assert deltas[0] > deltas[5] > deltas[6]  # int8 > fp16 > fp32
     installed = onnx.load(str(out / "model.onnx"))

@@ -57,12 +57,13 @@ def run(ctx: JobContext) -> dict[str, Any]:
 def runner_for(slot: Path) -> tuple[Any, str]:
     """What scores a version: the very runtime that serves it (``agent.runtime.engines
     .engine_for``: its TensorRT engine where one was built for this host, else its ONNX file
-    in ONNX Runtime with the best provider), so a committed model was checked as it runs; a
-    version with no exported artefact (an upstream checkpoint) in torch."""
+    in ONNX Runtime with the best provider, its threads asleep between runs as the serving
+    runtime's are: no core spins beside the application), so a committed model was checked as
+    it runs; a version with no exported artefact (an upstream checkpoint) in torch."""
     from agent.runtime.engines import ARTEFACTS, ENGINE_FILE, ONNX_FILE, engine_for
 
     if any((slot / ARTEFACTS / f).is_file() for f in (ONNX_FILE, ENGINE_FILE)):
-        engine = engine_for(slot)
+        engine = engine_for(slot, spin=False)
         runtime = f"{engine.name} ({', '.join(engine.providers)})"
         return (_DetectionsOf(engine) if _DetectionsOf.serves(engine) else engine), runtime
     from agent.finetune.model import load_upstream

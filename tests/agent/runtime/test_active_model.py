@@ -199,7 +199,11 @@ def _spinning(model: ActiveModel) -> bool:
     """Whether the served session's intra-op threads spin between runs (ONNX Runtime's
     default: no ``allow_spinning`` entry, or "1")."""
     assert model._current is not None
-    options = model._current.engine.session.get_session_options()  # type: ignore[attr-defined]
+    return _session_spins(model._current.engine.session)  # type: ignore[attr-defined]
+
+
+def _session_spins(session: Any) -> bool:
+    options = session.get_session_options()
     try:
         return options.get_session_config_entry(NO_SPINNING[0]) != "0"
     except RuntimeError:  # no such entry
@@ -216,6 +220,20 @@ def test_served_sessions_sleep_between_requests_unless_asked_to_spin(device: Dev
     with ActiveModel(device.state, MODEL, threads=2, spin=True) as model:
         assert served_version(model.predict(ZERO)) == 1
         assert _spinning(model)
+
+
+def test_the_health_check_scores_a_version_in_a_session_that_does_not_spin(
+        device: Device) -> None:
+    """The device job's health check scores the staged version in the runtime that serves it
+    (``agent.jobs.steps.health.runner_for``), threads asleep between runs as the served
+    session's are: no core spins beside the application while a job checks its model."""
+    from agent.jobs.steps.health import runner_for
+
+    slot = device.stage(1)
+    engine, runtime = runner_for(slot.path)
+    assert runtime.startswith("onnxruntime"), runtime
+    assert not _session_spins(engine.session)
+    assert served_version(np.asarray(engine(ZERO))) == 1
 
 
 class ListSpool:
