@@ -49,10 +49,25 @@ LONGEST_FIRST = (
     "tests/agent/finetune/test_vit_finetune.py",
 )
 
+# Then the files that mostly wait (a Ray cluster's start, Slurm's daemons, a broker's or a
+# server's timeouts: under 0.4 CPU-s a second of their wall time). In collection order they
+# ran in the run's last five minutes beside the security tests, which wait too, and the two
+# cores were ~1.2 busy there (``CPU_REPORT_JSON``'s spans); started early, their waits leave
+# the cores to the CPU-bound files around them.
+MOSTLY_WAITING = (
+    "tests/hpc_core/tune/test_ray.py",
+    "tests/agent/daemon/test_job_faults.py",
+    "tests/fleet/rollout/test_controls.py",
+    "tests/launch/test_slurm.py",
+    "tests/security/test_broker_identity.py",
+    "tests/security/test_http_framing.py",
+)
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the longest files first; every other file keeps its place (a stable sort)."""
-    rank = {f: i for i, f in enumerate(LONGEST_FIRST)}
+    """Run the longest files first, then those that mostly wait; every other file keeps its
+    place (a stable sort)."""
+    rank = {f: i for i, f in enumerate((*LONGEST_FIRST, *MOSTLY_WAITING))}
 
     def key(item: pytest.Item) -> int:
         rel = Path(str(item.path)).resolve().relative_to(REPO).as_posix()

@@ -95,10 +95,12 @@ def test_no_module_over_450_lines_but_the_trainer() -> None:
 
 
 def test_the_longest_first_list_names_files_that_exist() -> None:
-    # A file moved or renamed without this list following it would silently run last again.
-    from tests.conftest import LONGEST_FIRST
+    # A file moved or renamed without these lists following it would silently run last again.
+    from tests.conftest import LONGEST_FIRST, MOSTLY_WAITING
 
-    assert [f for f in LONGEST_FIRST if not (REPO / f).is_file()] == []
+    listed = [*LONGEST_FIRST, *MOSTLY_WAITING]
+    assert [f for f in listed if not (REPO / f).is_file()] == []
+    assert len(set(listed)) == len(listed), "a file in both lists"
 
 
 def test_no_folder_holds_more_than_25_modules() -> None:
