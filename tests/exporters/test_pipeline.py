@@ -91,11 +91,11 @@ def test_an_impossible_gate_walks_the_fallback_chain(cnn: Any, tmp_path: Path,
     # The ranking (the float reference, then a session per layer for one pass each) scores
     # in the gates' threads (one by default), a pool's threads asleep between runs; the gates
     # time the model as ONNX Runtime runs it by default.
-    ranking = [(spin, threads) for name, spin, threads in sessions
-               if name in ("fp32.prep.onnx", "sensitivity.onnx")]
+    ranking_files = ("fp32.prep.onnx", "sensitivity.onnx")
+    ranking = [(spin, threads) for name, spin, threads in sessions if name in ranking_files]
     assert ranking == [(False, 1)] * (1 + 4), sessions
     assert len(sessions) == len(ranking) + len(report.attempts) and all(
-        spin for name, spin, _ in sessions if name not in ("fp32.prep.onnx", "sensitivity.onnx"))
+        spin for name, spin, _ in sessions if name not in ranking_files)
     deltas = [a.measurement.max_abs_logit_delta for a in report.attempts if a.measurement]
     assert deltas[0] > deltas[5] > deltas[6]  # int8 > fp16 > fp32
     installed = onnx.load(str(out / "model.onnx"))
