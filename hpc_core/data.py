@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from hpc_core.config import DataConfig
+from hpc_core.digits import digits_arrays
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 
@@ -108,11 +109,9 @@ def _resize(x: torch.Tensor, size: int | None) -> torch.Tensor:
 
 def load_digits_tensors(image_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """sklearn's 1,797 8x8 digits as (N,1,H,W) floats in [0, 1] and int64 labels."""
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.from_numpy(d.images.astype(np.float32) / 16.0).unsqueeze(1)
-    return _resize(x, image_size), torch.from_numpy(d.target.astype(np.int64))
+    images, labels = digits_arrays()
+    x = torch.from_numpy(images.astype(np.float32) / 16.0).unsqueeze(1)
+    return _resize(x, image_size), torch.from_numpy(labels.copy())
 
 
 def load_npz_tensors(path: Path, image_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -94,11 +94,11 @@ DEFAULT_SCENES = Scenes()
 
 @lru_cache(maxsize=1)
 def _digits_by_class() -> list[np.ndarray]:
-    from sklearn.datasets import load_digits
+    from hpc_core.digits import digits_arrays
 
-    d = load_digits()
-    images = d.images.astype(np.float32) / 16.0
-    return [images[d.target == k] for k in range(10)]
+    images, labels = digits_arrays()
+    scaled = images.astype(np.float32) / 16.0
+    return [scaled[labels == k] for k in range(10)]
 
 
 def _mask(label: int, side: int, rng: np.random.Generator) -> np.ndarray:

@@ -65,11 +65,12 @@ def _upstream() -> dict[str, np.ndarray]:
     """The upstream's weights: the device tests' MLP (8 x 8 digits) trained on clean digits
     for a few seconds, so that each camera starts below it and the fine-tunes learn."""
     import torch
-    from sklearn.datasets import load_digits
+
+    from hpc_core.digits import digits_arrays
 
     torch.manual_seed(0)
     model = _build_test_model(0)
-    images, labels = load_digits(return_X_y=True)
+    images, labels = digits_arrays()
     x = torch.tensor(images / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)
     y = torch.tensor(labels)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
