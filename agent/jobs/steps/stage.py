@@ -66,9 +66,13 @@ def child(c: StepContext) -> dict[str, Any]:
         write_bytes_atomic(vfile, name.encode())
     crash_inside_child("stage")  # the version is fixed, nothing is staged yet
     # A fine-tune's checkpoint names the data it learned from (the job's data.json); a
-    # personalized release names the parts it kept.
+    # personalized release names the parts it kept. Its tensors are checked against the
+    # upstream's recorded layout where the spec is the same (a torchvision/timm model's: the
+    # fine-tune loaded them into that very module), rather than against a module built here,
+    # which imports torch and the model's library (~2.5 CPU-s, ~250 MB) to stage one file.
     content = personalized_content(c, parent.manifest) if c.personalized is not None else \
-        with_training_data(read_checkpoint(c.finetuned), c.job_dir)  # type: ignore[arg-type]
+        with_training_data(read_checkpoint(c.finetuned,  # type: ignore[arg-type]
+                                           layout=parent.manifest.layout), c.job_dir)
     staged = stage_local(
         content, state_dir=c.state_dir, parent=parent,
         version=vfile.read_text().strip(), key=key, trusted=load_trusted(c.trusted_keys),

@@ -111,15 +111,21 @@ def test_a_detector_job_plans_fine_tunes_and_commits_by_map(
     # comes from the version the stage step recorded, not from building the module again
     # (torch and torchvision alone took the worker past 300 MB).
     assert mem["steps_peak_mb"]["upload"] < 150, mem
+    # So does the stage step: it checks the fine-tune's tensors against the layout the upstream
+    # version recorded for the same spec (the staged version records it in turn).
+    assert mem["steps_peak_mb"]["stage"] < 150, mem
     # The board's governor paced it (the simulated Orin Nano heats as it trains).
     assert res["governor"]["max_temp_c"] is not None and res["governor"]["target_c"] == 85.0
     assert out["finetune"]["gate_metric"] == "eval/map"
     # The committed version is a detector, signed by the device and uploaded with parent v1.
-    from agent.storage.slots import ModelSlots
+    from agent.storage.slots import ModelSlots, read_installed
 
     active = ModelSlots(dev.state, "det").active()
     assert active is not None and active.version == res["model"]["version"]
     assert active.manifest.model.task == "detection"
+    upstream = read_installed(Path(out["pull"]["path"]), "upstream")
+    assert upstream is not None and upstream.manifest.layout is not None
+    assert active.manifest.layout == upstream.manifest.layout
     assert not (active.path / "artefacts").exists() or not any(
         (active.path / "artefacts").iterdir())
     assert res["uploaded"] == {"name": "det", "version": active.version, "parent": "v1"}
