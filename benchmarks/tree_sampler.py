@@ -7,7 +7,9 @@ children with four threads each (a step's child and a probe). Both samplers run 
 ``--seconds`` each, one after the other, on the same tree; the PSS reads are the same in both
 and timed apart (one read of the tree's ``smaps_rollup`` files, times the reads a second).
 
-Target: the RSS sampling at most half the baseline's CPU.
+Target: the RSS sampling at most half the baseline's CPU. Then the sampler whole, as a job runs
+it: the RSS sampling with its PSS reads, which back off to one every 2 s while the tree holds
+still (no target: the figure beside the two above).
 
 Then a job's children one after the other, as its worker starts them: a fine-tune that holds
 ``--big-mb`` and leaves, then ``--children`` smaller torch children (a stage, a health check:
@@ -130,6 +132,10 @@ def main() -> int:
             now = cpu_per_s(peak._thread, peak._stop, args.seconds)
         finally:
             proctree.PSS_EVERY_S = old_every
+        # And whole, as a job runs it: the RSS sampling with the PSS reads, which back off
+        # while this tree holds still.
+        whole_peak = proctree.TreePeak(interval_s=0.01)
+        whole = cpu_per_s(whole_peak._thread, whole_peak._stop, args.seconds)
         c0, reads = time.process_time(), 5
         for _ in range(reads):
             proctree.tree_pss_mb()
@@ -144,6 +150,9 @@ def main() -> int:
     print(f"baseline (walk + status each sample): {100 * base:.2f}% of a core")
     print(f"TreePeak RSS sampling:                {100 * now:.2f}% of a core")
     print(f"PSS reads every {old_every:g} s (both):        {100 * pss_per_s:.2f}% of a core")
+    print(f"TreePeak whole (PSS reads backing off to one every {proctree.PSS_EVERY_MAX_S:g} s "
+          f"while the PSS holds still): {100 * whole:.2f}% of a core, "
+          f"{whole_peak.pss_reads} PSS reads in {args.seconds:g} s")
     turns = {skip: children_in_turn(args.big_mb, args.children, skip) for skip in (False, True)}
     (r0, c0, p0), (r1, c1, p1) = turns[False], turns[True]
     print(f"a {args.big_mb} MB child, then {args.children} torch children, one at a time:")

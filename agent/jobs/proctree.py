@@ -113,7 +113,16 @@ starting), one that leaves at the next sample (its statm is gone)."""
 
 PSS_EVERY_S = 0.25
 """How often PSS is read when the tree's RSS is not at a new high: smaps_rollup walks every
-mapping (~5 ms for a torch process), VmRSS is one line (~0.05 ms)."""
+mapping (~5 ms for a torch process), VmRSS is one line (~0.05 ms). The period doubles after
+each such read that found the PSS where the last one left it, up to :data:`PSS_EVERY_MAX_S`,
+and starts again from this one whenever the tree changes, its RSS sets a new high or a read
+finds a rise."""
+PSS_EVERY_MAX_S = 2.0
+"""The longest wait between two PSS reads of a tree that holds still. Without an RSS rise
+only another process's leaving can raise the tree's PSS (the pages it shared are charged to
+the tree alone), and that rise stays: it is read within this long. A fine-tune's minutes at
+a steady RSS cost a read every 2 s instead of four a second (their 8% of a core, with two
+torch processes in the tree, ~1%: ``python benchmarks/tree_sampler.py``)."""
 
 _CPUS = os.cpu_count() or 1
 STATM_SLACK_MB = 4.0 + _CPUS * max(32, 2 * _CPUS) * _PAGE_MB
@@ -124,7 +133,8 @@ per-CPU counters read without summing them (up to max(32, 2 x CPUs) pages per CP
 
 MEASURE = ("PSS of the job's process tree (/proc/PID/smaps_rollup), read at each new high of "
            "its RSS (sampled every 10 ms; the high restarts when a process joins or leaves "
-           "the tree) and every 0.25 s, whenever that RSS could hold a new PSS peak")
+           "the tree) and every 0.25 s (up to 2 s while the PSS holds still), whenever that "
+           "RSS could hold a new PSS peak")
 """How the job's reported peaks are measured (the report says so)."""
 
 
@@ -133,7 +143,8 @@ class TreePeak:
 
     The tree's RSS (cheap) is sampled every ``interval_s``; its PSS (the figure reported, but
     ~100x dearer to read) each time the RSS passes its previous high by 1 MB, and at least
-    every :data:`PSS_EVERY_S`; never while the tree's RSS is under the PSS peak already seen
+    every :data:`PSS_EVERY_S` (backing off to :data:`PSS_EVERY_MAX_S` while the PSS holds
+    still); never while the tree's RSS is under the PSS peak already seen
     (less :data:`STATM_SLACK_MB`): a process's PSS never exceeds its RSS, so such a read could
     not raise the peak. That skips most of the reads of a job's later children, each of which
     starts by importing torch (a rise of ~1 MB each 10 ms sample for a second or more, every
@@ -161,6 +172,7 @@ class TreePeak:
 
     def _run(self) -> None:
         next_pss, members, high = 0.0, frozenset[int](), 0.0
+        every, last_pss = PSS_EVERY_S, -1.0
         pids: list[int] = []
         for n in itertools.count():
             if self._stop.is_set():
@@ -170,12 +182,16 @@ class TreePeak:
                 pids = tree_pids(self.root)
                 rss = sum(rss_mb(p) for p in pids)
                 if frozenset(pids) != members:  # sharing changed: an old high means nothing
-                    members, high = frozenset(pids), 0.0
+                    members, high, every = frozenset(pids), 0.0, PSS_EVERY_S
             now = time.monotonic()
-            if (rss > high + 1.0 or now >= next_pss) and rss + STATM_SLACK_MB > self.peak_mb:
-                self.peak_mb = max(self.peak_mb, sum(pss_mb(p) for p in pids))
+            rising = rss > high + 1.0
+            if (rising or now >= next_pss) and rss + STATM_SLACK_MB > self.peak_mb:
+                pss = sum(pss_mb(p) for p in pids)
+                self.peak_mb = max(self.peak_mb, pss)
                 self.pss_reads += 1
-                next_pss = now + PSS_EVERY_S
+                still = not rising and abs(pss - last_pss) <= 1.0
+                every = min(2 * every, PSS_EVERY_MAX_S) if still else PSS_EVERY_S
+                last_pss, next_pss = pss, now + every
             high = max(high, rss)
             self.rss_peak_mb = max(self.rss_peak_mb, rss)
             self._stop.wait(self.interval_s)

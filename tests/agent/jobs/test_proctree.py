@@ -1,4 +1,5 @@
-"""The job's process-tree sampler: a PSS peak after a process left the tree is seen."""
+"""The job's process-tree sampler: a PSS peak after a process left the tree is seen, and a
+tree that holds still is read less often without missing what only a PSS read shows."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from agent.jobs.proctree import TreePeak
 
@@ -96,3 +98,44 @@ def test_no_pss_read_while_the_tree_holds_less_than_its_peak() -> None:
         p.wait(30)
         assert peak.pss_reads == reads, (reads, peak.pss_reads)
     assert peak.peak_mb >= 200 and reads >= 1, (peak.peak_mb, reads)
+
+
+READER = ("import mmap, sys, time; f = open(sys.argv[1], 'rb'); "
+          "m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ); "
+          "sum(m[i] for i in range(0, len(m), 4096)); print('mapped', flush=True); "
+          "time.sleep(float(sys.argv[2]))")
+"""Maps a file, touches every page of it, says so, holds it for argv[2] seconds."""
+
+
+def test_a_tree_that_holds_still_is_read_less_often_yet_a_pss_rise_without_rss_is_seen(
+        tmp_path: Path) -> None:
+    # The tree maps 100 MB of a file that an outside process maps too: PSS charges it half of
+    # those pages. The outsider leaves: the tree's PSS rises by ~50 MB and its RSS does not
+    # move, so only the periodic read can see it, however far it has backed off.
+    from agent.jobs.proctree import PSS_EVERY_MAX_S, PSS_EVERY_S
+
+    data = tmp_path / "shared.bin"
+    data.write_bytes(b"x" * (100 << 20))
+    outsider = subprocess.Popen([sys.executable, "-c", READER, str(data), "60"],
+                                stdout=subprocess.PIPE, text=True)
+    tree = subprocess.Popen([sys.executable, "-c", READER, str(data), "60"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert outsider.stdout is not None and tree.stdout is not None
+        assert outsider.stdout.readline() == tree.stdout.readline() == "mapped\n"
+        with TreePeak(root=tree.pid) as peak:
+            held_s = 4 * PSS_EVERY_MAX_S
+            time.sleep(held_s)
+            shared = peak.peak_mb
+            # Holding still, the reads backed off: fixed at PSS_EVERY_S they would be ~32.
+            assert 2 <= peak.pss_reads <= held_s / PSS_EVERY_MAX_S + 4, peak.pss_reads
+            assert peak.pss_reads < held_s / PSS_EVERY_S / 3
+            outsider.kill()
+            outsider.wait(30)
+            time.sleep(PSS_EVERY_MAX_S + 0.5)  # the next read, however late it falls
+            alone = peak.peak_mb
+    finally:
+        for p in (outsider, tree):
+            p.kill()
+            p.wait(30)
+    assert alone >= shared + 40, (shared, alone)
