@@ -113,8 +113,12 @@ def test_agentctl_sensors_reads_a_devices_board(
 ) -> None:
     board = SimBoard(tmp_path, profile=NANO, time_scale=500.0)
     burn(0.3)
-    hot = board.sync(persist=True)
-    hot_c, hot_wall = hot.temp_c, time.time()
+    board.sync(persist=True)
+    # The board as written, and when: the command advances it from exactly there. (The wall
+    # time taken after sync() returned was later by the file's write and fsync, up to a second
+    # on a busy host: 500 simulated seconds, a thermal time constant, the bound set too high.)
+    hot = BoardState.model_validate_json((tmp_path / BOARD_FILE).read_bytes())
+    hot_c, hot_wall = hot.temp_c, hot.wall_s
     done = subprocess.run(
         [sys.executable, "-m", "agent.cli", "sensors", "--backend", "sim", "--state-dir",
          str(tmp_path), "--count", "1", "--json"],
