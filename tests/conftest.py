@@ -49,11 +49,14 @@ LONGEST_FIRST = (
     "tests/agent/finetune/test_vit_finetune.py",
 )
 
-# Then the files that mostly wait (a Ray cluster's start, Slurm's daemons, a broker's or a
-# server's timeouts: under 0.4 CPU-s a second of their wall time). In collection order they
-# ran in the run's last five minutes beside the security tests, which wait too, and the two
-# cores were ~1.2 busy there (``CPU_REPORT_JSON``'s spans); started early, their waits leave
-# the cores to the CPU-bound files around them.
+# The files that mostly wait (a Ray cluster's start, Slurm's daemons, a broker's or a server's
+# timeouts: under 0.4 CPU-s a second of their wall time). Together they leave the cores idle:
+# at the end of the collection order, beside the security tests (which wait too), the two
+# cores were ~1.2 busy; all started right after the longest files, the three test processes
+# took them up at once and the cores fell to 0.8-1.2 busy for three minutes
+# (``CPU_REPORT_JSON``'s spans). So they are spread among the other files, one every so many,
+# and each waits beside two processes that keep the cores busy; none in the last stretch,
+# which the waiting security tests hold already.
 MOSTLY_WAITING = (
     "tests/hpc_core/tune/test_ray.py",
     "tests/agent/daemon/test_job_faults.py",
@@ -64,16 +67,31 @@ MOSTLY_WAITING = (
 )
 
 
+def file_order(files: list[str]) -> list[str]:
+    """The order the files start in: :data:`LONGEST_FIRST`, then every other file in collection
+    order with the :data:`MOSTLY_WAITING` ones spread among them: one after each
+    ``len(others) / (len(waiting) + 2)`` files, so twice that many close the run."""
+    longest = [f for f in LONGEST_FIRST if f in files]
+    waiting = [f for f in MOSTLY_WAITING if f in files]
+    others = [f for f in files if f not in LONGEST_FIRST and f not in MOSTLY_WAITING]
+    gap = len(others) / (len(waiting) + 2)
+    order, k = longest, 0
+    for i, f in enumerate(others):
+        while k < len(waiting) and i >= gap * (k + 1):
+            order.append(waiting[k])
+            k += 1
+        order.append(f)
+    return order + waiting[k:]
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the longest files first, then those that mostly wait; every other file keeps its
-    place (a stable sort)."""
-    rank = {f: i for i, f in enumerate((*LONGEST_FIRST, *MOSTLY_WAITING))}
+    """Start the files in :func:`file_order`; a file's tests keep their order (a stable sort)."""
+    def rel(item: pytest.Item) -> str:
+        return Path(str(item.path)).resolve().relative_to(REPO).as_posix()
 
-    def key(item: pytest.Item) -> int:
-        rel = Path(str(item.path)).resolve().relative_to(REPO).as_posix()
-        return rank.get(rel, len(rank))
-
-    items.sort(key=key)
+    files = list(dict.fromkeys(rel(item) for item in items))
+    rank = {f: i for i, f in enumerate(file_order(files))}
+    items.sort(key=lambda item: rank[rel(item)])
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -103,6 +103,25 @@ def test_the_longest_first_list_names_files_that_exist() -> None:
     assert len(set(listed)) == len(listed), "a file in both lists"
 
 
+def test_the_waiting_files_start_spread_among_the_others() -> None:
+    from itertools import pairwise
+
+    from tests.conftest import LONGEST_FIRST, MOSTLY_WAITING, file_order
+
+    others = [f"tests/t{i:03d}.py" for i in range(80)]
+    files = [*others[:30], *reversed(MOSTLY_WAITING), *others[30:], *LONGEST_FIRST]
+    order = file_order(files)
+    assert sorted(order) == sorted(files)  # every file once
+    assert order[:len(LONGEST_FIRST)] == list(LONGEST_FIRST)
+    rest = order[len(LONGEST_FIRST):]
+    assert [f for f in rest if f in others] == others  # the others keep collection order
+    at = [rest.index(f) for f in MOSTLY_WAITING]  # in the listed order, 10 others apart
+    assert at == sorted(at) and {b - a for a, b in pairwise(at)} == {11}, at
+    assert at[0] == 10 and len(rest) - at[-1] == 21, at  # twice that closes the run
+    # Fewer files than the list: the ones that are there, nothing invented.
+    assert file_order([MOSTLY_WAITING[0], "tests/a.py"]) == ["tests/a.py", MOSTLY_WAITING[0]]
+
+
 def test_no_folder_holds_more_than_25_modules() -> None:
     # Past that a folder's file-name prefixes are packages asking to exist (fleet/ had 35).
     crowded = {}
