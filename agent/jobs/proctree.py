@@ -123,6 +123,10 @@ only another process's leaving can raise the tree's PSS (the pages it shared are
 the tree alone), and that rise stays: it is read within this long. A fine-tune's minutes at
 a steady RSS cost a read every 2 s instead of four a second (their 8% of a core, with two
 torch processes in the tree, ~1%: ``python benchmarks/tree_sampler.py``)."""
+PSS_STILL_MB = 2.0
+"""How far two reads' PSS may differ for the tree to count as holding still: the tree's share
+of the libraries it maps moves by a fraction of a MB as other processes that map them come and
+go. A slow climb of less than this a read is still read, and its peak kept, every 2 s."""
 
 _CPUS = os.cpu_count() or 1
 STATM_SLACK_MB = 4.0 + _CPUS * max(32, 2 * _CPUS) * _PAGE_MB
@@ -189,7 +193,7 @@ class TreePeak:
                 pss = sum(pss_mb(p) for p in pids)
                 self.peak_mb = max(self.peak_mb, pss)
                 self.pss_reads += 1
-                still = not rising and abs(pss - last_pss) <= 1.0
+                still = not rising and abs(pss - last_pss) <= PSS_STILL_MB
                 every = min(2 * every, PSS_EVERY_MAX_S) if still else PSS_EVERY_S
                 last_pss, next_pss = pss, now + every
             high = max(high, rss)
