@@ -86,12 +86,11 @@ def file_order(files: list[str]) -> list[str]:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Start the files in :func:`file_order`; a file's tests keep their order (a stable sort)."""
-    def rel(item: pytest.Item) -> str:
-        return Path(str(item.path)).resolve().relative_to(REPO).as_posix()
-
-    files = list(dict.fromkeys(rel(item) for item in items))
-    rank = {f: i for i, f in enumerate(file_order(files))}
-    items.sort(key=lambda item: rank[rel(item)])
+    # Each item's file resolved once (~1,700 items), for the order and for the sort.
+    files = {id(item): Path(str(item.path)).resolve().relative_to(REPO).as_posix()
+             for item in items}
+    rank = {f: i for i, f in enumerate(file_order(list(dict.fromkeys(files.values()))))}
+    items.sort(key=lambda item: rank[files[id(item)]])
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
