@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from pathlib import Path
 from typing import Any
 
@@ -8,9 +10,16 @@ import onnx
 import pytest
 import torch
 from pydantic import ValidationError
+from torch import nn
 
+from exporters import onnx_export
 from exporters.job import OnnxExportConfig
-from exporters.onnx_export import export_onnx, opset_of
+from exporters.onnx_export import (
+    export_onnx,
+    list_torchlib_ops_once,
+    onnxscript_listing,
+    opset_of,
+)
 from exporters.ort_runner import OrtRunner
 
 
@@ -67,3 +76,64 @@ def test_export_leaves_the_model_in_its_mode(cnn: Any, tmp_path: Path) -> None:
     export_onnx(model, tmp_path / "m.onnx", cnn.input_shape, OnnxExportConfig(
         exporter="torchscript", opset=17))
     assert model.training
+
+
+# The exporter's torchlib functions listed once a process: the same list as onnxscript's own,
+# and the same exported file.
+
+
+def _entries(listing: list) -> list[tuple]:
+    return [(m.qualified_name, m.function, m.domain, m.name, m.is_complex) for m in listing]
+
+
+def _bound_listings() -> dict[str, object]:
+    """Each onnxscript ``_framework_apis`` module's ``get_torchlib_ops``."""
+    apis = importlib.import_module("onnxscript._framework_apis")
+    found = {}
+    for info in pkgutil.iter_modules(apis.__path__):
+        module = importlib.import_module(f"{apis.__name__}.{info.name}")
+        if hasattr(module, "get_torchlib_ops"):
+            found[module.__name__] = module.get_torchlib_ops
+    return found
+
+
+def test_the_listing_is_onnxscripts_own_entry_for_entry() -> None:
+    assert list_torchlib_ops_once() is True
+    original = onnxscript_listing()
+    assert original is not None
+    bound = _bound_listings()
+    # Every module that bound onnxscript's listing (the one this torch release calls among
+    # them) now calls the once-made one.
+    assert bound and all(f is not original for f in bound.values()), bound
+    ours = next(iter(bound.values()))()
+    theirs = original()
+    assert len(ours) > 400
+    assert _entries(ours) == _entries(theirs)
+    # Made once: the same entries (the very objects) on every call, in a fresh list each time.
+    again = next(iter(bound.values()))()
+    assert again is not ours and all(a is b for a, b in zip(again, ours, strict=True))
+
+
+def test_an_export_is_byte_for_byte_the_one_onnxscripts_listing_gives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    cfg = OnnxExportConfig()
+    assert list_torchlib_ops_once() is True
+    ours = export_onnx(model, tmp_path / "ours.onnx", (1, 8, 8), cfg)
+    original = onnxscript_listing()
+    for name in _bound_listings():  # onnxscript's own listing back, for this export only
+        monkeypatch.setattr(importlib.import_module(name), "get_torchlib_ops", original)
+    theirs = export_onnx(model, tmp_path / "theirs.onnx", (1, 8, 8), cfg)
+    assert ours.path.read_bytes() == theirs.path.read_bytes()
+
+
+def test_an_unknown_onnxscript_layout_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(onnx_export, "_listing_installed", None)
+    base = importlib.import_module("onnxscript._framework_apis.torch_2_5")
+    monkeypatch.delattr(base, "_OnnxFunctionMeta")
+    before = _bound_listings()
+    assert list_torchlib_ops_once() is False
+    assert _bound_listings() == before
