@@ -13,6 +13,7 @@ from typing import Any
 
 from agent.cli.common import add_state_args, fail, guarded, state_dir_of
 from registry.credentials import is_loopback
+from registry.lifetime import wait_for_stop
 
 log = logging.getLogger("agent.cli.serve")
 
@@ -163,7 +164,7 @@ def run_serve(args: argparse.Namespace) -> int:
                      extra={"fields": {"event": "serving", "model": args.model,
                                        "version": model.version, "address": server.address,
                                        "grpc_address": grpc_address}})
-            stop.wait()
+            wait_for_stop(stop)
     return 0
 
 

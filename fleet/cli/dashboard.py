@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 from fleet.cli.options import EXIT_OK, UsageError, broker_config, inventory_membership
+from registry.lifetime import wait_for_stop
 
 
 def cmd_dashboard(a: argparse.Namespace) -> int:
@@ -55,7 +56,7 @@ def cmd_dashboard(a: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        stop.wait()
+        wait_for_stop(stop)
     finally:
         server.close()
     return EXIT_OK

@@ -36,7 +36,7 @@ from fleet.mqtt import BrokerConfig
 from fleet.sim.config import SimConfig
 from fleet.sim.fleet import SimFleet
 from registry.atomic import private_umask
-from registry.lifetime import skip_startup_and_exit_collections
+from registry.lifetime import skip_startup_and_exit_collections, wait_for_stop
 
 
 @private_umask()
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     fleet.start()
     print(json.dumps({"event": "sim_ready", "devices": len(fleet.devices)}), flush=True)
-    stop.wait()
+    wait_for_stop(stop)
     fleet.stop()
     if a.summary:
         a.summary.write_text(json.dumps(fleet.summary()))

@@ -6,7 +6,9 @@ matches Triton's wire names and numbers."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -77,8 +79,9 @@ def agentctl_serve(device: Device, tmp_path: Path, env: dict[str, str], *flags: 
         serving = next(e for e in events if e.get("event") == "serving")
         yield Serve(proc, sock, serving["grpc_address"], events)
         proc.send_signal(signal.SIGTERM)
-        # 60 s: a suite run on a loaded 2-core host once saw no exit within 20 s; the log's
-        # last lines say where it stood if it ever does again.
+        # Suite runs twice saw no exit within 20 and 60 s: the SIGTERM had landed on another
+        # thread while the main one waited untimed (registry.lifetime.wait_for_stop). Should
+        # it ever hang again, the log's last lines say where it stood.
         try:
             code: int | None = proc.wait(60)
         except subprocess.TimeoutExpired:
@@ -226,6 +229,26 @@ def test_rpcs_past_the_bound_are_refused_not_queued(
         inp.set_data_from_numpy(np.zeros((1, *INPUT_SHAPE), np.float32))
         assert client.infer("digits", [inp]).as_numpy("logits").shape == (1, 10)
         client.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tgkill(2) is Linux's")
+def test_a_sigterm_landing_on_any_thread_stops_serve(
+        device: Device, tmp_path: Path, subprocess_env: dict[str, str]) -> None:
+    """The kernel may hand a process's SIGTERM to any of its threads (gRPC's, ONNX Runtime's,
+    the HTTP server's); ``agentctl serve`` must stop all the same, as systemd expects. Sent here
+    to another thread on purpose: left to the kernel, ~1 stop in 185 used to be missed."""
+    device.install(1)
+    libc = ctypes.CDLL(None, use_errno=True)
+    with agentctl_serve(device, tmp_path, subprocess_env) as serve:
+        pid = serve.proc.pid
+        threads = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+        assert threads, "serve runs its servers on threads of their own"
+        assert libc.tgkill(pid, threads[-1], signal.SIGTERM) == 0, ctypes.get_errno()
+        try:
+            code = serve.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            code = None
+        assert code == 0, "a SIGTERM on a thread other than the main one did not stop serve"
 
 
 def test_the_descriptor_is_generated_from_the_proto_file() -> None:
