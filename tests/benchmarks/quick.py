@@ -37,8 +37,8 @@ NOT_BENCHMARKS = {
 }
 DEVICE_JOB = ("device_job.py", "job_budget.py", "detection.py", "detection_int8.py")
 """Whole device jobs (worker, probes, fine-tune, INT8 export, health): the heaviest."""
-TRAINING = ("runtime.py", "upstream.py", "finetune.py", "export.py", "trainer_overhead.py",
-            "tune_backends.py", "probes.py")
+TRAINING = ("runtime.py", "upstream.py", "finetune.py", "export.py", "export_time.py",
+            "trainer_overhead.py", "tune_backends.py", "probes.py")
 """Training, probing and exporting in fresh torch processes."""
 NEEDS = {
     "agent.py": ("mosquitto", have_mosquitto),

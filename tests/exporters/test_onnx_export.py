@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import importlib
 import pkgutil
 from pathlib import Path
@@ -145,3 +146,83 @@ def test_an_unknown_onnxscript_layout_is_left_alone(monkeypatch: pytest.MonkeyPa
     before = _bound_listings()
     assert list_torchlib_ops_without_parsing() is False
     assert _bound_listings() == before
+
+
+class _MobileBlock(nn.Module):
+    """MobileNetV3's activations, in place as torchvision builds them, and a ReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.hswish, self.relu6 = nn.Hardswish(inplace=True), nn.ReLU6(inplace=True)
+        self.gate, self.relu = nn.Hardsigmoid(inplace=True), nn.ReLU(inplace=True)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.relu6(self.hswish(self.conv(x)))
+        return self.head(self.relu(h * self.gate(h.mean((2, 3), keepdim=True))))
+
+
+def _in_place(model: nn.Module) -> dict[str, bool]:
+    return {n: m.inplace for n, m in model.named_modules() if hasattr(m, "inplace")}
+
+
+def test_in_place_activations_export_the_same_graph_traced_out_of_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks.export_time import graph_of
+
+    torch.manual_seed(0)
+    model = _MobileBlock().eval()
+    example = torch.zeros(2, 1, 8, 8)
+    with onnx_export.activations_out_of_place(model, example):
+        assert _in_place(model) == {"hswish": False, "relu6": False, "gate": False,
+                                    "relu": True}  # ReLU is traced as cheaply either way
+    assert set(_in_place(model).values()) == {True}
+    ours = export_onnx(model, tmp_path / "ours.onnx", (1, 8, 8))
+    assert set(_in_place(model).values()) == {True}  # set back after the export
+    ops = {n.op_type for n in onnx.load(str(ours.path)).graph.node}
+    assert {"HardSwish", "HardSigmoid", "Clip", "Relu"} <= ops, ops
+    with monkeypatch.context() as m:  # the baseline: traced with its in-place modules
+        m.setattr(onnx_export, "activations_out_of_place",
+                  lambda model, example: contextlib.nullcontext())
+        theirs = export_onnx(model, tmp_path / "theirs.onnx", (1, 8, 8))
+    assert graph_of(ours.path) == graph_of(theirs.path)
+    x = torch.randn(5, 1, 8, 8)
+    with torch.no_grad():
+        want = model(x.clone()).numpy()
+    np.testing.assert_allclose(OrtRunner(ours.path)(x.numpy()), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_flags_are_set_back_when_the_export_fails() -> None:
+    model = _MobileBlock().eval()
+    with pytest.raises(RuntimeError, match="export failed"), \
+            onnx_export.activations_out_of_place(model, torch.zeros(2, 1, 8, 8)):
+        raise RuntimeError("export failed")
+    assert set(_in_place(model).values()) == {True}
+
+
+class _ReadsWhatItChanged(nn.Module):
+    """Drops the activation's result and returns the tensor it changed in place: out of
+    place, it would return that tensor unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.Hardtanh(-0.5, 0.5, inplace=True)
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * self.scale
+        self.act(y)
+        return y
+
+
+def test_a_model_that_needs_its_in_place_side_effect_is_exported_as_it_is(
+        tmp_path: Path) -> None:
+    model = _ReadsWhatItChanged().eval()
+    with onnx_export.activations_out_of_place(model, torch.zeros(2, 3)):
+        assert model.act.inplace is True  # out of place its output differs: left alone
+    out = export_onnx(model, tmp_path / "m.onnx", (3,), OnnxExportConfig(simplify="off"),
+                      output_name="y")
+    x = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_array_equal(OrtRunner(out.path)(x), np.clip(2 * x, -0.5, 0.5))
