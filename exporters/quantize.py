@@ -18,6 +18,7 @@ quantization calibrates again, with the same samples and so the same ranges.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import inspect
 import io
@@ -129,17 +130,27 @@ def float_parameter_nodes(model_path: Path) -> list[str]:
     of a normalization (GroupNorm exports as InstanceNormalization + Mul + Add), scalar
     Mul/Add constants. ONNX Runtime would quantize those constants per tensor, which the
     symmetric per-channel recipe (and ``exporters.qdq_check``) rejects, and an INT8 gamma
-    saves nothing: TensorRT fuses these ops into the float epilogue. They stay in float."""
-    model = onnx.load(str(model_path))
+    saves nothing: TensorRT fuses these ops into the float epilogue. They stay in float.
+
+    Read once per version of the file (its path, inode, size and change time: an atomic
+    rewrite is a new inode): a layer sensitivity ranking quantizes one file ~100 times."""
+    st = Path(model_path).stat()
+    version = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return list(_float_parameter_nodes(str(model_path), version))
+
+
+@functools.lru_cache(maxsize=8)
+def _float_parameter_nodes(path: str, version: tuple[int, ...]) -> tuple[str, ...]:
+    model = onnx.load(path)
     floats = {
         i.name for i in model.graph.initializer
         if i.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
     }
-    return [
+    return tuple(
         n.name
         for n in model.graph.node
         if n.op_type not in WEIGHTED_OPS and any(x in floats for x in n.input)
-    ]
+    )
 
 
 ACTIVATION_OPS = ("Relu", "Clip", "LeakyRelu", "HardSwish", "HardSigmoid", "Sigmoid", "Tanh")
@@ -152,6 +163,8 @@ def with_float_inputs(model_path: Path, nodes: Sequence[str]) -> list[str]:
     left in float also takes its input in float: excluding the conv alone leaves the Q/DQ
     pair on its input, where a tensor whose channels differ by orders of magnitude loses
     the small ones."""
+    if not nodes:
+        return []
     model = onnx.load(str(model_path))
     producer = {o: n for n in model.graph.node for o in n.output}
     uses: dict[str, int] = {}

@@ -19,6 +19,7 @@ from exporters.ort_runner import PRECISE_INT8, OrtRunner
 from exporters.qdq_check import check_qdq
 from exporters.quantize import (
     CACHE_SUPPORTED,
+    float_parameter_nodes,
     prepare_for_quantization,
     quantizable_nodes,
     quantize_int8,
@@ -174,6 +175,32 @@ def test_group_norm_affine_parameters_stay_in_float(tmp_path: Path) -> None:
     assert all(r.array.dtype == np.int8 for r in refs)
     ref = model(torch.from_numpy(calib)).detach().numpy()
     assert np.mean(predict(OrtRunner(out.path), calib).argmax(1) == ref.argmax(1)) > 0.9
+
+
+def test_float_parameter_nodes_are_read_again_once_the_file_is_rewritten(
+        tmp_path: Path) -> None:
+    """Read once per version of a file (a ranking asks ~100 times): a file rewritten in place
+    (atomically, as every write here is) is read again, and a caller's list is its own."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from registry.atomic import write_bytes_atomic
+
+    def graph(op: str) -> bytes:
+        node = helper.make_node(op, ["x", "k"], ["y"], name="n")
+        g = helper.make_graph([node], "g", [helper.make_tensor_value_info(
+            "x", TensorProto.FLOAT, [1])], [helper.make_tensor_value_info(
+                "y", TensorProto.FLOAT, [1])], [numpy_helper.from_array(
+                    np.ones(1, np.float32), "k")])
+        return helper.make_model(g).SerializeToString()
+
+    path = tmp_path / "m.onnx"
+    write_bytes_atomic(path, graph("Mul"))
+    first = float_parameter_nodes(path)
+    assert first == ["n"]
+    first.append("changed by the caller")
+    assert float_parameter_nodes(path) == ["n"]
+    write_bytes_atomic(path, graph("MatMul"))  # a weighted op: its constant is quantized
+    assert float_parameter_nodes(path) == []
 
 
 QUANTIZE_IN_A_FRESH_PROCESS = """
