@@ -109,8 +109,10 @@ def activations_out_of_place(model: nn.Module, example: torch.Tensor) -> Iterato
     the input it changed read instead) would lose it out of place: so one forward pass on a
     random batch shaped as ``example`` must agree bit for bit first, else nothing is changed.
     """
-    flipped = [m for m in model.modules()
-               if isinstance(m, TRACED_THROUGH_PRIMS) and m.inplace is True]
+    # In train mode the check's forward passes would move BatchNorm's running statistics:
+    # such a model (export_onnx sets eval mode first) is left as it is.
+    flipped = [] if model.training else [
+        m for m in model.modules() if isinstance(m, TRACED_THROUGH_PRIMS) and m.inplace is True]
     if flipped:
         x = torch.rand(example.shape, generator=torch.Generator().manual_seed(0))
         x = x.to(example.device, example.dtype)

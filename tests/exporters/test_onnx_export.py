@@ -202,6 +202,13 @@ def test_the_flags_are_set_back_when_the_export_fails() -> None:
     assert set(_in_place(model).values()) == {True}
 
 
+def test_a_model_in_train_mode_is_not_run_nor_changed() -> None:
+    model = _MobileBlock().train()
+    model.conv.register_forward_hook(lambda *_: pytest.fail("the model was run"))
+    with onnx_export.activations_out_of_place(model, torch.zeros(2, 1, 8, 8)):
+        assert set(_in_place(model).values()) == {True}
+
+
 class _ReadsWhatItChanged(nn.Module):
     """Drops the activation's result and returns the tensor it changed in place: out of
     place, it would return that tensor unchanged."""
