@@ -171,6 +171,8 @@ class TreePeak:
         self.rss_peak_mb = 0.0
         self.pss_reads = 0
         """Reads of the whole tree's PSS so far (the sampler's dearest work)."""
+        self.samples = 0
+        """Samples of the tree's RSS so far (one a loop)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tree-pss", daemon=True)
 
@@ -198,6 +200,7 @@ class TreePeak:
                 last_pss, next_pss = pss, now + every
             high = max(high, rss)
             self.rss_peak_mb = max(self.rss_peak_mb, rss)
+            self.samples += 1
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> TreePeak:

@@ -12,9 +12,11 @@ from pathlib import Path
 from agent.jobs.proctree import TreePeak
 
 # The parent and a forked child both touch 120 MB of shared anonymous memory (summed RSS 240
-# MB, PSS 120 MB); the child exits; then the parent holds 80 MB more of its own for 0.05 s:
-# PSS 200 MB, its peak, while the summed RSS (200 MB) stays under the high of the pair. A
-# sampler that reads PSS only above that RSS high sees it only if its 0.25 s tick falls there.
+# MB, PSS 120 MB); the child exits; then the parent holds 80 MB more of its own for two of
+# the sampler's samples (the test tells it when: a fixed 0.05 s once saw none on a loaded
+# host): PSS 200 MB, its peak, while the summed RSS (200 MB) stays under the high of the pair.
+# A sampler that reads PSS only above that RSS high sees it only if its 0.25 s tick falls
+# there.
 SCRIPT = """
 import mmap, os, sys, time
 shared = mmap.mmap(-1, 120 << 20, flags=mmap.MAP_SHARED)
@@ -31,7 +33,8 @@ os.waitpid(pid, 0)
 time.sleep(0.3)
 own = bytearray(80 << 20)
 own[::4096] = b"x" * len(range(0, 80 << 20, 4096))  # every page touched, no temporary copy
-time.sleep(0.05)
+print("holding", flush=True)
+sys.stdin.readline()
 del own
 time.sleep(0.3)
 """
@@ -39,9 +42,17 @@ time.sleep(0.3)
 
 def test_the_pss_peak_after_a_process_left_is_seen() -> None:
     seen = []
-    for _ in range(3):  # a 0.25 s tick lands in the 0.05 s peak in one run of five
-        p = subprocess.Popen([sys.executable, "-c", SCRIPT])
+    for _ in range(3):  # a 0.25 s tick lands in two 10 ms samples' peak in few runs
+        p = subprocess.Popen([sys.executable, "-c", SCRIPT], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+        assert p.stdin is not None and p.stdout is not None
         with TreePeak(root=p.pid) as peak:
+            assert p.stdout.readline().strip() == "holding"
+            start, deadline = peak.samples, time.monotonic() + 30
+            while peak.samples < start + 2 and time.monotonic() < deadline:
+                time.sleep(0.002)
+            p.stdin.write("\n")
+            p.stdin.flush()
             p.wait(30)
             time.sleep(0.05)
         seen.append(peak.peak_mb)
