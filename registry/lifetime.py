@@ -91,8 +91,9 @@ def wait_for_stop(stop: threading.Event, poll_s: float = SIGNAL_POLL_S) -> None:
     it next runs bytecode. The kernel may hand a process's signal to any of its threads (gRPC's,
     ONNX Runtime's, a server's); the C-level handler then only marks it, and a main thread asleep
     in an untimed wait is never woken to look. ``agentctl serve --grpc-port`` so ignored a
-    SIGTERM about once in 185 stops on a loaded 2-core host, until systemd's SIGKILL. Each timed
-    wake returns to the interpreter, which runs the marked handler.
+    SIGTERM about once in 185 stops on a loaded 2-core host, until its supervisor's SIGKILL
+    (systemd's, after TimeoutStopSec). Each timed wake returns to the interpreter, which runs
+    the marked handler.
     """
     while not stop.wait(poll_s):
         pass
