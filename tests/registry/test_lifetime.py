@@ -119,8 +119,9 @@ def test_a_signal_on_another_thread_still_ends_the_wait(how: str) -> None:
         assert woke == "False", "an untimed wait saw the signal: CPython changed; see lifetime"
     else:
         assert woke == "True"
-        # Sent at 0.2 s; seen at the next wake. The bound is loose for a loaded host.
-        assert float(took) < 0.2 + SIGNAL_POLL_S + 2.0, took
+        # Sent at 0.2 s, seen at the next wake (0.7 s here). The bound is loose: a loaded
+        # host may schedule either thread late; an untimed wait would never return at all.
+        assert float(took) < 0.2 + SIGNAL_POLL_S + 10.0, took
 
 
 # Every product module and script that runs as a program (``if __name__ == "__main__":``) and
