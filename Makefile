@@ -1,6 +1,13 @@
 # Every target does its own set-up on a fresh Debian machine with Python 3.10+.
 SHELL := /bin/bash
-PYTHON ?= python3
+# The interpreter .venv is made from: the distribution's /usr/bin/python3 where it is 3.10 or
+# newer, else the first python3 on PATH. Debian's and Ubuntu's are built with profile-guided
+# optimization and libpython linked in; a build from source without --enable-optimizations
+# (pyenv's default) ran this project's Python ~15-20% slower, the test suite included
+# (`python benchmarks/interpreter.py`). `make setup PYTHON=python3.12` takes another; an
+# existing .venv is kept as it is.
+PYTHON ?= $(shell /usr/bin/python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+	2>/dev/null && echo /usr/bin/python3 || echo python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
