@@ -2,8 +2,8 @@
 SHELL := /bin/bash
 # The interpreter .venv is made from: the distribution's /usr/bin/python3 where it is 3.10 or
 # newer, else the first python3 on PATH. Debian's and Ubuntu's are built with profile-guided
-# optimization and libpython linked in; a build from source without --enable-optimizations
-# (pyenv's default) ran this project's Python ~15-20% slower, the test suite included
+# optimization and libpython linked in; on a build from source without --enable-optimizations
+# (pyenv's default) this project's processes took 1.1-1.4x the CPU and the test suite 1.2x
 # (`python benchmarks/interpreter.py`). `make setup PYTHON=python3.12` takes another; an
 # existing .venv is kept as it is.
 PYTHON ?= $(shell /usr/bin/python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
