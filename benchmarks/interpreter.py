@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -46,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # before benchmarks/ itself (see benchmarks/harness.py)
 
 from benchmarks.harness import cpu_line, fmt, parse_args, verdict  # noqa: E402
-from benchmarks.process_start import EXPORT, SKIP, TRAIN  # noqa: E402
+from benchmarks.process_start import EXPORT, SKIP, TRAIN, cpu_of  # noqa: E402
 
 PURE = ("import json\n"
         "doc = {'id': 'job-1', 'steps': [{'name': n, 'status': 'done', 'outputs': {'x': 1.5}} "
@@ -103,16 +102,6 @@ def find_other() -> str | None:
     return None
 
 
-def cpu_of(python: str, code: str, site: str) -> float:
-    """User + system CPU seconds of one fresh ``python -c`` run reading ``site``'s packages."""
-    prelude = f"import site; site.addsitedir({site!r}); "
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run([python, "-c", prelude + code], cwd=REPO, check=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,7 +121,8 @@ def main() -> int:
     if me["version"].rsplit(".", 1)[0] != them["version"].rsplit(".", 1)[0]:
         ap.error(f"--other {other} is Python {them['version']}, this one {me['version']}: "
                  "the packages here are built for one version; give an interpreter of it")
-    site = sysconfig.get_paths()["purelib"]
+    # The other interpreter reads this environment's packages: only the interpreter differs.
+    prelude = f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r}); "
     print(f"host: {cpu_line()}")
     print(f"this environment: Python {me['version']} {me['real']} ({me['build']})")
     print(f"the other:        Python {them['version']} {them['real']} ({them['build']})"
@@ -148,7 +138,7 @@ def main() -> int:
         runs: dict[str, list[float]] = {mine: [], other: []}
         for i in range(a.repeats):  # alternate which one goes first: caches warm for both
             for python in ((mine, other) if i % 2 == 0 else (other, mine)):
-                runs[python].append(cpu_of(python, code, site))
+                runs[python].append(cpu_of(prelude + code, python))
         this, that = statistics.median(runs[mine]), statistics.median(runs[other])
         ratios.append(this / that)
         print(f"{name:<44} {fmt(this):>12} {fmt(that):>13} {fmt(this / that):>7}")

@@ -97,10 +97,11 @@ EXIT_TARGET = 0.9
 EXPORT_TARGET = 0.95
 
 
-def cpu_of(code: str) -> float:
-    """User + system CPU seconds of one fresh ``python -c CODE`` run from the repository."""
+def cpu_of(code: str, python: str = sys.executable) -> float:
+    """User + system CPU seconds of one fresh ``python -c CODE`` run from the repository
+    (``python``: this interpreter unless another is given)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+    subprocess.run([python, "-c", code], cwd=REPO, check=True)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
