@@ -43,27 +43,36 @@ LONGEST_FIRST = (
     "tests/hpc_core/test_finders.py",
     "tests/agent/finetune/test_finetune.py",
     "tests/agent/jobs/test_yield_to_app.py",
-    "tests/fleet/learn/test_learn.py",
     "tests/agent/jobs/detection/test_detection_job.py",
     "tests/fleet/rollout/test_rollout.py",
     "tests/agent/finetune/test_vit_finetune.py",
 )
 
 # The files that mostly wait (a Ray cluster's start, Slurm's daemons, a broker's or a server's
-# timeouts: under 0.4 CPU-s a second of their wall time). Together they leave the cores idle:
-# at the end of the collection order, beside the security tests (which wait too), the two
-# cores were ~1.2 busy; all started right after the longest files, the three test processes
-# took them up at once and the cores fell to 0.8-1.2 busy for three minutes
-# (``CPU_REPORT_JSON``'s spans). So they are spread among the other files, one every so many,
-# and each waits beside two processes that keep the cores busy; none in the last stretch,
-# which the waiting security tests hold already.
+# timeouts, simulated devices' paced jobs: under 0.35 CPU-s a second of their wall time, the
+# longest first). With three test processes or more, the last runs them and nothing else
+# (tests.support.lanes) beside the CPU-bound files the others run. With fewer, they are spread
+# among the other files, one every so many, so each waits beside processes that keep the cores
+# busy: all started right after the longest files, the processes took them up at once and the
+# cores fell to 0.8-1.2 busy for three minutes (``CPU_REPORT_JSON``'s spans).
 MOSTLY_WAITING = (
     "tests/hpc_core/tune/test_ray.py",
-    "tests/agent/daemon/test_job_faults.py",
+    "tests/fleet/learn/test_learn.py",
     "tests/fleet/rollout/test_controls.py",
+    "tests/agent/daemon/test_job_faults.py",
     "tests/launch/test_slurm.py",
+    "tests/fleet/broker/test_tier.py",
     "tests/security/test_broker_identity.py",
+    "tests/agent/daemon/test_lifecycle.py",
     "tests/security/test_http_framing.py",
+    "tests/agent/daemon/test_events_telemetry.py",
+    "tests/fleet/rollout/test_replicas.py",
+    "tests/fleet/rollout/test_metrics.py",
+    "tests/security/test_forged_identity.py",
+    "tests/registry/test_hardening.py",
+    "tests/agent/daemon/test_broker_auth.py",
+    "tests/registry/test_lifetime.py",
+    "tests/agent/mqtt/test_broker_security.py",
 )
 
 
@@ -82,6 +91,16 @@ def file_order(files: list[str]) -> list[str]:
             k += 1
         order.append(f)
     return order + waiting[k:]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` with a lane of its own for :data:`MOSTLY_WAITING`."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from tests.support.lanes import WaitingLaneScheduling
+
+    return WaitingLaneScheduling(config, log, waiting=MOSTLY_WAITING)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
