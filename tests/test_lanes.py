@@ -35,8 +35,8 @@ def test_{n}():
 '''
 
 
-def _run(tmp_path: Path, processes: int, waiting: int, busy: int, wait_s: float
-         ) -> list[dict[str, object]]:
+def _run(tmp_path: Path, processes: int, waiting: int, busy: int, wait_s: float,
+         busy_s: float = 0.01) -> list[dict[str, object]]:
     suite, out = tmp_path / "suite", tmp_path / "out"
     suite.mkdir()
     out.mkdir()
@@ -46,7 +46,7 @@ def _run(tmp_path: Path, processes: int, waiting: int, busy: int, wait_s: float
             "".join(_TEST.format(n=n, sleep=wait_s, name=f"test_wait{i}.py") for n in range(2)))
     for i in range(busy):
         (suite / f"test_busy{i:02d}.py").write_text(
-            "".join(_TEST.format(n=n, sleep=0.01, name=f"test_busy{i:02d}.py")
+            "".join(_TEST.format(n=n, sleep=busy_s, name=f"test_busy{i:02d}.py")
                     for n in range(2)))
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         "-n", str(processes), "--dist", "loadfile", "--rootdir", str(suite),
@@ -73,6 +73,19 @@ def test_the_last_process_runs_only_the_waiting_files(tmp_path: Path) -> None:
     for r in ran:
         by_file.setdefault(r["file"], set()).add(r["worker"])
     assert all(len(w) == 1 for w in by_file.values()), by_file
+
+
+def test_every_busy_process_keeps_working_after_the_lane_has_stopped(tmp_path: Path) -> None:
+    # One short waiting file: the lane stops at once, long before the 24 busy files (0.3 s
+    # each) are done. The three others share them to the end; none takes the lane's place and
+    # stops after the file it holds.
+    ran = _run(tmp_path, processes=4, waiting=1, busy=24, wait_s=0.01, busy_s=0.15)
+    files: dict[object, set[object]] = {}
+    for r in ran:
+        if str(r["file"]).startswith("test_busy"):
+            files.setdefault(r["worker"], set()).add(r["file"])
+    assert set(files) == {"gw0", "gw1", "gw2"}, files
+    assert all(len(f) >= 5 for f in files.values()), {w: len(f) for w, f in files.items()}
 
 
 def test_the_busy_processes_take_the_waiting_files_left_when_theirs_are_done(

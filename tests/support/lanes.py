@@ -38,10 +38,9 @@ class WaitingLaneScheduling(LoadFileScheduling):
         self.waiting = frozenset(waiting)
 
     def _is_lane(self, node: WorkerController) -> bool:
-        nodes = self.nodes
-        if len(nodes) < MIN_PROCESSES:
-            return False
-        return node is max(nodes, key=lambda n: int(n.gateway.id.removeprefix("gw")))
+        # By the run's process count and the node's name, not by the nodes still up: once the
+        # lane has stopped, the highest CPU-bound process must not become a lane in its turn.
+        return self.numnodes >= MIN_PROCESSES and node.gateway.id == f"gw{self.numnodes - 1}"
 
     def _next_file(self, node: WorkerController) -> str | None:
         """The file ``node`` runs next: the first of its kind in the queue; for a CPU-bound
