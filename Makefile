@@ -19,7 +19,7 @@ NPROC ?= $(shell nproc)
 # a fourth taking files of every kind only contended. Clean-clone runs on 2 cores: 2 -> 1,667 s
 # of tests, 1.57 cores busy; 3 -> 1,544 s, 1.76; 4 -> 1,620 s, 1.79 (more CPU in all:
 # contention). Three of every kind against three + the waiting lane, on a slower host:
-# 1,673 s of tests, 1.75 busy -> 1,538 s, 1.78 (docs/benchmarks/process-start.md).
+# 1.75 -> 1.77-1.78 cores busy (docs/benchmarks/process-start.md).
 TEST_WORKERS ?= 4
 # When make started (read once, as the Makefile is parsed): `make test` reports its wall time
 # from here, set-up included.
