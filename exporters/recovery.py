@@ -60,7 +60,8 @@ class RecoveryResult:
 def recovery_train_config(
     base: TrainConfig, cfg: RecoveryConfig, output_dir: Path, num_train: int
 ) -> TrainConfig:
-    """The job's own data and model spec with a short fine-tune schedule."""
+    """The job's own data and model spec (and the memory order it trained in) with a short
+    fine-tune schedule."""
     tree: dict[str, Any] = {
         "run": {"name": "export-recovery", "output_dir": str(output_dir), "seed": base.run.seed},
         "data": base.data.model_dump(mode="json"),
@@ -76,6 +77,8 @@ def recovery_train_config(
             "max_steps": cfg.steps,
             "device": cfg.device,
             "precision": cfg.precision,
+            # The memory order the model trained in: NHWC where its training found it faster.
+            "channels_last": base.training.channels_last,
         },
         # The fine-tuned weights stay in memory and go straight to export: no checkpoints.
         "checkpoint": {"best_metric": None, "save_final": False},

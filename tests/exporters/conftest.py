@@ -45,14 +45,15 @@ class Trained:
 
 
 def _config(out: Path, model: dict[str, Any], image_size: int | None, epochs: int,
-            lr: float = 0.003, batch: int = 64) -> TrainConfig:
+            lr: float = 0.003, batch: int = 64, channels_last: bool = False) -> TrainConfig:
     return config_from_dict({
         "run": {"name": "exporters-fixture", "output_dir": str(out), "seed": 0},
         "data": {"source": "digits", "image_size": image_size},
         "model": model,
         "optimizer": {"name": "adamw", "lr": lr, "weight_decay": 0.01},
         "schedule": {"warmup_steps": 20, "decay": "cosine"},
-        "training": {"global_batch_size": batch, "epochs": epochs, "device": "cpu"},
+        "training": {"global_batch_size": batch, "epochs": epochs, "device": "cpu",
+                     "channels_last": channels_last},
         "checkpoint": {"best_metric": None},
         "logging": {"progress": "off", "log_every_steps": 50},
         "faults": {"handle_signals": False},
@@ -61,9 +62,9 @@ def _config(out: Path, model: dict[str, Any], image_size: int | None, epochs: in
 
 def _train(
     out: Path, model: dict[str, Any], image_size: int | None, epochs: int, lr: float = 0.003,
-    batch: int = 64,
+    batch: int = 64, channels_last: bool = False,
 ) -> Trained:
-    cfg = _config(out, model, image_size, epochs, lr, batch)
+    cfg = _config(out, model, image_size, epochs, lr, batch, channels_last)
     result = Trainer(cfg).train()
     assert result.checkpoint_dir is not None
     return _trained(cfg, result.checkpoint_dir, result.metrics["eval/acc"])

@@ -65,3 +65,23 @@ def test_recovery_config_is_a_short_quiet_fine_tune(cnn: Any, tmp_path: Path) ->
     assert tc.model == cfg.model and tc.data == cfg.data
     assert tc.optimizer.lr == cfg.optimizer.lr  # by default the checkpoint's own LR
     assert recovery_train_config(cfg, RecoveryConfig(lr=1e-4), tmp_path, 300).optimizer.lr == 1e-4
+
+
+def test_recovery_trains_in_the_memory_order_the_model_trained_in(cnn: Any,
+                                                                   tmp_path: Path) -> None:
+    """A model trained in NHWC (training.channels_last) recovers in NHWC, and the masks hold
+    there too: they are kept through the weights' logical indices, whatever their strides."""
+    _, cfg = load_model(cnn.checkpoint)
+    assert recovery_train_config(cfg, RecoveryConfig(), tmp_path, 300).training.channels_last \
+        is False
+    nhwc = cfg.model_copy(update={"training": cfg.training.model_copy(
+        update={"channels_last": True})})
+    assert recovery_train_config(nhwc, RecoveryConfig(), tmp_path, 300).training.channels_last
+    model = cnn.model()
+    result = prune_model(model, PruneSpec.model_validate("2:4"), torch.zeros(1, *cnn.input_shape))
+    rec = recover(model, result.masks, cnn.splits(), nhwc, RecoveryConfig(steps=6),
+                  tmp_path / "recovery")
+    assert rec.steps == 6
+    convs = [p for p in model.parameters() if p.dim() == 4]
+    assert convs and all(p.is_contiguous(memory_format=torch.channels_last) for p in convs)
+    assert _zeros_kept(model, result.masks)
