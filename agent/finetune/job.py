@@ -30,7 +30,6 @@ from pydantic import (
 
 from agent.finetune.data_source import data_source
 from agent.pacing.app_latency import AppLatencySource
-from agent.spool.index import count_kept
 from hpc_core.config import TrainConfig, config_from_dict
 from registry.model_config import ModelConfig
 
@@ -152,6 +151,10 @@ def too_few_samples(samples: int, what: str, effective_batch: int,
 def spool_too_small(root: Path, effective_batch: int, val_fraction: float) -> str | None:
     """Why the spool at ``root`` cannot feed one optimizer step now (or cannot be read), or
     None: the check when a job is submitted (the fine-tune's snapshot checks again)."""
+    # Here, not at the top: the spool's index imports numpy, and every process that reads a
+    # job spec (the daemon, agentctl, each step's child) imports this module.
+    from agent.spool.index import count_kept
+
     try:
         samples = count_kept(root)
     except OSError as e:
