@@ -1,6 +1,7 @@
 """The processes a device starts most often import neither torch nor numpy until their work
 needs them: the daemon, ``agentctl``'s parser and each step child's module as it starts (a
-test run starts ~1,500 such processes; numpy alone is ~0.05-0.1 CPU-s of each start)."""
+test run starts ~400 of them; numpy and the spool's modules were 0.1-0.25 CPU-s of each start:
+``python benchmarks/process_start.py``, case 8)."""
 
 from __future__ import annotations
 
