@@ -52,7 +52,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from agent.finetune.memory_fits import MemoryFit, largest_micro_batch
+from agent.finetune.memory_fits import MemoryFit, forced_refusal, largest_micro_batch
 from agent.finetune.memory_probes import Probe, probe_config, run_probes
 from hpc_core.config import TrainConfig
 from registry.atomic import write_json_atomic
@@ -92,11 +92,21 @@ class MemoryPlan:
     probes: dict[int, list[float]]
     method: str
     probes_reused: bool = False
+    failed: tuple[int, ...] = ()
+    """Sizes whose probe did not finish (the kernel's OOM killer, say): past the plan's reach
+    even where the line says they fit."""
 
     def line(self) -> MemoryFit:
         """The fitted line this plan was cut from (what a forced micro-batch is judged by)."""
         return MemoryFit(self.base_mb, self.per_sample_mb, self.margin_mb, self.job_process_mb,
                          self.startup_mb)
+
+    def refusal(self, micro: int) -> str | None:
+        """Why a micro-batch forced beside this plan's budget cannot run within it, or None:
+        judged by the line, and never at or past a size whose own probe went over the budget
+        or did not finish."""
+        return forced_refusal(micro, self.budget_mb, self.line(), probes_over(
+            self.probes, self.budget_mb, self.job_process_mb, self.failed, self.startup_mb))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -174,6 +184,7 @@ def fit_plan(
         probes=points,
         method=method,
         probes_reused=probes_reused,
+        failed=tuple(sorted(failed)),
     )
 
 

@@ -53,10 +53,14 @@ def probe_config(cfg: TrainConfig, out: Path, micro: int) -> TrainConfig:
     tree["run"]["output_dir"] = str(out)
     # Two micro-batches per step, as the planned job accumulates: the second backward adds
     # into existing gradients through a transient copy, and a probe without accumulation
-    # peaked 35 MB under the job (a vit at micro-batch 128). Two steps, so the optimizer's
-    # state exists during the second step's backward.
+    # peaked 35 MB under the job (a vit at micro-batch 128). Never more than the job's own
+    # effective batch: the job steps on no more, and its data may hold no more (a probe at
+    # 1,083 of a 1,083 batch asked for 2,166 of 1,707 samples, failed, and a forced
+    # micro-batch went unchecked). Two steps, so the optimizer's state exists during the
+    # second step's backward.
     tree["training"].update(
-        global_batch_size=2 * micro, micro_batch_size=micro, max_steps=2, epochs=None
+        global_batch_size=min(2 * micro, cfg.training.global_batch_size),
+        micro_batch_size=micro, max_steps=2, epochs=None,
     )
     tree["checkpoint"].update(every_steps=None, save_final=False, best_metric=None)
     tree["logging"]["progress"] = "off"

@@ -23,8 +23,8 @@ from typing import Any
 
 from agent.finetune.data_source import data_source
 from agent.finetune.job import FinetuneJob, FinetuneSetup, too_few_samples
-from agent.finetune.memory_fits import fit_key, forced_refusal, record_fit
-from agent.finetune.memory_plan import BudgetTooSmall, MemoryPlan, plan_micro_batch, probes_over
+from agent.finetune.memory_fits import fit_key, record_fit
+from agent.finetune.memory_plan import BudgetTooSmall, MemoryPlan, plan_micro_batch
 from agent.finetune.setup import setup_without_torch
 from agent.jobs.proctree import rss_mb
 from agent.jobs.protocol import (
@@ -143,10 +143,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
         write_json_atomic(ctx.job_dir / SETUP, setup.model_dump(mode="json"))
     if setup is not None and check_forced:  # re-checked on a resume: the probes are cached
         ctx.event("finetune", status="planning", budget_mb=setup.budget_mb)
-        plan = _plan(ctx, setup)
-        why = forced_refusal(ft.micro_batch, ft.budget_mb, plan.line(),
-                             probes_over(plan.probes, ft.budget_mb, plan.job_process_mb,
-                                         startup_mb=plan.startup_mb))
+        why = _plan(ctx, setup).refusal(ft.micro_batch)
         if why is not None:
             raise StepFailed("finetune", why, code="BAD_ARGS")
     if setup is not None and not setup.planned:

@@ -189,6 +189,13 @@ def test_the_plan_is_probed_at_the_size_it_picks(
     monkeypatch.setattr(memory_plan, "run_probes", killed_past_100)
     low = plan_micro_batch(cfg, tmp_path, "all", 10_000.0, cache=tmp_path / "other.json")
     assert low.micro_batch_size <= 100 and low.micro_batch_size in low.probes, low
+    # A micro-batch forced at or past a size whose probe never finished is refused, though
+    # the line says it fits; below it the line judges.
+    assert low.failed and min(low.failed) > 100, low
+    assert low.line().peak_mb(256) + low.margin_mb <= 10_000.0
+    why = low.refusal(256)
+    assert why is not None and "finetune.micro_batch=256 does not fit" in why, why
+    assert low.refusal(low.micro_batch_size) is None
 
 
 def test_a_start_up_peak_above_the_small_probes_does_not_flatten_the_line(

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agent.finetune import memory_probes
-from agent.finetune.memory_probes import Probe, probe_forked, probe_subprocess
+from agent.finetune.memory_probes import Probe, probe_config, probe_forked, probe_subprocess
 from hpc_core.config import TrainConfig, load_config
 from hpc_core.trainer import Trainer
 
@@ -106,3 +106,22 @@ def test_a_thread_list_it_cannot_hand_a_child_probes_each_size_fresh(
     assert memory_probes.run_probes(cfg, start, "all", [4, 16], fork=True) == {
         4: Probe(1.0, 1.0), 16: Probe(1.0, 1.0)}
     assert fresh == [4, 16]
+
+
+def test_a_probe_at_the_whole_effective_batch_steps_on_no_more_than_the_job(
+    job: tuple[TrainConfig, Path]
+) -> None:
+    """A job whose micro-batch is its whole effective batch, past half the data (digits: 1,797
+    samples, 1,707 of them trained on beside a 5 % held-out share): its probe steps on one
+    micro-batch, as the job does. Two of them asked for 2,200 samples and failed, which left a
+    forced micro-batch unchecked (the job then ran 90 MB past its budget)."""
+    cfg, start = job
+    whole = cfg.model_copy(update={
+        "training": cfg.training.model_copy(update={"global_batch_size": 1100}),
+        "data": cfg.data.model_copy(update={"val_fraction": 0.05}),
+        "run": cfg.run.model_copy(update={"output_dir": cfg.run.output_dir.parent / "whole"})})
+    assert probe_config(whole, Path("-"), 1100).training.global_batch_size == 1100
+    assert probe_config(whole, Path("-"), 300).training.global_batch_size == 600  # accumulates
+    assert probe_config(whole, Path("-"), 700).training.global_batch_size == 1100  # 700 + 400
+    found = probe_subprocess(whole, start, "all", 1100)
+    assert found.step_mb > 0 and found.startup_mb > 0, found
