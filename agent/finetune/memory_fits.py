@@ -79,10 +79,13 @@ def forced_refusal(micro: int, budget_mb: float, fit: MemoryFit,
     largest = largest_micro_batch(fit, budget_mb, over)
     if micro <= largest:
         return None
+    past = [m for m in over if m <= micro]
+    probed = (f", but the probe at micro-batch {min(past)} went past the budget or did not "
+              "finish" if past and fit.peak_mb(micro) + fit.margin_mb <= budget_mb else "")
     return (f"finetune.micro_batch={micro} does not fit finetune.budget_mb={budget_mb:.0f}: "
             f"the probes predict a whole-tree peak of ~{fit.peak_mb(micro):.0f} MB "
-            f"(+{fit.margin_mb:.0f} MB noise margin); the largest micro-batch that fits is "
-            f"{largest}: drop micro_batch to let the planner choose, or raise the budget")
+            f"(+{fit.margin_mb:.0f} MB noise margin){probed}; the largest micro-batch that "
+            f"fits is {largest}: drop micro_batch to let the planner choose, or raise the budget")
 
 
 def fit_key(model: str, weights: Path, data: Path, finetune: Mapping[str, Any]) -> str | None:

@@ -195,6 +195,8 @@ def test_the_plan_is_probed_at_the_size_it_picks(
     assert low.line().peak_mb(256) + low.margin_mb <= 10_000.0
     why = low.refusal(256)
     assert why is not None and "finetune.micro_batch=256 does not fit" in why, why
+    assert f"the probe at micro-batch {min(low.failed)} went past the budget or did not " \
+        "finish" in why, why
     assert low.refusal(low.micro_batch_size) is None
 
 
