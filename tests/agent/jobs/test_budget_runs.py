@@ -6,6 +6,7 @@ that the two test processes can share the rest of the device-job tests around it
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from agent.finetune.memory_fits import MemoryFit, largest_micro_batch
 from agent.finetune.setup import gpu_device_nodes
 from agent.jobs.store import JobState, JobStore
 from tests.agent.jobs.conftest import REPO, Device
@@ -193,5 +195,20 @@ def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
         resolve_command_args("finetune", args, settings)
     assert rejected.value.code == "BAD_ARGS"
     assert f"finetune.micro_batch={big} does not fit" in rejected.value.message
+    # At one budget the fit on record holds 128 samples in, the forced size is refused and
+    # 128 passes. That fit is the step's own probes' above, not the 450 MB runs' that sized
+    # `tight`: their probe at ~1,200 samples lies further off the line and can widen the
+    # noise margin by 30 MB and more, past what `tight` left for start-up (refused at 0).
+    fits = json.loads((base.state / "cache" / "memory_fits.json").read_text())
+    entry = max(fits.values(), key=lambda e: e["recorded_at"])
+    fit = MemoryFit(**{k: entry[k] for k in ("base_mb", "per_sample_mb", "margin_mb",
+                                             "job_process_mb", "startup_mb")})
+    holds = math.ceil(fit.peak_mb(128) + fit.margin_mb) + 1
+    assert largest_micro_batch(fit, holds) < big  # the contrast below is about the size
+    args["finetune"] = {**args["finetune"], "budget_mb": holds}
+    with pytest.raises(CommandRejected) as rejected:
+        resolve_command_args("finetune", args, settings)
+    assert f"finetune.micro_batch={big} does not fit finetune.budget_mb={holds}" in (
+        rejected.value.message), rejected.value.message
     args["finetune"] = {**args["finetune"], "micro_batch": 128}
     assert resolve_command_args("finetune", args, settings)["finetune"]["micro_batch"] == 128
