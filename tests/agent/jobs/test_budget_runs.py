@@ -196,9 +196,10 @@ def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
     assert rejected.value.code == "BAD_ARGS"
     assert f"finetune.micro_batch={big} does not fit" in rejected.value.message
     # At one budget the fit on record holds 128 samples in, the forced size is refused and
-    # 128 passes. That fit is the step's own probes' above, not the 450 MB runs' that sized
-    # `tight`: their probe at ~1,200 samples lies further off the line and can widen the
-    # noise margin by 30 MB and more, past what `tight` left for start-up (refused at 0).
+    # 128 passes. The fit on record is the one mbig3's probes left (one at ~1,200 samples),
+    # not the 450 MB runs' that sized `tight`: a probe that far out lies further off the line
+    # and can widen the noise margin by 30 MB and more, past the room `tight` left above the
+    # start-up, so that not one sample fits there.
     fits = json.loads((base.state / "cache" / "memory_fits.json").read_text())
     entry = max(fits.values(), key=lambda e: e["recorded_at"])
     fit = MemoryFit(**{k: entry[k] for k in ("base_mb", "per_sample_mb", "margin_mb",
