@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from agent.finetune.memory_fits import MemoryFit, largest_micro_batch
+from agent.finetune.memory_fits import FITS, largest_micro_batch, recorded_fit
 from agent.finetune.setup import gpu_device_nodes
 from agent.jobs.store import JobState, JobStore
 from tests.agent.jobs.conftest import REPO, Device
@@ -200,10 +200,9 @@ def test_budgets_hold_for_the_whole_tree_and_an_impossible_gate_rolls_back(
     # not the 450 MB runs' that sized `tight`: a probe that far out lies further off the line
     # and can widen the noise margin by 30 MB and more, past the room `tight` left above the
     # start-up, so that not one sample fits there.
-    fits = json.loads((base.state / "cache" / "memory_fits.json").read_text())
-    entry = max(fits.values(), key=lambda e: e["recorded_at"])
-    fit = MemoryFit(**{k: entry[k] for k in ("base_mb", "per_sample_mb", "margin_mb",
-                                             "job_process_mb", "startup_mb")})
+    fits = json.loads((base.state / FITS).read_text())
+    fit = recorded_fit(base.state, max(fits, key=lambda k: fits[k]["recorded_at"]))
+    assert fit is not None, fits
     holds = math.ceil(fit.peak_mb(128) + fit.margin_mb) + 1
     assert largest_micro_batch(fit, holds) < big  # the contrast below is about the size
     args["finetune"] = {**args["finetune"], "budget_mb": holds}
